@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Installs kvq's build and test dependencies from Debian 12 packages.
+# Idempotent: packages already present are skipped; apt runs only when needed.
+set -euo pipefail
+
+PKGS=(
+  build-essential cmake ninja-build pkg-config
+  libhwy-dev libgtest-dev libgmock-dev libbenchmark-dev
+  libcli11-dev nlohmann-json3-dev libeigen3-dev
+  pybind11-dev python3-dev python3-numpy python3-pytest
+  libomp-dev
+)
+# torch is optional for users but CI runs the torch tests: install it when asked.
+if [ "${KVQ_WITH_TORCH:-0}" = "1" ]; then PKGS+=(python3-torch); fi
+
+missing=()
+for p in "${PKGS[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install_deps: all ${#PKGS[@]} packages present"
+  exit 0
+fi
+echo "install_deps: installing ${missing[*]}"
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"

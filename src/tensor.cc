@@ -1,0 +1,160 @@
+#include "kvq/tensor.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <sstream>
+
+#include "kvq/half.h"
+
+namespace kvq {
+
+namespace detail {
+void AssertFail(const char* expr, const char* file, int line) {
+  std::fprintf(stderr, "kvq: internal invariant failed: %s at %s:%d\n", expr,
+               file, line);
+  std::abort();
+}
+}  // namespace detail
+
+size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::F32: return 4;
+    case DType::F16: return 2;
+    case DType::BF16: return 2;
+    case DType::I8: return 1;
+    case DType::U8: return 1;
+    case DType::F8_E4M3: return 1;
+    case DType::F8_E5M2: return 1;
+    case DType::I32: return 4;
+    case DType::I64: return 8;
+  }
+  Fail("dtype: unknown value ", static_cast<int>(t));
+}
+
+const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::F32: return "f32";
+    case DType::F16: return "f16";
+    case DType::BF16: return "bf16";
+    case DType::I8: return "i8";
+    case DType::U8: return "u8";
+    case DType::F8_E4M3: return "f8_e4m3";
+    case DType::F8_E5M2: return "f8_e5m2";
+    case DType::I32: return "i32";
+    case DType::I64: return "i64";
+  }
+  return "unknown";
+}
+
+int64_t shape_numel(const Shape& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    KVQ_CHECK_ARG(d >= 0, "shape: dimensions must be >= 0, got ", shape_str(shape));
+    if (d != 0 && n > std::numeric_limits<int64_t>::max() / d) {
+      Fail("shape: element count overflows int64 for ", shape_str(shape));
+    }
+    n *= d;
+  }
+  return n;
+}
+
+std::string shape_str(const Shape& shape) {
+  std::ostringstream os;
+  os << "(";
+  for (size_t i = 0; i < shape.size(); ++i) os << (i ? ", " : "") << shape[i];
+  if (shape.size() == 1) os << ",";
+  os << ")";
+  return os.str();
+}
+
+TensorView::TensorView(const void* data, Shape shape, DType dtype)
+    : data_(data), shape_(std::move(shape)), dtype_(dtype) {
+  numel_ = shape_numel(shape_);
+  KVQ_CHECK_ARG(data_ != nullptr || numel_ == 0,
+                "TensorView: data is null for a non-empty shape ", shape_str(shape_));
+}
+
+TensorView::TensorView(const Tensor& t)
+    : data_(t.data()), shape_(t.shape()), dtype_(t.dtype()), numel_(t.numel()) {}
+
+void Tensor::FreeDeleter::operator()(void* p) const { std::free(p); }
+
+Tensor::Tensor(Shape shape, DType dtype) : Tensor(std::move(shape), dtype, NoInit{}) {
+  std::memset(data_.get(), 0, nbytes());
+}
+
+Tensor Tensor::Uninitialized(Shape shape, DType dtype) {
+  return Tensor(std::move(shape), dtype, NoInit{});
+}
+
+Tensor::Tensor(Shape shape, DType dtype, NoInit) : shape_(std::move(shape)), dtype_(dtype) {
+  numel_ = shape_numel(shape_);
+  const size_t bytes = static_cast<size_t>(numel_) * dtype_size(dtype_);
+  // 64-byte aligned, size rounded up to the alignment (aligned_alloc rule).
+  const size_t alloc = ((bytes + 63) / 64) * 64 + 64;
+  void* p = std::aligned_alloc(64, alloc);
+  if (p == nullptr) Fail("Tensor: cannot allocate ", bytes, " bytes for ", shape_str(shape_));
+  data_.reset(p);
+}
+
+Tensor Tensor::Copy() const { return FromView(view()); }
+
+Tensor Tensor::FromView(const TensorView& v) {
+  Tensor t = Uninitialized(v.shape(), v.dtype());
+  if (v.nbytes() != 0) std::memcpy(t.data(), v.data(), v.nbytes());
+  return t;
+}
+
+Tensor Tensor::FromF32(std::span<const float> values, Shape shape) {
+  Tensor t(std::move(shape), DType::F32);
+  KVQ_CHECK_ARG(static_cast<size_t>(t.numel()) == values.size(),
+                "Tensor::FromF32: values has ", values.size(),
+                " elements but shape ", shape_str(t.shape()), " needs ", t.numel());
+  if (!values.empty()) std::memcpy(t.data(), values.data(), values.size_bytes());
+  return t;
+}
+
+Tensor to_f32(const TensorView& x) {
+  Tensor out = Tensor::Uninitialized(x.shape(), DType::F32);
+  const size_t n = static_cast<size_t>(x.numel());
+  std::span<float> o(out.data_as<float>(), n);
+  switch (x.dtype()) {
+    case DType::F32:
+      if (n) std::memcpy(o.data(), x.data(), n * sizeof(float));
+      break;
+    case DType::F16:
+      f16_to_f32({x.data_as<uint16_t>(), n}, o);
+      break;
+    case DType::BF16:
+      bf16_to_f32({x.data_as<uint16_t>(), n}, o);
+      break;
+    default:
+      Fail("x: expected dtype f32, f16 or bf16, got ", dtype_name(x.dtype()));
+  }
+  return out;
+}
+
+Tensor from_f32(const TensorView& x, DType to) {
+  KVQ_CHECK_ARG(x.dtype() == DType::F32, "x: expected dtype f32, got ", dtype_name(x.dtype()));
+  Tensor out(x.shape(), to);
+  const size_t n = static_cast<size_t>(x.numel());
+  std::span<const float> in(x.data_as<float>(), n);
+  switch (to) {
+    case DType::F32:
+      if (n) std::memcpy(out.data(), in.data(), n * sizeof(float));
+      break;
+    case DType::F16:
+      f32_to_f16(in, {out.data_as<uint16_t>(), n});
+      break;
+    case DType::BF16:
+      f32_to_bf16(in, {out.data_as<uint16_t>(), n});
+      break;
+    default:
+      Fail("to: expected dtype f32, f16 or bf16, got ", dtype_name(to));
+  }
+  return out;
+}
+
+}  // namespace kvq

@@ -1,0 +1,151 @@
+// Tensor ownership/views and F16/BF16 conversions (scalar reference vs
+// hardware conversions and bulk SIMD on every target).
+#include "kvq/tensor.h"
+
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cmath>
+#include <cstring>
+
+#include "kvq/half.h"
+#include "tests/test_util.h"
+
+namespace kvq {
+namespace {
+
+TEST(Tensor, ShapeDtypeAndAlignment) {
+  Tensor t({2, 3, 4}, DType::F32);
+  EXPECT_EQ(t.numel(), 24);
+  EXPECT_EQ(t.nbytes(), 96u);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(t.data()) % 64, 0u);
+  for (int64_t i = 0; i < t.numel(); ++i) EXPECT_EQ(t.data_as<float>()[i], 0.0f);
+  EXPECT_EQ(shape_str(t.shape()), "(2, 3, 4)");
+  EXPECT_EQ(shape_str({5}), "(5,)");
+}
+
+TEST(Tensor, CopyIsDeepAndViewIsNot) {
+  Tensor a = Tensor::FromF32(std::vector<float>{1, 2, 3, 4}, {2, 2});
+  Tensor b = a.Copy();
+  a.data_as<float>()[0] = 9;
+  EXPECT_EQ(b.data_as<float>()[0], 1);
+  TensorView v = a;
+  EXPECT_EQ(v.data_as<float>()[0], 9);
+  EXPECT_EQ(v.shape(), (Shape{2, 2}));
+}
+
+TEST(Tensor, EmptyAndErrors) {
+  Tensor e({0, 5}, DType::F16);
+  EXPECT_EQ(e.numel(), 0);
+  EXPECT_THROW(Tensor({-1, 2}, DType::F32), Error);
+  EXPECT_THROW(Tensor::FromF32(std::vector<float>{1, 2, 3}, {2, 2}), Error);
+  EXPECT_THROW(TensorView(nullptr, {3}, DType::F32), Error);
+  EXPECT_THROW(Tensor({int64_t{1} << 40, int64_t{1} << 40}, DType::F32), Error);
+  try {
+    Tensor::FromF32(std::vector<float>{1, 2, 3}, {2, 2});
+  } catch (const Error& err) {
+    EXPECT_NE(std::string(err.what()).find("values"), std::string::npos) << err.what();
+  }
+}
+
+// The F16 reference against the compiler's _Float16 conversion (hardware
+// rounding), over every float bit pattern in strides plus edge values.
+TEST(Half, F16ReferenceMatchesCompilerConversion) {
+  auto check = [](float f) {
+    const _Float16 h = static_cast<_Float16>(f);
+    uint16_t hb;
+    std::memcpy(&hb, &h, 2);
+    const uint16_t ref = f32_to_f16_ref(f);
+    if (std::isnan(f)) {
+      ASSERT_EQ(ref & 0x7C00, 0x7C00);
+      ASSERT_NE(ref & 0x3FF, 0);
+      return;
+    }
+    ASSERT_EQ(ref, hb) << "f=" << f << " bits=0x" << std::hex << std::bit_cast<uint32_t>(f);
+  };
+  for (uint64_t b = 0; b <= 0xFFFFFFFFull; b += 997) check(std::bit_cast<float>(static_cast<uint32_t>(b)));
+  for (float f : {65504.0f, 65519.996f, 65520.0f, 0x1p-24f, 0x1p-25f, 0x1.8p-25f, 0x1p-14f, 0x1.ffcp-15f})
+    for (float s : {1.0f, -1.0f}) check(s * f);
+  for (uint32_t h = 0; h < 65536; ++h) {
+    const float f = f16_to_f32_ref(static_cast<uint16_t>(h));
+    _Float16 hh;
+    const uint16_t h16 = static_cast<uint16_t>(h);
+    std::memcpy(&hh, &h16, 2);
+    const float want = static_cast<float>(hh);
+    if (std::isnan(want)) {
+      EXPECT_TRUE(std::isnan(f));
+    } else {
+      ASSERT_EQ(std::bit_cast<uint32_t>(f), std::bit_cast<uint32_t>(want)) << h;
+    }
+  }
+}
+
+TEST(Half, BF16ReferenceRoundsToNearestEven) {
+  EXPECT_EQ(f32_to_bf16_ref(1.0f), 0x3F80);
+  EXPECT_EQ(f32_to_bf16_ref(std::bit_cast<float>(0x3F808000u)), 0x3F80);  // tie -> even
+  EXPECT_EQ(f32_to_bf16_ref(std::bit_cast<float>(0x3F818000u)), 0x3F82);  // tie -> even (up)
+  EXPECT_EQ(f32_to_bf16_ref(std::bit_cast<float>(0x3F808001u)), 0x3F81);
+  EXPECT_EQ(f32_to_bf16_ref(std::bit_cast<float>(0x7F7FFFFFu)), 0x7F80);  // overflow -> inf
+  EXPECT_EQ(f32_to_bf16_ref(-INFINITY), 0xFF80);
+  EXPECT_TRUE(std::isnan(bf16_to_f32_ref(f32_to_bf16_ref(std::bit_cast<float>(0x7F800001u)))));
+  EXPECT_EQ(bf16_to_f32_ref(0x3F80), 1.0f);
+}
+
+TEST(Half, BulkMatchesReferenceOnEveryTarget) {
+  test::Rng rng(3);
+  std::vector<float> f(2048 + 8);
+  for (size_t i = 0; i < f.size(); ++i) {
+    f[i] = (i % 3 == 0) ? rng.Bits32Float() : static_cast<float>(rng.Gaussian() * ((i % 3 == 1) ? 1e-5 : 1e4));
+  }
+  std::vector<uint16_t> h(f.size());
+  for (size_t i = 0; i < h.size(); ++i) h[i] = static_cast<uint16_t>(rng.Next());
+  test::ForEachTarget([&](const char*) {
+    for (size_t len : {0, 1, 7, 8, 9, 15, 16, 17, 33, 100, 2048}) {
+      for (size_t off : {0, 1}) {
+        std::vector<uint16_t> o16(len + 1, 0xBEEF);
+        f32_to_f16({f.data() + off, len}, {o16.data(), len});
+        for (size_t i = 0; i < len; ++i) {
+          const uint16_t want = f32_to_f16_ref(f[off + i]);
+          if ((want & 0x7C00) == 0x7C00 && (want & 0x3FF)) {
+            ASSERT_TRUE((o16[i] & 0x7C00) == 0x7C00 && (o16[i] & 0x3FF));  // NaN stays NaN
+          } else {
+            ASSERT_EQ(o16[i], want) << "f16 i=" << i << " f=" << f[off + i];
+          }
+        }
+        ASSERT_EQ(o16[len], 0xBEEF);
+        f32_to_bf16({f.data() + off, len}, {o16.data(), len});
+        for (size_t i = 0; i < len; ++i) ASSERT_EQ(o16[i], f32_to_bf16_ref(f[off + i])) << "bf16 i=" << i;
+        ASSERT_EQ(o16[len], 0xBEEF);
+        std::vector<float> o32(len + 1, -7.0f);
+        f16_to_f32({h.data() + off, len}, {o32.data(), len});
+        for (size_t i = 0; i < len; ++i) {
+          const float want = f16_to_f32_ref(h[off + i]);
+          if (std::isnan(want)) {
+            ASSERT_TRUE(std::isnan(o32[i]));
+          } else {
+            ASSERT_EQ(std::bit_cast<uint32_t>(o32[i]), std::bit_cast<uint32_t>(want));
+          }
+        }
+        ASSERT_EQ(o32[len], -7.0f);
+        bf16_to_f32({h.data() + off, len}, {o32.data(), len});
+        for (size_t i = 0; i < len; ++i)
+          ASSERT_EQ(std::bit_cast<uint32_t>(o32[i]), std::bit_cast<uint32_t>(bf16_to_f32_ref(h[off + i])));
+      }
+    }
+  });
+}
+
+TEST(Tensor, ToAndFromF32) {
+  Tensor a = Tensor::FromF32(std::vector<float>{1.0f, -2.5f, 3.0e-3f}, {3});
+  Tensor h = from_f32(a, DType::F16);
+  EXPECT_EQ(h.dtype(), DType::F16);
+  Tensor back = to_f32(h);
+  EXPECT_EQ(back.data_as<float>()[1], -2.5f);
+  EXPECT_NEAR(back.data_as<float>()[2], 3.0e-3f, 3.0e-3f * 1e-3);
+  Tensor i8({3}, DType::I8);
+  EXPECT_THROW(to_f32(i8), Error);
+  EXPECT_THROW(from_f32(a, DType::I8), Error);
+}
+
+}  // namespace
+}  // namespace kvq

@@ -1,0 +1,30 @@
+// The `kvq` command-line program.
+#include <cstdio>
+#include <exception>
+
+#include "CLI/CLI.hpp"
+#include "kvq/error.h"
+#include "tools/commands.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"kvq: KV-cache quantization for transformer inference"};
+  app.require_subcommand(1);
+  kvq::tools::DemoOptions demo;
+  kvq::tools::AddDemoCommand(app, demo);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);
+    return rc == 0 ? 0 : 2;
+  }
+  try {
+    if (app.got_subcommand("demo")) return kvq::tools::RunDemo(demo);
+  } catch (const kvq::Error& e) {
+    std::fprintf(stderr, "kvq: error: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kvq: internal error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
