@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 preset=${1:-release}
-KVQ_WITH_TORCH=${KVQ_WITH_TORCH:-1} bash scripts/build.sh "$preset"
+bash scripts/build.sh "$preset"
 ctest --preset "$preset" -j "$(nproc)"

@@ -6,6 +6,8 @@
 #include <cstring>
 #include <limits>
 
+#include <omp.h>
+
 #include "kvq/fp8.h"
 
 #undef HWY_TARGET_INCLUDE
@@ -33,7 +35,7 @@ int32_t MaxAbsBits(const float* HWY_RESTRICT x, size_t n) {
   const size_t N = hn::Lanes(di);
   const int64_t chunks = static_cast<int64_t>((n + KVQ_AFFINE_CHUNK - 1) / KVQ_AFFINE_CHUNK);
   int32_t result = 0;
-#pragma omp parallel for schedule(static) reduction(max : result) if (chunks > 1)
+#pragma omp parallel for schedule(static) reduction(max : result) if (chunks > 1 && !omp_in_parallel())
   for (int64_t c = 0; c < chunks; ++c) {
     const size_t begin = static_cast<size_t>(c) * KVQ_AFFINE_CHUNK;
     const size_t end = std::min(n, begin + KVQ_AFFINE_CHUNK);
@@ -83,7 +85,7 @@ void QuantizeInt8(const float* HWY_RESTRICT x, size_t n, float scale, int8_t* HW
   // takes the division path (inv = NaN makes the fast-path check fail).
   const float inv = 1.0f / scale;
   const float inv_ok = std::isfinite(inv) ? inv : std::numeric_limits<float>::quiet_NaN();
-#pragma omp parallel for schedule(static) if (chunks > 1)
+#pragma omp parallel for schedule(static) if (chunks > 1 && !omp_in_parallel())
   for (int64_t c = 0; c < chunks; ++c) {
     const size_t begin = static_cast<size_t>(c) * KVQ_AFFINE_CHUNK;
     const size_t end = std::min(n, begin + KVQ_AFFINE_CHUNK);
@@ -118,7 +120,7 @@ void DequantizeInt8(const int8_t* HWY_RESTRICT codes, size_t n, float scale, flo
   const size_t N = hn::Lanes(d);
   const bool aligned = (reinterpret_cast<uintptr_t>(out) % (N * sizeof(float))) == 0;
   const int64_t chunks = static_cast<int64_t>((n + KVQ_AFFINE_CHUNK - 1) / KVQ_AFFINE_CHUNK);
-#pragma omp parallel for schedule(static) if (chunks > 1)
+#pragma omp parallel for schedule(static) if (chunks > 1 && !omp_in_parallel())
   for (int64_t c = 0; c < chunks; ++c) {
     const size_t begin = static_cast<size_t>(c) * KVQ_AFFINE_CHUNK;
     const size_t end = std::min(n, begin + KVQ_AFFINE_CHUNK);
@@ -149,7 +151,7 @@ bool QuantizeFp8(const float* HWY_RESTRICT x, size_t n, uint8_t* HWY_RESTRICT co
   const size_t N = hn::Lanes(d);
   const int64_t chunks = static_cast<int64_t>((n + KVQ_AFFINE_CHUNK - 1) / KVQ_AFFINE_CHUNK);
   int32_t max_bits = 0;
-#pragma omp parallel for schedule(static) reduction(max : max_bits) if (chunks > 1)
+#pragma omp parallel for schedule(static) reduction(max : max_bits) if (chunks > 1 && !omp_in_parallel())
   for (int64_t c = 0; c < chunks; ++c) {
     const size_t begin = static_cast<size_t>(c) * KVQ_AFFINE_CHUNK;
     const size_t end = std::min(n, begin + KVQ_AFFINE_CHUNK);
@@ -185,7 +187,7 @@ void DequantizeFp8(const uint8_t* HWY_RESTRICT codes, size_t n, float scale, flo
   const bool aligned = (reinterpret_cast<uintptr_t>(out) % (N * sizeof(float))) == 0;
   const int64_t chunks = static_cast<int64_t>((n + KVQ_AFFINE_CHUNK - 1) / KVQ_AFFINE_CHUNK);
   const bool unit = scale == 1.0f;
-#pragma omp parallel for schedule(static) if (chunks > 1)
+#pragma omp parallel for schedule(static) if (chunks > 1 && !omp_in_parallel())
   for (int64_t c = 0; c < chunks; ++c) {
     const size_t begin = static_cast<size_t>(c) * KVQ_AFFINE_CHUNK;
     const size_t end = std::min(n, begin + KVQ_AFFINE_CHUNK);

@@ -2,6 +2,7 @@
 // 0 success, 2 bad input (a kvq::Error), 1 anything else.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 namespace CLI {
@@ -18,5 +19,24 @@ struct DemoOptions {
 };
 void AddDemoCommand(CLI::App& app, DemoOptions& opts);
 int RunDemo(const DemoOptions& opts);
+
+struct EvalCliOptions {
+  std::string model, tokenizer, text, kv = "all", json;
+  int ctx = 0, max_windows = 0, threads = 0;
+};
+void AddEvalCommand(CLI::App& app, EvalCliOptions& opts);
+int RunEval(const EvalCliOptions& opts);
+
+struct GenerateOptions {
+  std::string model, tokenizer, prompt, kv = "fp32";
+  double temperature = 0.0;
+  uint64_t seed = 0;
+  int steps = 256;
+};
+void AddGenerateCommand(CLI::App& app, GenerateOptions& opts);
+int RunGenerate(const GenerateOptions& opts);
+
+// $KVQ_SHARED, default ../shared.
+std::string SharedDir();
 
 }  // namespace kvq::tools

@@ -1,6 +1,7 @@
 // The `kvq` command-line program.
 #include <cstdio>
 #include <exception>
+#include <filesystem>
 
 #include "CLI/CLI.hpp"
 #include "kvq/error.h"
@@ -11,6 +12,10 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   kvq::tools::DemoOptions demo;
   kvq::tools::AddDemoCommand(app, demo);
+  kvq::tools::EvalCliOptions eval;
+  kvq::tools::AddEvalCommand(app, eval);
+  kvq::tools::GenerateOptions gen;
+  kvq::tools::AddGenerateCommand(app, gen);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -19,7 +24,12 @@ int main(int argc, char** argv) {
   }
   try {
     if (app.got_subcommand("demo")) return kvq::tools::RunDemo(demo);
+    if (app.got_subcommand("eval")) return kvq::tools::RunEval(eval);
+    if (app.got_subcommand("generate")) return kvq::tools::RunGenerate(gen);
   } catch (const kvq::Error& e) {
+    std::fprintf(stderr, "kvq: error: %s\n", e.what());
+    return 2;
+  } catch (const std::filesystem::filesystem_error& e) {
     std::fprintf(stderr, "kvq: error: %s\n", e.what());
     return 2;
   } catch (const std::exception& e) {

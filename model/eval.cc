@@ -1,0 +1,205 @@
+#include "model/eval.h"
+
+#include <omp.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "kvq/error.h"
+
+namespace kvq::model {
+
+std::vector<int> tokenize_stories(const Tokenizer& tok, const std::string& text) {
+  static const std::string kSep = "<|endoftext|>";
+  std::vector<int> out;
+  size_t start = 0;
+  int stories = 0;
+  while (start <= text.size()) {
+    size_t end = text.find(kSep, start);
+    if (end == std::string::npos) end = text.size();
+    std::string story = text.substr(start, end - start);
+    const size_t a = story.find_first_not_of(" \t\r\n\f\v");
+    const size_t b = story.find_last_not_of(" \t\r\n\f\v");
+    if (a != std::string::npos) {
+      story = story.substr(a, b - a + 1);
+      const std::vector<int> ids = tok.encode(story, /*bos=*/true);
+      out.insert(out.end(), ids.begin(), ids.end());
+      ++stories;
+    }
+    start = end + kSep.size();
+  }
+  KVQ_CHECK_ARG(stories > 0, "text: no stories found (expected text separated by <|endoftext|>)");
+  return out;
+}
+
+namespace {
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) Fail("text '", path, "': cannot open");
+  std::ostringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+// log_softmax of one logits row into out (double precision accumulation).
+void LogSoftmax(const float* logits, int n, float* out) {
+  float m = logits[0];
+  for (int i = 1; i < n; ++i) m = std::max(m, logits[i]);
+  double s = 0;
+  for (int i = 0; i < n; ++i) s += std::exp(static_cast<double>(logits[i]) - m);
+  const double lse = m + std::log(s);
+  for (int i = 0; i < n; ++i) out[i] = static_cast<float>(static_cast<double>(logits[i]) - lse);
+}
+
+int Argmax(const float* x, int n) {
+  return static_cast<int>(std::max_element(x, x + n) - x);
+}
+
+}  // namespace
+
+EvalReport run_eval(const EvalOptions& o) {
+  Checkpoint ckpt(o.model_path);
+  const Config& cfg = ckpt.config();
+  Tokenizer tok(o.tokenizer_path, cfg.vocab_size);
+  const int ctx = o.ctx == 0 ? cfg.seq_len : o.ctx;
+  KVQ_CHECK_ARG(ctx >= 1 && ctx <= cfg.seq_len, "ctx: expected 1..", cfg.seq_len, " (the model's seq_len), got ", ctx);
+  KVQ_CHECK_ARG(o.max_windows >= 0, "max_windows: expected >= 0, got ", o.max_windows);
+  KVQ_CHECK_ARG(o.threads >= 0, "threads: expected >= 0, got ", o.threads);
+  KVQ_CHECK_ARG(!o.schemes.empty(), "kv: expected at least one scheme");
+  const std::vector<int> stream = tokenize_stories(tok, ReadFile(o.text_path));
+  int windows = static_cast<int>(stream.size() / static_cast<size_t>(ctx + 1));
+  KVQ_CHECK_ARG(windows > 0, "text: ", stream.size(), " tokens, fewer than one window of ctx + 1 = ", ctx + 1);
+  if (o.max_windows > 0) windows = std::min(windows, o.max_windows);
+  const int threads = o.threads > 0 ? o.threads : omp_get_max_threads();
+
+  std::vector<KvScheme> order = {KvScheme::Fp32};
+  for (KvScheme s : o.schemes) {
+    if (s != KvScheme::Fp32) order.push_back(s);
+  }
+  const int V = cfg.vocab_size;
+  const size_t per_window = static_cast<size_t>(ctx) * static_cast<size_t>(V);
+  std::vector<float> ref_logp(per_window * static_cast<size_t>(windows));
+  std::vector<int> ref_top(static_cast<size_t>(ctx) * static_cast<size_t>(windows));
+
+  EvalReport rep;
+  rep.model_path = o.model_path;
+  rep.text_path = o.text_path;
+  rep.config = cfg;
+  rep.ctx = ctx;
+  rep.windows = windows;
+  rep.tokens = static_cast<int64_t>(windows) * ctx;
+  rep.threads = threads;
+  const bool tty = o.progress && isatty(2);
+
+  for (KvScheme scheme : order) {
+    const bool is_ref = scheme == KvScheme::Fp32;
+    std::vector<WindowStats> stats(static_cast<size_t>(windows));
+    int done = 0;
+    const auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(threads)
+    {
+      Transformer tf(ckpt, scheme, ctx);
+      std::vector<float> logp(static_cast<size_t>(V));
+#pragma omp for schedule(dynamic, 1)
+      for (int w = 0; w < windows; ++w) {
+        const int* win = stream.data() + static_cast<size_t>(w) * static_cast<size_t>(ctx + 1);
+        const std::span<const float> logits = tf.forward_window({win, static_cast<size_t>(ctx)});
+        WindowStats& st = stats[static_cast<size_t>(w)];
+        for (int t = 0; t < ctx; ++t) {
+          const float* lg = logits.data() + static_cast<size_t>(t) * static_cast<size_t>(V);
+          const size_t at = static_cast<size_t>(w) * per_window + static_cast<size_t>(t) * static_cast<size_t>(V);
+          const size_t ti = static_cast<size_t>(w) * static_cast<size_t>(ctx) + static_cast<size_t>(t);
+          const int target = win[t + 1];
+          if (is_ref) {
+            LogSoftmax(lg, V, ref_logp.data() + at);
+            ref_top[ti] = Argmax(lg, V);
+            st.nll -= ref_logp[at + static_cast<size_t>(target)];
+            st.top1 += 1;
+            continue;
+          }
+          LogSoftmax(lg, V, logp.data());
+          st.nll -= logp[static_cast<size_t>(target)];
+          double kl = 0;
+          const float* rp = ref_logp.data() + at;
+          for (int i = 0; i < V; ++i) {
+            kl += std::exp(static_cast<double>(rp[i])) * (static_cast<double>(rp[i]) - logp[static_cast<size_t>(i)]);
+          }
+          kl = std::max(kl, 0.0);
+          st.kld += kl;
+          st.kld_max = std::max(st.kld_max, kl);
+          st.top1 += Argmax(lg, V) == ref_top[ti];
+        }
+        if (tty) {
+#pragma omp critical(kvq_progress)
+          {
+            ++done;
+            std::fprintf(stderr, "\r[kvq eval] %-16s window %d/%d", kv_scheme_name(scheme), done, windows);
+            std::fflush(stderr);
+          }
+        }
+      }
+    }
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    SchemeResult r;
+    r.scheme = scheme;
+    const KvRowCodec codec(scheme, cfg.kv_dim(), cfg.head_size());
+    r.bits_per_element = codec.bits_per_element();
+    r.kv_bytes = 2ull * codec.row_bytes() * static_cast<uint64_t>(cfg.n_layers) * static_cast<uint64_t>(ctx);
+    double nll = 0, kld = 0;
+    int64_t top1 = 0;
+    for (const WindowStats& st : stats) {  // fixed order: thread count does not change sums
+      nll += st.nll;
+      kld += st.kld;
+      top1 += st.top1;
+      r.kld_max = std::max(r.kld_max, st.kld_max);
+    }
+    const double n = static_cast<double>(rep.tokens);
+    r.mean_nll = nll / n;
+    r.ppl = std::exp(r.mean_nll);
+    r.kld_mean = kld / n;
+    r.top1_pct = 100.0 * static_cast<double>(top1) / n;
+    r.tokens_per_s = n / secs;
+    rep.results.push_back(r);
+  }
+  if (tty) std::fprintf(stderr, "\r%60s\r", "");
+  const double ref_ppl = rep.results.front().ppl;
+  for (SchemeResult& r : rep.results) {
+    r.delta_ppl = r.ppl - ref_ppl;
+    r.delta_ppl_pct = 100.0 * r.delta_ppl / ref_ppl;
+  }
+  return rep;
+}
+
+std::string format_report(const EvalReport& r) {
+  std::ostringstream os;
+  char buf[512];
+  const Config& c = r.config;
+  std::snprintf(buf, sizeof buf,
+                "model: %s (dim %d, layers %d, heads %d, kv_heads %d, head_size %d, vocab %d)\n"
+                "text: %s: %lld predicted tokens, %d windows of ctx %d (+1), %d threads\n",
+                r.model_path.c_str(), c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.head_size(), c.vocab_size,
+                r.text_path.c_str(), static_cast<long long>(r.tokens), r.windows, r.ctx, r.threads);
+  os << buf;
+  std::snprintf(buf, sizeof buf, "| %-15s | %6s | %10s | %8s | %9s | %8s | %9s | %8s | %7s | %9s |\n", "scheme",
+                "bits", "KV bytes", "PPL", "dPPL", "dPPL %", "KLD mean", "KLD max", "top-1 %", "tok/s");
+  os << buf;
+  os << "|-----------------|--------|------------|----------|-----------|----------|-----------|----------|---------|-----------|\n";
+  for (const SchemeResult& s : r.results) {
+    std::snprintf(buf, sizeof buf,
+                  "| %-15s | %6.3f | %10llu | %8.5f | %+9.5f | %+7.3f%% | %9.3e | %8.2e | %7.3f | %9.0f |\n",
+                  kv_scheme_name(s.scheme), s.bits_per_element, static_cast<unsigned long long>(s.kv_bytes), s.ppl,
+                  s.delta_ppl, s.delta_ppl_pct, s.kld_mean, s.kld_max, s.top1_pct, s.tokens_per_s);
+    os << buf;
+  }
+  std::snprintf(buf, sizeof buf, "fp32 mean loss (NLL/token): %.4f\n", r.results.front().mean_nll);
+  os << buf;
+  return os.str();
+}
+
+}  // namespace kvq::model

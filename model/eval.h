@@ -1,0 +1,56 @@
+// The perplexity receipt (SPEC §7): llama2.c's validation protocol run with
+// the K/V cache stored in each scheme, compared with fp32.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kvq/kv_scheme.h"
+#include "model/llama2.h"
+
+namespace kvq::model {
+
+// Splits on "<|endoftext|>", strips each story, skips empty ones, encodes
+// each as [BOS] + tokens and concatenates. Throws kvq::Error when no story.
+std::vector<int> tokenize_stories(const Tokenizer& tok, const std::string& text);
+
+struct EvalOptions {
+  std::string model_path, tokenizer_path, text_path;
+  std::vector<KvScheme> schemes;  // fp32 is always computed as the reference
+  int ctx = 0;                    // 0: the model's seq_len
+  int max_windows = 0;            // 0: all full windows
+  int threads = 0;                // 0: OpenMP default
+  bool progress = false;          // progress line on stderr
+};
+
+struct SchemeResult {
+  KvScheme scheme;
+  double bits_per_element = 0;
+  uint64_t kv_bytes = 0;  // K and V of all layers for ctx tokens
+  double mean_nll = 0, ppl = 0, delta_ppl = 0, delta_ppl_pct = 0;
+  double kld_mean = 0, kld_max = 0, top1_pct = 0, tokens_per_s = 0;
+};
+
+struct EvalReport {
+  std::string model_path, text_path;
+  Config config;
+  int ctx = 0;
+  int windows = 0;
+  int64_t tokens = 0;  // predicted positions = windows * ctx
+  int threads = 1;
+  std::vector<SchemeResult> results;  // fp32 first, then the requested order
+};
+
+EvalReport run_eval(const EvalOptions& opts);
+// A table in the style of llama.cpp's perplexity tool.
+std::string format_report(const EvalReport& r);
+
+// Per-window logits of `scheme` over `tokens` (window of ctx+1 tokens:
+// inputs tokens[0..ctx), targets tokens[1..ctx]); exposed for tests.
+struct WindowStats {
+  double nll = 0, kld = 0, kld_max = 0;
+  int64_t top1 = 0;
+};
+
+}  // namespace kvq::model

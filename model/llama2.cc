@@ -1,0 +1,397 @@
+#include "model/llama2.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "kvq/error.h"
+
+namespace kvq::model {
+
+// ---- MappedFile -----------------------------------------------------------
+
+MappedFile::MappedFile(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd < 0) Fail("file '", path, "': cannot open (", std::strerror(errno), ")");
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    Fail("file '", path, "': not a regular file");
+  }
+  size_ = static_cast<size_t>(st.st_size);
+  if (size_ > 0) {
+    void* p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (p == MAP_FAILED) {
+      ::close(fd);
+      Fail("file '", path, "': mmap failed (", std::strerror(errno), ")");
+    }
+    data_ = static_cast<const uint8_t*>(p);
+  }
+  ::close(fd);
+}
+
+MappedFile::~MappedFile() {
+  if (data_ != nullptr) ::munmap(const_cast<uint8_t*>(data_), size_);
+}
+
+// ---- Checkpoint -----------------------------------------------------------
+
+Checkpoint::Checkpoint(const std::string& path) : file_(path) {
+  constexpr size_t kHeader = 7 * sizeof(int32_t);
+  if (file_.size() < kHeader) {
+    Fail("model '", path, "': file is ", file_.size(), " bytes, shorter than the 28-byte llama2.c header");
+  }
+  int32_t h[7];
+  std::memcpy(h, file_.data(), kHeader);
+  Config& c = config_;
+  c.dim = h[0];
+  c.hidden_dim = h[1];
+  c.n_layers = h[2];
+  c.n_heads = h[3];
+  c.n_kv_heads = h[4];
+  c.shared_classifier = h[5] > 0;
+  c.vocab_size = h[5] == std::numeric_limits<int32_t>::min() ? 0 : std::abs(h[5]);
+  c.seq_len = h[6];
+  auto in_range = [](int v, int hi) { return v > 0 && v <= hi; };
+  if (!in_range(c.dim, 1 << 16) || !in_range(c.hidden_dim, 1 << 18) || !in_range(c.n_layers, 1024) ||
+      !in_range(c.n_heads, 1024) || !in_range(c.n_kv_heads, 1024) || !in_range(c.vocab_size, 1 << 20) ||
+      !in_range(c.seq_len, 1 << 20)) {
+    Fail("model '", path, "': implausible header (dim ", c.dim, ", hidden_dim ", c.hidden_dim, ", n_layers ",
+         c.n_layers, ", n_heads ", c.n_heads, ", n_kv_heads ", c.n_kv_heads, ", vocab_size ", h[5], ", seq_len ",
+         c.seq_len, "); not a llama2.c checkpoint?");
+  }
+  if (c.dim % c.n_heads != 0 || c.n_heads % c.n_kv_heads != 0 || c.head_size() % 2 != 0) {
+    Fail("model '", path, "': inconsistent header: dim ", c.dim, " must be a multiple of n_heads ", c.n_heads,
+         ", n_heads a multiple of n_kv_heads ", c.n_kv_heads, ", and the head size even");
+  }
+  const uint64_t dim = static_cast<uint64_t>(c.dim), hid = static_cast<uint64_t>(c.hidden_dim),
+                 L = static_cast<uint64_t>(c.n_layers), vocab = static_cast<uint64_t>(c.vocab_size),
+                 kv = static_cast<uint64_t>(c.kv_dim()), hs = static_cast<uint64_t>(c.head_size()),
+                 seq = static_cast<uint64_t>(c.seq_len);
+  const uint64_t floats = vocab * dim + L * dim + L * dim * dim + 2 * L * kv * dim + L * dim * dim + L * dim +
+                          3 * L * hid * dim + dim + seq * hs + (c.shared_classifier ? 0 : vocab * dim);
+  const uint64_t expected = kHeader + floats * sizeof(float);
+  if (file_.size() != expected) {
+    Fail("model '", path, "': file is ", file_.size(), " bytes but its header (dim ", c.dim, ", hidden_dim ",
+         c.hidden_dim, ", n_layers ", c.n_layers, ", n_heads ", c.n_heads, ", n_kv_heads ", c.n_kv_heads,
+         ", vocab_size ", h[5], ", seq_len ", c.seq_len, ") implies ", expected,
+         " bytes; truncated or inconsistent file");
+  }
+  // The float data starts at byte 28: copying is avoided, and float loads
+  // from a 4-byte-aligned address are fine on every target we build for.
+  const float* p = reinterpret_cast<const float*>(file_.data() + kHeader);
+  Weights& w = weights_;
+  w.token_embedding = p; p += vocab * dim;
+  w.rms_att = p; p += L * dim;
+  w.wq = p; p += L * dim * dim;
+  w.wk = p; p += L * kv * dim;
+  w.wv = p; p += L * kv * dim;
+  w.wo = p; p += L * dim * dim;
+  w.rms_ffn = p; p += L * dim;
+  w.w1 = p; p += L * hid * dim;
+  w.w2 = p; p += L * dim * hid;
+  w.w3 = p; p += L * hid * dim;
+  w.rms_final = p; p += dim;
+  p += seq * hs;  // two unused RoPE tables of seq_len * hs / 2 floats
+  w.wcls = c.shared_classifier ? w.token_embedding : p;
+}
+
+// ---- Tokenizer ------------------------------------------------------------
+
+Tokenizer::Tokenizer(const std::string& path, int vocab_size) {
+  KVQ_CHECK_ARG(vocab_size > 0, "vocab_size: expected > 0, got ", vocab_size);
+  MappedFile f(path);
+  size_t off = 0;
+  auto read = [&](void* dst, size_t n, const char* what) {
+    if (off + n > f.size()) {
+      Fail("tokenizer '", path, "': truncated while reading ", what, " at byte ", off, " (file is ", f.size(),
+           " bytes, expected ", vocab_size, " entries)");
+    }
+    std::memcpy(dst, f.data() + off, n);
+    off += n;
+  };
+  int32_t max_len = 0;
+  read(&max_len, 4, "max_token_length");
+  KVQ_CHECK_ARG(max_len > 0 && max_len < (1 << 16), "tokenizer '", path, "': implausible max_token_length ", max_len);
+  pieces_.resize(static_cast<size_t>(vocab_size));
+  scores_.resize(static_cast<size_t>(vocab_size));
+  for (int i = 0; i < vocab_size; ++i) {
+    int32_t len = 0;
+    read(&scores_[static_cast<size_t>(i)], 4, "a score");
+    read(&len, 4, "a piece length");
+    if (len < 0 || len > max_len) {
+      Fail("tokenizer '", path, "': piece ", i, " has length ", len, ", expected 0..", max_len);
+    }
+    pieces_[static_cast<size_t>(i)].resize(static_cast<size_t>(len));
+    read(pieces_[static_cast<size_t>(i)].data(), static_cast<size_t>(len), "piece bytes");
+  }
+  if (off != f.size()) {
+    Fail("tokenizer '", path, "': ", f.size() - off, " trailing bytes after ", vocab_size,
+         " entries; vocab size mismatch with the model?");
+  }
+  for (int i = 0; i < vocab_size; ++i) sorted_.emplace_back(pieces_[static_cast<size_t>(i)], i);
+  std::sort(sorted_.begin(), sorted_.end());
+}
+
+int Tokenizer::lookup(const std::string& s) const {
+  auto it = std::lower_bound(sorted_.begin(), sorted_.end(), std::make_pair(s, -1));
+  return (it != sorted_.end() && it->first == s) ? it->second : -1;
+}
+
+std::vector<int> Tokenizer::encode(const std::string& text, bool bos) const {
+  std::vector<int> ids;
+  if (bos) ids.push_back(kBos);
+  if (!text.empty()) {
+    const int sp = lookup(" ");
+    if (sp >= 0) ids.push_back(sp);
+  }
+  // Code points (a lead byte plus up to 3 continuation bytes) to pieces.
+  for (size_t i = 0; i < text.size();) {
+    size_t j = i + 1;
+    while (j < text.size() && j - i < 4 && (static_cast<unsigned char>(text[j]) & 0xC0) == 0x80) ++j;
+    const std::string cp = text.substr(i, j - i);
+    const int id = lookup(cp);
+    if (id >= 0) {
+      ids.push_back(id);
+    } else {
+      for (unsigned char b : cp) ids.push_back(static_cast<int>(b) + 3);  // <0xNN> byte fallback
+    }
+    i = j;
+  }
+  // Merge the leftmost best-scoring adjacent pair until none merges. Pair
+  // merge results are cached per position and refreshed around each merge.
+  const size_t first = bos ? 1 : 0;
+  auto pair_id = [&](size_t a) { return lookup(pieces_[static_cast<size_t>(ids[a])] + pieces_[static_cast<size_t>(ids[a + 1])]); };
+  std::vector<int> merged(ids.size(), -1);
+  for (size_t a = first; a + 1 < ids.size(); ++a) merged[a] = pair_id(a);
+  while (true) {
+    float best = -1e10f;
+    int best_id = -1;
+    size_t best_at = 0;
+    for (size_t a = first; a + 1 < ids.size(); ++a) {
+      if (merged[a] >= 0 && scores_[static_cast<size_t>(merged[a])] > best) {
+        best = scores_[static_cast<size_t>(merged[a])];
+        best_id = merged[a];
+        best_at = a;
+      }
+    }
+    if (best_id < 0) break;
+    ids[best_at] = best_id;
+    ids.erase(ids.begin() + static_cast<std::ptrdiff_t>(best_at) + 1);
+    merged.erase(merged.begin() + static_cast<std::ptrdiff_t>(best_at) + 1);
+    if (best_at + 1 < ids.size()) merged[best_at] = pair_id(best_at);
+    else merged[best_at] = -1;
+    if (best_at > first) merged[best_at - 1] = pair_id(best_at - 1);
+  }
+  return ids;
+}
+
+std::string Tokenizer::decode(int prev, int token) const {
+  KVQ_CHECK_ARG(token >= 0 && token < vocab_size(), "token: expected 0..", vocab_size() - 1, ", got ", token);
+  std::string p = pieces_[static_cast<size_t>(token)];
+  if (prev == kBos && !p.empty() && p[0] == ' ') p.erase(0, 1);
+  unsigned int byte = 0;
+  if (p.size() == 6 && std::sscanf(p.c_str(), "<0x%02X>", &byte) == 1) return std::string(1, static_cast<char>(byte));
+  return p;
+}
+
+// ---- Transformer ----------------------------------------------------------
+
+namespace {
+
+void RmsNorm(float* o, const float* x, const float* weight, int n) {
+  float ss = 0.0f;
+  for (int j = 0; j < n; ++j) ss += x[j] * x[j];
+  ss /= static_cast<float>(n);
+  ss += 1e-5f;
+  ss = 1.0f / std::sqrt(ss);
+  for (int j = 0; j < n; ++j) o[j] = weight[j] * (ss * x[j]);
+}
+
+// out[i] = sum_j w[i, j] * x[j], summed in order j = 0..n-1 (the llama2.c
+// order), so that the batched version below gives identical bits.
+void MatVec(float* out, const float* x, const float* w, int n, int d) {
+  for (int i = 0; i < d; ++i) {
+    const float* row = w + static_cast<size_t>(i) * static_cast<size_t>(n);
+    float v = 0.0f;
+    for (int j = 0; j < n; ++j) v += row[j] * x[j];
+    out[i] = v;
+  }
+}
+
+// out[t, i] = sum_j w[i, j] * x[t, j] for T tokens, each sum in the same
+// order as MatVec. Tokens are processed in blocks of kTB with x transposed so
+// the innermost loop runs across tokens (independent sums, vectorisable).
+void MatMul(float* out, const float* x, const float* w, int T, int n, int d) {
+  constexpr int kTB = 16;
+  std::vector<float> xt(static_cast<size_t>(n) * kTB);
+  for (int t0 = 0; t0 < T; t0 += kTB) {
+    const int tb = std::min(kTB, T - t0);
+    for (int j = 0; j < n; ++j) {
+      for (int t = 0; t < kTB; ++t) {
+        xt[static_cast<size_t>(j) * kTB + static_cast<size_t>(t)] =
+            t < tb ? x[static_cast<size_t>(t0 + t) * static_cast<size_t>(n) + static_cast<size_t>(j)] : 0.0f;
+      }
+    }
+    for (int i = 0; i < d; ++i) {
+      const float* row = w + static_cast<size_t>(i) * static_cast<size_t>(n);
+      float acc[kTB] = {};
+      for (int j = 0; j < n; ++j) {
+        const float wj = row[j];
+        const float* xj = xt.data() + static_cast<size_t>(j) * kTB;
+        for (int t = 0; t < kTB; ++t) acc[t] += wj * xj[t];
+      }
+      for (int t = 0; t < tb; ++t) out[static_cast<size_t>(t0 + t) * static_cast<size_t>(d) + static_cast<size_t>(i)] = acc[t];
+    }
+  }
+}
+
+void Softmax(float* x, int n) {
+  float max_val = x[0];
+  for (int i = 1; i < n; ++i) max_val = std::max(max_val, x[i]);
+  float sum = 0.0f;
+  for (int i = 0; i < n; ++i) {
+    x[i] = std::exp(x[i] - max_val);
+    sum += x[i];
+  }
+  for (int i = 0; i < n; ++i) x[i] /= sum;
+}
+
+}  // namespace
+
+Transformer::Transformer(const Checkpoint& ckpt, KvScheme scheme, int max_seq)
+    : cfg_(ckpt.config()),
+      w_(ckpt.weights()),
+      cache_(scheme, ckpt.config().n_layers, max_seq, ckpt.config().n_kv_heads, ckpt.config().head_size()),
+      max_seq_(max_seq) {
+  KVQ_CHECK_ARG(max_seq > 0 && max_seq <= cfg_.seq_len, "max_seq: expected 1..", cfg_.seq_len,
+                " (the model's seq_len), got ", max_seq);
+  const int hs = cfg_.head_size();
+  rope_cos_.resize(static_cast<size_t>(max_seq) * static_cast<size_t>(hs / 2));
+  rope_sin_.resize(rope_cos_.size());
+  for (int pos = 0; pos < max_seq; ++pos) {
+    for (int i = 0; i < hs; i += 2) {
+      const float freq = 1.0f / std::pow(10000.0f, static_cast<float>(i) / static_cast<float>(hs));
+      const float val = static_cast<float>(pos) * freq;
+      rope_cos_[static_cast<size_t>(pos * (hs / 2) + i / 2)] = std::cos(val);
+      rope_sin_[static_cast<size_t>(pos * (hs / 2) + i / 2)] = std::sin(val);
+    }
+  }
+  att_.resize(static_cast<size_t>(max_seq));
+  logits_.resize(static_cast<size_t>(cfg_.vocab_size));
+}
+
+void Transformer::attention(int layer, int pos, const float* q, float* out) {
+  const int hs = cfg_.head_size(), kv_dim = cfg_.kv_dim(), kv_mul = cfg_.n_heads / cfg_.n_kv_heads;
+  const float* keys = cache_.k_rows(layer);
+  const float* values = cache_.v_rows(layer);
+  const float inv_sqrt = std::sqrt(static_cast<float>(hs));
+  for (int h = 0; h < cfg_.n_heads; ++h) {
+    const float* qh = q + h * hs;
+    const int off = (h / kv_mul) * hs;
+    for (int t = 0; t <= pos; ++t) {
+      const float* k = keys + static_cast<size_t>(t) * static_cast<size_t>(kv_dim) + static_cast<size_t>(off);
+      float score = 0.0f;
+      for (int i = 0; i < hs; ++i) score += qh[i] * k[i];
+      att_[static_cast<size_t>(t)] = score / inv_sqrt;
+    }
+    Softmax(att_.data(), pos + 1);
+    float* oh = out + h * hs;
+    std::fill(oh, oh + hs, 0.0f);
+    for (int t = 0; t <= pos; ++t) {
+      const float* v = values + static_cast<size_t>(t) * static_cast<size_t>(kv_dim) + static_cast<size_t>(off);
+      const float a = att_[static_cast<size_t>(t)];
+      for (int i = 0; i < hs; ++i) oh[i] += a * v[i];
+    }
+  }
+}
+
+std::span<const float> Transformer::forward(int token, int pos) {
+  return run({&token, 1}, pos, /*batched=*/false);
+}
+
+std::span<const float> Transformer::forward_window(std::span<const int> tokens) {
+  return run(tokens, 0, /*batched=*/true);
+}
+
+std::span<const float> Transformer::run(std::span<const int> tokens, int pos0, bool batched) {
+  const int T = static_cast<int>(tokens.size());
+  KVQ_CHECK_ARG(T > 0, "tokens: expected at least one token");
+  KVQ_CHECK_ARG(pos0 >= 0 && pos0 + T <= max_seq_, "pos: positions ", pos0, "..", pos0 + T - 1,
+                " exceed the cache size ", max_seq_);
+  for (int t : tokens) {
+    KVQ_CHECK_ARG(t >= 0 && t < cfg_.vocab_size, "token: expected 0..", cfg_.vocab_size - 1, ", got ", t);
+  }
+  const int dim = cfg_.dim, hid = cfg_.hidden_dim, kv_dim = cfg_.kv_dim(), hs = cfg_.head_size();
+  const int vocab = cfg_.vocab_size;
+  const size_t uT = static_cast<size_t>(T);
+  auto ensure = [&](std::vector<float>& v, int width) {
+    if (v.size() < uT * static_cast<size_t>(width)) v.resize(uT * static_cast<size_t>(width));
+  };
+  ensure(x_, dim), ensure(xb_, dim), ensure(xb2_, dim), ensure(q_, dim), ensure(k_, kv_dim), ensure(v_, kv_dim);
+  ensure(hb_, hid), ensure(hb2_, hid), ensure(logits_, vocab);
+  auto mm = [&](float* out, const float* in, const float* w, int n, int d) {
+    if (batched) {
+      MatMul(out, in, w, T, n, d);
+    } else {
+      for (int t = 0; t < T; ++t) MatVec(out + static_cast<size_t>(t) * d, in + static_cast<size_t>(t) * n, w, n, d);
+    }
+  };
+  auto row = [](std::vector<float>& v, int t, int width) { return v.data() + static_cast<size_t>(t) * static_cast<size_t>(width); };
+
+  for (int t = 0; t < T; ++t) {
+    std::memcpy(row(x_, t, dim), w_.token_embedding + static_cast<size_t>(tokens[static_cast<size_t>(t)]) * dim,
+                static_cast<size_t>(dim) * sizeof(float));
+  }
+  const size_t udim = static_cast<size_t>(dim), ukv = static_cast<size_t>(kv_dim), uhid = static_cast<size_t>(hid);
+  for (int l = 0; l < cfg_.n_layers; ++l) {
+    const size_t ul = static_cast<size_t>(l);
+    for (int t = 0; t < T; ++t) RmsNorm(row(xb_, t, dim), row(x_, t, dim), w_.rms_att + ul * udim, dim);
+    mm(q_.data(), xb_.data(), w_.wq + ul * udim * udim, dim, dim);
+    mm(k_.data(), xb_.data(), w_.wk + ul * ukv * udim, dim, kv_dim);
+    mm(v_.data(), xb_.data(), w_.wv + ul * ukv * udim, dim, kv_dim);
+    for (int t = 0; t < T; ++t) {
+      const int pos = pos0 + t;
+      float* q = row(q_, t, dim);
+      float* k = row(k_, t, kv_dim);
+      for (int i = 0; i < dim; i += 2) {
+        const size_t r = static_cast<size_t>(pos * (hs / 2) + (i % hs) / 2);
+        const float fcr = rope_cos_[r], fci = rope_sin_[r];
+        const float q0 = q[i], q1 = q[i + 1];
+        q[i] = q0 * fcr - q1 * fci;
+        q[i + 1] = q0 * fci + q1 * fcr;
+        if (i < kv_dim) {
+          const float k0 = k[i], k1 = k[i + 1];
+          k[i] = k0 * fcr - k1 * fci;
+          k[i + 1] = k0 * fci + k1 * fcr;
+        }
+      }
+      cache_.write(l, pos, {k, ukv}, {row(v_, t, kv_dim), ukv});
+    }
+    for (int t = 0; t < T; ++t) attention(l, pos0 + t, row(q_, t, dim), row(xb_, t, dim));
+    mm(xb2_.data(), xb_.data(), w_.wo + ul * udim * udim, dim, dim);
+    for (size_t i = 0; i < uT * udim; ++i) x_[i] += xb2_[i];
+    for (int t = 0; t < T; ++t) RmsNorm(row(xb_, t, dim), row(x_, t, dim), w_.rms_ffn + ul * udim, dim);
+    mm(hb_.data(), xb_.data(), w_.w1 + ul * uhid * udim, dim, hid);
+    mm(hb2_.data(), xb_.data(), w_.w3 + ul * uhid * udim, dim, hid);
+    for (size_t i = 0; i < uT * uhid; ++i) {
+      float val = hb_[i];
+      val *= (1.0f / (1.0f + std::exp(-val)));
+      hb_[i] = val * hb2_[i];
+    }
+    mm(xb_.data(), hb_.data(), w_.w2 + ul * udim * uhid, hid, dim);
+    for (size_t i = 0; i < uT * udim; ++i) x_[i] += xb_[i];
+  }
+  for (int t = 0; t < T; ++t) RmsNorm(row(xb_, t, dim), row(x_, t, dim), w_.rms_final, dim);
+  mm(logits_.data(), xb_.data(), w_.wcls, dim, vocab);
+  return {logits_.data(), uT * static_cast<size_t>(vocab)};
+}
+
+}  // namespace kvq::model

@@ -1,0 +1,118 @@
+// llama2.c checkpoints, tokenizer and an fp32 forward pass whose K/V go
+// through a kvq::KvCache (evaluation only; see ../shared/models/*/README.md).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvq/kv_scheme.h"
+
+namespace kvq::model {
+
+struct Config {
+  int dim = 0, hidden_dim = 0, n_layers = 0, n_heads = 0, n_kv_heads = 0, vocab_size = 0, seq_len = 0;
+  bool shared_classifier = true;
+  int head_size() const { return dim / n_heads; }
+  int kv_dim() const { return n_kv_heads * head_size(); }
+};
+
+// Read-only memory map of a file (move-only).
+class MappedFile {
+ public:
+  explicit MappedFile(const std::string& path);  // throws kvq::Error
+  ~MappedFile();
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+  const uint8_t* data() const { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  const uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+// Weights point into the mapped checkpoint.
+struct Weights {
+  const float* token_embedding;  // (vocab, dim)
+  const float* rms_att;          // (L, dim)
+  const float* wq;               // (L, dim, dim)
+  const float* wk;               // (L, kv_dim, dim)
+  const float* wv;               // (L, kv_dim, dim)
+  const float* wo;               // (L, dim, dim)
+  const float* rms_ffn;          // (L, dim)
+  const float* w1;               // (L, hidden, dim)
+  const float* w2;               // (L, dim, hidden)
+  const float* w3;               // (L, hidden, dim)
+  const float* rms_final;        // (dim)
+  const float* wcls;             // (vocab, dim)
+};
+
+class Checkpoint {
+ public:
+  // Maps and validates a llama2.c legacy checkpoint: header sanity and the
+  // exact file size implied by the hyper-parameters. Throws kvq::Error.
+  explicit Checkpoint(const std::string& path);
+  const Config& config() const { return config_; }
+  const Weights& weights() const { return weights_; }
+
+ private:
+  MappedFile file_;
+  Config config_;
+  Weights weights_{};
+};
+
+class Tokenizer {
+ public:
+  // Loads a llama2.c tokenizer.bin with `vocab_size` entries. Throws kvq::Error.
+  Tokenizer(const std::string& path, int vocab_size);
+  static constexpr int kBos = 1;
+  static constexpr int kEos = 2;
+
+  // sentencepiece-BPE encode: optional BOS, dummy " " prefix for non-empty
+  // text, code points to pieces or byte-fallback ids, then score-ordered merges.
+  std::vector<int> encode(const std::string& text, bool bos) const;
+  // The text of `token` following `prev` (drops the leading space after BOS,
+  // maps <0xNN> pieces to raw bytes).
+  std::string decode(int prev, int token) const;
+  int vocab_size() const { return static_cast<int>(pieces_.size()); }
+  const std::string& piece(int id) const { return pieces_[static_cast<size_t>(id)]; }
+
+ private:
+  int lookup(const std::string& s) const;
+  std::vector<std::string> pieces_;
+  std::vector<float> scores_;
+  std::vector<std::pair<std::string, int>> sorted_;  // piece -> id, sorted
+};
+
+// Scratch state for one sequence: activations and a KV cache in `scheme`.
+class Transformer {
+ public:
+  Transformer(const Checkpoint& ckpt, KvScheme scheme, int max_seq);
+
+  // One decoding step: token at pos (positions must be fed in order from 0).
+  // Returns the vocab logits (valid until the next call).
+  std::span<const float> forward(int token, int pos);
+  // Whole window at positions [0, tokens.size()): writes all K/V into the
+  // cache and returns logits (tokens.size() x vocab, row-major). Bitwise
+  // identical to calling forward() token by token.
+  std::span<const float> forward_window(std::span<const int> tokens);
+
+  const KvCache& cache() const { return cache_; }
+  const Config& config() const { return cfg_; }
+
+ private:
+  std::span<const float> run(std::span<const int> tokens, int pos0, bool batched);
+  void attention(int layer, int pos, const float* q, float* out);
+  const Config& cfg_;
+  const Weights& w_;
+  KvCache cache_;
+  int max_seq_;
+  std::vector<float> x_, xb_, xb2_, hb_, hb2_, q_, k_, v_, att_, logits_;  // (T, width)
+  std::vector<float> rope_cos_, rope_sin_;  // (max_seq, head_size / 2)
+};
+
+}  // namespace kvq::model

@@ -1,0 +1,234 @@
+#include "kvq/kv_scheme.h"
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <sstream>
+
+#include "kvq/affine.h"
+#include "kvq/error.h"
+#include "kvq/fp8.h"
+#include "kvq/ggml_quants.h"
+#include "kvq/half.h"
+
+namespace kvq {
+
+namespace {
+struct SchemeName {
+  KvScheme scheme;
+  const char* name;
+};
+constexpr SchemeName kNames[] = {
+    {KvScheme::Fp32, "fp32"},         {KvScheme::Fp16, "fp16"},
+    {KvScheme::Bf16, "bf16"},         {KvScheme::Int8, "int8"},
+    {KvScheme::Int8Head, "int8-head"}, {KvScheme::Fp8E4M3, "fp8-e4m3"},
+    {KvScheme::Fp8E4M3Scaled, "fp8-e4m3-scaled"}, {KvScheme::Fp8E5M2, "fp8-e5m2"},
+    {KvScheme::Q8_0, "q8_0"},         {KvScheme::Q4_0, "q4_0"},
+};
+
+std::string ValidNames() {
+  std::string s;
+  for (const auto& n : kNames) s += (s.empty() ? "" : ", ") + std::string(n.name);
+  return s;
+}
+
+// Row scales are stored as raw little-endian float bits.
+void PutF32(uint8_t* dst, float f) { std::memcpy(dst, &f, 4); }
+float GetF32(const uint8_t* src) {
+  float f;
+  std::memcpy(&f, src, 4);
+  return f;
+}
+}  // namespace
+
+const std::vector<KvScheme>& all_kv_schemes() {
+  static const std::vector<KvScheme> all = [] {
+    std::vector<KvScheme> v;
+    for (const auto& n : kNames) v.push_back(n.scheme);
+    return v;
+  }();
+  return all;
+}
+
+const char* kv_scheme_name(KvScheme s) {
+  for (const auto& n : kNames) {
+    if (n.scheme == s) return n.name;
+  }
+  return "unknown";
+}
+
+KvScheme parse_kv_scheme(const std::string& name, const char* arg) {
+  for (const auto& n : kNames) {
+    if (name == n.name) return n.scheme;
+  }
+  Fail(arg, ": unknown KV scheme '", name, "'; expected one of: ", ValidNames());
+}
+
+std::vector<KvScheme> parse_kv_scheme_list(const std::string& list, const char* arg) {
+  if (list == "all") return all_kv_schemes();
+  std::vector<KvScheme> out;
+  std::stringstream ss(list);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    KVQ_CHECK_ARG(!item.empty(), arg, ": empty scheme name in '", list, "'");
+    const KvScheme s = parse_kv_scheme(item, arg);
+    if (std::find(out.begin(), out.end(), s) == out.end()) out.push_back(s);
+  }
+  KVQ_CHECK_ARG(!out.empty(), arg, ": expected 'all' or a comma-separated list of: ", ValidNames());
+  return out;
+}
+
+KvRowCodec::KvRowCodec(KvScheme scheme, int row_len, int head_dim)
+    : scheme_(scheme), row_len_(row_len), head_dim_(head_dim) {
+  KVQ_CHECK_ARG(row_len > 0, "row_len: expected > 0, got ", row_len);
+  KVQ_CHECK_ARG(head_dim > 0 && row_len % head_dim == 0, "head_dim: expected a positive divisor of row_len ",
+                row_len, ", got ", head_dim);
+  const size_t n = static_cast<size_t>(row_len);
+  switch (scheme) {
+    case KvScheme::Fp32: row_bytes_ = 4 * n; break;
+    case KvScheme::Fp16:
+    case KvScheme::Bf16: row_bytes_ = 2 * n; break;
+    case KvScheme::Int8: row_bytes_ = 4 + n; break;
+    case KvScheme::Int8Head: row_bytes_ = 4 * (n / static_cast<size_t>(head_dim)) + n; break;
+    case KvScheme::Fp8E4M3:
+    case KvScheme::Fp8E5M2: row_bytes_ = n; break;
+    case KvScheme::Fp8E4M3Scaled: row_bytes_ = 4 + n; break;
+    case KvScheme::Q8_0:
+    case KvScheme::Q4_0:
+      KVQ_CHECK_ARG(row_len % ggml::kBlock == 0, "row_len: scheme ", kv_scheme_name(scheme),
+                    " needs a multiple of 32 values per row, got ", row_len);
+      row_bytes_ = (n / ggml::kBlock) * (scheme == KvScheme::Q8_0 ? sizeof(ggml::BlockQ8_0) : sizeof(ggml::BlockQ4_0));
+      break;
+    default:
+      Fail("scheme: unknown KV scheme value ", static_cast<int>(scheme));
+  }
+}
+
+void KvRowCodec::encode(const float* row, uint8_t* dst) const {
+  const size_t n = static_cast<size_t>(row_len_);
+  std::span<const float> x(row, n);
+  switch (scheme_) {
+    case KvScheme::Fp32: std::memcpy(dst, row, 4 * n); return;
+    case KvScheme::Fp16: f32_to_f16(x, {reinterpret_cast<uint16_t*>(dst), n}); return;
+    case KvScheme::Bf16: f32_to_bf16(x, {reinterpret_cast<uint16_t*>(dst), n}); return;
+    case KvScheme::Int8: {
+      const float s = int8_scale(max_abs(x));
+      PutF32(dst, s);
+      quantize_int8(x, s, {reinterpret_cast<int8_t*>(dst + 4), n});
+      return;
+    }
+    case KvScheme::Int8Head: {
+      const size_t heads = n / static_cast<size_t>(head_dim_), hd = static_cast<size_t>(head_dim_);
+      int8_t* codes = reinterpret_cast<int8_t*>(dst + 4 * heads);
+      for (size_t h = 0; h < heads; ++h) {
+        const std::span<const float> xh = x.subspan(h * hd, hd);
+        const float s = int8_scale(max_abs(xh));
+        PutF32(dst + 4 * h, s);
+        quantize_int8(xh, s, {codes + h * hd, hd});
+      }
+      return;
+    }
+    case KvScheme::Fp8E4M3: fp8::encode_e4m3(x, {dst, n}); return;
+    case KvScheme::Fp8E5M2: fp8::encode_e5m2(x, {dst, n}); return;
+    case KvScheme::Fp8E4M3Scaled: {
+      const float s = max_abs(x) / fp8::kE4M3Max;
+      PutF32(dst, s);
+      float tmp[512];
+      for (size_t i0 = 0; i0 < n; i0 += 512) {
+        const size_t m = std::min<size_t>(512, n - i0);
+        for (size_t i = 0; i < m; ++i) tmp[i] = s != 0.0f ? x[i0 + i] / s : 0.0f;
+        fp8::encode_e4m3({tmp, m}, {dst + 4 + i0, m});
+      }
+      return;
+    }
+    case KvScheme::Q8_0:
+      ggml::quantize_row_q8_0(x, {reinterpret_cast<ggml::BlockQ8_0*>(dst), n / ggml::kBlock});
+      return;
+    case KvScheme::Q4_0:
+      ggml::quantize_row_q4_0(x, {reinterpret_cast<ggml::BlockQ4_0*>(dst), n / ggml::kBlock});
+      return;
+  }
+}
+
+void KvRowCodec::decode(const uint8_t* src, float* out) const {
+  const size_t n = static_cast<size_t>(row_len_);
+  std::span<float> y(out, n);
+  switch (scheme_) {
+    case KvScheme::Fp32: std::memcpy(out, src, 4 * n); return;
+    case KvScheme::Fp16: f16_to_f32({reinterpret_cast<const uint16_t*>(src), n}, y); return;
+    case KvScheme::Bf16: bf16_to_f32({reinterpret_cast<const uint16_t*>(src), n}, y); return;
+    case KvScheme::Int8:
+      dequantize_int8({reinterpret_cast<const int8_t*>(src + 4), n}, GetF32(src), y);
+      return;
+    case KvScheme::Int8Head: {
+      const size_t heads = n / static_cast<size_t>(head_dim_), hd = static_cast<size_t>(head_dim_);
+      const int8_t* codes = reinterpret_cast<const int8_t*>(src + 4 * heads);
+      for (size_t h = 0; h < heads; ++h) {
+        dequantize_int8({codes + h * hd, hd}, GetF32(src + 4 * h), y.subspan(h * hd, hd));
+      }
+      return;
+    }
+    case KvScheme::Fp8E4M3: fp8::decode_e4m3({src, n}, y); return;
+    case KvScheme::Fp8E5M2: fp8::decode_e5m2({src, n}, y); return;
+    case KvScheme::Fp8E4M3Scaled: {
+      const float s = GetF32(src);
+      fp8::decode_e4m3({src + 4, n}, y);
+      for (size_t i = 0; i < n; ++i) y[i] *= s;
+      return;
+    }
+    case KvScheme::Q8_0:
+      ggml::dequantize_row_q8_0({reinterpret_cast<const ggml::BlockQ8_0*>(src), n / ggml::kBlock}, y);
+      return;
+    case KvScheme::Q4_0:
+      ggml::dequantize_row_q4_0({reinterpret_cast<const ggml::BlockQ4_0*>(src), n / ggml::kBlock}, y);
+      return;
+  }
+}
+
+KvCache::KvCache(KvScheme scheme, int n_layers, int max_seq, int n_kv_heads, int head_dim)
+    : codec_(scheme, n_kv_heads * head_dim, head_dim), n_layers_(n_layers), max_seq_(max_seq) {
+  KVQ_CHECK_ARG(n_layers > 0, "n_layers: expected > 0, got ", n_layers);
+  KVQ_CHECK_ARG(max_seq > 0, "max_seq: expected > 0, got ", max_seq);
+  KVQ_CHECK_ARG(n_kv_heads > 0, "n_kv_heads: expected > 0, got ", n_kv_heads);
+  data_.assign(bytes(static_cast<int64_t>(max_seq)), 0);
+  decoded_.assign(static_cast<size_t>(n_layers) * 2 * static_cast<size_t>(max_seq) *
+                      static_cast<size_t>(codec_.row_len()), 0.0f);
+}
+
+const uint8_t* KvCache::row_ptr(int layer, int pos, int kv) const {
+  const size_t rb = codec_.row_bytes();
+  return data_.data() + ((static_cast<size_t>(layer) * static_cast<size_t>(max_seq_) + static_cast<size_t>(pos)) * 2 +
+                         static_cast<size_t>(kv)) * rb;
+}
+
+void KvCache::write(int layer, int pos, std::span<const float> k, std::span<const float> v) {
+  KVQ_CHECK_ARG(layer >= 0 && layer < n_layers_, "layer: expected 0..", n_layers_ - 1, ", got ", layer);
+  KVQ_CHECK_ARG(pos >= 0 && pos < max_seq_, "pos: expected 0..", max_seq_ - 1, ", got ", pos);
+  const size_t n = static_cast<size_t>(codec_.row_len());
+  KVQ_CHECK_ARG(k.size() == n && v.size() == n, "k, v: expected rows of ", n, " values, got ", k.size(), " and ",
+                v.size());
+  const int64_t bk = first_non_finite(k), bv = first_non_finite(v);
+  KVQ_CHECK_ARG(bk < 0 && bv < 0, "k, v: expected finite values, found a non-finite value at ",
+                bk >= 0 ? "k[" : "v[", bk >= 0 ? bk : bv, "] (layer ", layer, ", pos ", pos, ")");
+  uint8_t* kb = const_cast<uint8_t*>(row_ptr(layer, pos, 0));
+  uint8_t* vb = const_cast<uint8_t*>(row_ptr(layer, pos, 1));
+  codec_.encode(k.data(), kb);
+  codec_.encode(v.data(), vb);
+  codec_.decode(kb, decoded_.data() + Offset(layer, 0) + static_cast<size_t>(pos) * n);
+  codec_.decode(vb, decoded_.data() + Offset(layer, 1) + static_cast<size_t>(pos) * n);
+}
+
+void KvCache::read_k(int layer, int pos, std::span<float> out) const {
+  KVQ_CHECK_ARG(layer >= 0 && layer < n_layers_ && pos >= 0 && pos < max_seq_, "layer/pos: out of range");
+  KVQ_CHECK_ARG(out.size() == static_cast<size_t>(codec_.row_len()), "out: expected ", codec_.row_len(), " values");
+  codec_.decode(row_ptr(layer, pos, 0), out.data());
+}
+
+void KvCache::read_v(int layer, int pos, std::span<float> out) const {
+  KVQ_CHECK_ARG(layer >= 0 && layer < n_layers_ && pos >= 0 && pos < max_seq_, "layer/pos: out of range");
+  KVQ_CHECK_ARG(out.size() == static_cast<size_t>(codec_.row_len()), "out: expected ", codec_.row_len(), " values");
+  codec_.decode(row_ptr(layer, pos, 1), out.data());
+}
+
+}  // namespace kvq

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The `kvq` command-line contract: exit code 2 and no partial JSON on bad
+# input, text-only stdout for generate, valid JSON from eval.
+set -u
+KVQ=$1
+SHARED=${KVQ_SHARED:-$KVQ_DEFAULT_SHARED}
+MODEL=$SHARED/models/stories260K/stories260K.bin
+TOK=$SHARED/models/stories260K/tok512.bin
+if [ ! -f "$MODEL" ]; then
+  if [ "${KVQ_REQUIRE_DATA:-0}" = "1" ]; then echo "FAIL: $MODEL missing (KVQ_REQUIRE_DATA=1)"; exit 1; fi
+  echo "SKIP: $MODEL not found; set KVQ_SHARED"; exit 0
+fi
+export KVQ_SHARED=$SHARED
+T=$(mktemp -d); trap 'rm -rf "$T"' EXIT
+pass=0; fail=0
+check() { if eval "$2"; then pass=$((pass+1)); else echo "FAIL: $1"; fail=$((fail+1)); fi; }
+
+"$KVQ" eval --kv int3 --json "$T/a.json" >"$T/out" 2>"$T/err"; rc=$?
+check "unknown scheme exits 2" '[ $rc -eq 2 ]'
+check "unknown scheme names it" 'grep -q "int3" "$T/err"'
+check "no JSON on error" '[ ! -e "$T/a.json" ] && [ ! -e "$T/a.json.tmp" ]'
+
+"$KVQ" eval --ctx 1000 --json "$T/b.json" >/dev/null 2>"$T/err"; rc=$?
+check "ctx > seq_len exits 2" '[ $rc -eq 2 ] && grep -q "ctx" "$T/err" && [ ! -e "$T/b.json" ]'
+
+head -c 5000 "$MODEL" > "$T/trunc.bin"
+"$KVQ" eval --model "$T/trunc.bin" --json "$T/c.json" >/dev/null 2>"$T/err"; rc=$?
+check "truncated model exits 2" '[ $rc -eq 2 ] && grep -q "truncated" "$T/err" && [ ! -e "$T/c.json" ]'
+
+"$KVQ" eval --tokenizer "$T/missing.bin" >/dev/null 2>"$T/err"; rc=$?
+check "missing tokenizer exits 2" '[ $rc -eq 2 ] && grep -q "cannot open" "$T/err"'
+
+printf '  \n<|endoftext|>\n' > "$T/empty.txt"
+"$KVQ" eval --text "$T/empty.txt" --json "$T/d.json" >/dev/null 2>"$T/err"; rc=$?
+check "text without stories exits 2" '[ $rc -eq 2 ] && grep -q "no stories" "$T/err" && [ ! -e "$T/d.json" ]'
+
+"$KVQ" eval --kv int8,q4_0 --ctx 32 --max-windows 3 --json "$T/ok.json" >"$T/out" 2>"$T/err"; rc=$?
+check "eval succeeds" '[ $rc -eq 0 ]'
+check "eval prints a table" 'grep -q "| q4_0" "$T/out" && grep -q "| fp32" "$T/out"'
+check "eval JSON is valid" '/usr/bin/python3 -c "
+import json,sys
+j=json.load(open(\"$T/ok.json\"))
+assert j[\"ctx\"]==32 and j[\"tokens\"]==96, j
+r=j[\"results\"]; assert [x[\"scheme\"] for x in r]==[\"fp32\",\"int8\",\"q4_0\"], r
+keys={\"scheme\",\"bits_per_element\",\"kv_bytes\",\"ppl\",\"delta_ppl\",\"delta_ppl_pct\",\"kld_mean\",\"kld_max\",\"top1_pct\",\"tokens_per_s\"}
+assert all(keys<=set(x) for x in r)
+assert r[0][\"delta_ppl\"]==0 and r[2][\"bits_per_element\"]==4.5
+"'
+
+"$KVQ" generate --steps 20 >"$T/gen" 2>"$T/err"; rc=$?
+check "generate succeeds" '[ $rc -eq 0 ]'
+check "generate stdout is the text only" 'head -c 16 "$T/gen" | grep -q "^Once upon a time" && ! grep -q "tok/s" "$T/gen"'
+check "generate stats on stderr" 'grep -q "tok/s" "$T/err"'
+"$KVQ" generate --kv q8_0 --prompt "Lily" --steps 30 --temperature 0.8 --seed 3 >"$T/gen2" 2>/dev/null; rc=$?
+check "generate with prompt and sampling" '[ $rc -eq 0 ] && grep -q "^Lily" "$T/gen2"'
+"$KVQ" generate --steps 9999 >/dev/null 2>"$T/err"; rc=$?
+check "generate --steps out of range exits 2" '[ $rc -eq 2 ]'
+
+"$KVQ" demo --tokens 64 --heads 2 --head-dim 64 >"$T/demo" 2>&1; rc=$?
+check "demo runs" '[ $rc -eq 0 ] && grep -q "^int8" "$T/demo" && grep -q "^fp8" "$T/demo"'
+"$KVQ" nosuchcommand >/dev/null 2>&1; rc=$?
+check "unknown subcommand exits 2" '[ $rc -eq 2 ]'
+
+echo "$pass passed, $fail failed"
+[ $fail -eq 0 ]

@@ -1,0 +1,227 @@
+// KV schemes (SPEC §6): registry, ggml block layout and golden blocks, per
+// scheme round-trip bounds, exact byte accounting, and KvCache behaviour.
+//
+// Tolerances per value x in a row (derived from each format):
+//   fp16: |e| <= |x| 2^-11 (normal range), 2^-25 below 2^-14; bf16: |e| <= |x| 2^-8
+//   int8: |e| <= s/2 (1 + 2^-20), s = max|row| / 127 (see affine_test)
+//   int8-head: same with s per head
+//   fp8-e4m3 (scale 1): |e| <= |x| 2^-4 for |x| >= 2^-6, else <= 2^-10;
+//     above 448 it saturates: |e| = |x| - 448 (likewise e5m2 above 57344)
+//   fp8-e4m3-scaled: the same on x / s, times s (plus float rounding slack)
+//   fp8-e5m2: |e| <= |x| 2^-3 for |x| >= 2^-14, else <= 2^-17
+//   q8_0: |e| <= d/2 + |q| * (fp16 rounding of d: max(d 2^-11, 2^-25)), d = amax / 127
+//   q4_0: |e| <= max(|d|/2, |x| - 7|d|) + 8 max(|d| 2^-11, 2^-25), d = max / -8
+//     (codes are -8..7: the side opposite to max clamps at 7|d|)
+#include "kvq/kv_scheme.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "kvq/error.h"
+#include "kvq/ggml_quants.h"
+#include "kvq/half.h"
+#include "tests/test_util.h"
+
+namespace kvq {
+namespace {
+
+TEST(KvScheme, RegistryNamesRoundTrip) {
+  EXPECT_EQ(all_kv_schemes().size(), 10u);
+  for (KvScheme s : all_kv_schemes()) EXPECT_EQ(parse_kv_scheme(kv_scheme_name(s)), s);
+  EXPECT_EQ(parse_kv_scheme_list("all").size(), 10u);
+  const auto l = parse_kv_scheme_list("q4_0,int8,q4_0");
+  ASSERT_EQ(l.size(), 2u);
+  EXPECT_EQ(l[0], KvScheme::Q4_0);
+  try {
+    parse_kv_scheme_list("int8,int3", "--kv");
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("--kv"), std::string::npos) << m;
+    EXPECT_NE(m.find("int3"), std::string::npos) << m;
+    EXPECT_NE(m.find("fp8-e4m3-scaled"), std::string::npos) << m;
+  }
+  EXPECT_THROW(parse_kv_scheme_list(""), Error);
+  EXPECT_THROW(parse_kv_scheme_list("int8,,fp16"), Error);
+}
+
+TEST(GgmlBlocks, LayoutMatchesGgml) {
+  EXPECT_EQ(sizeof(ggml::BlockQ8_0), 34u);
+  EXPECT_EQ(offsetof(ggml::BlockQ8_0, d), 0u);
+  EXPECT_EQ(offsetof(ggml::BlockQ8_0, qs), 2u);
+  EXPECT_EQ(sizeof(ggml::BlockQ4_0), 18u);
+  EXPECT_EQ(offsetof(ggml::BlockQ4_0, qs), 2u);
+}
+
+// Hand-checked: amax = 127 -> d = 1 (fp16 0x3C00); roundf rounds halves away
+// from zero (unlike the seed's int8 rule).
+TEST(GgmlBlocks, GoldenQ8_0) {
+  std::vector<float> x(32, 0.0f);
+  const float vals[] = {127.0f, 2.5f, -2.5f, 0.5f, -0.5f, 1.4f, -1.6f, 126.5f, -127.0f};
+  std::memcpy(x.data(), vals, sizeof vals);
+  ggml::BlockQ8_0 b{};
+  ggml::quantize_row_q8_0(x, {&b, 1});
+  uint8_t bytes[34];
+  std::memcpy(bytes, &b, 34);
+  const uint8_t want_head[] = {0x00, 0x3C, 0x7F, 0x03, 0xFD, 0x01, 0xFF, 0x01, 0xFE, 0x7F, 0x81};
+  for (size_t i = 0; i < sizeof want_head; ++i) EXPECT_EQ(bytes[i], want_head[i]) << "byte " << i;
+  for (size_t i = sizeof want_head; i < 34; ++i) EXPECT_EQ(bytes[i], 0) << "byte " << i;
+  std::vector<float> y(32);
+  ggml::dequantize_row_q8_0({&b, 1}, y);
+  EXPECT_EQ(y[1], 3.0f);
+  EXPECT_EQ(y[2], -3.0f);
+}
+
+// Hand-checked: the value of largest |x| is -8 -> d = -8 / -8 = 1 (0x3C00),
+// nibble = min(15, trunc(x + 8.5)); low nibble holds x[j], high x[j + 16].
+TEST(GgmlBlocks, GoldenQ4_0) {
+  std::vector<float> x(32);
+  for (int j = 0; j < 16; ++j) x[static_cast<size_t>(j)] = static_cast<float>(j - 8);   // nibbles 0..15
+  for (int j = 0; j < 16; ++j) x[static_cast<size_t>(16 + j)] = (j % 2) ? 0.5f : -0.5f;  // 9 / 8
+  ggml::BlockQ4_0 b{};
+  ggml::quantize_row_q4_0(x, {&b, 1});
+  uint8_t bytes[18];
+  std::memcpy(bytes, &b, 18);
+  EXPECT_EQ(bytes[0], 0x00);
+  EXPECT_EQ(bytes[1], 0x3C);
+  for (int j = 0; j < 16; ++j) {
+    const int hi = (j % 2) ? 9 : 8;
+    EXPECT_EQ(bytes[2 + j], static_cast<uint8_t>(j | (hi << 4))) << "qs[" << j << "]";
+  }
+  // Positive max: d = max / -8 is negative, codes flip.
+  std::vector<float> p(32, 0.0f);
+  p[3] = 4.0f;  // d = -0.5 (fp16 0xB800): 4 / -0.5 = -8 -> nibble 0
+  ggml::quantize_row_q4_0(p, {&b, 1});
+  EXPECT_EQ(b.d, 0xB800);
+  EXPECT_EQ(b.qs[3] & 0x0F, 0);
+  EXPECT_EQ(b.qs[0], 0x88);
+  std::vector<float> y(32);
+  ggml::dequantize_row_q4_0({&b, 1}, y);
+  EXPECT_EQ(y[3], 4.0f);
+  EXPECT_EQ(y[0], 0.0f);
+}
+
+double Bound(KvScheme s, float x, const float* row, int n, int head_dim, int i) {
+  const double ax = std::fabs(x);
+  auto amax = [&](int b, int e) {
+    double m = 0;
+    for (int j = b; j < e; ++j) m = std::max(m, static_cast<double>(std::fabs(row[j])));
+    return m;
+  };
+  switch (s) {
+    case KvScheme::Fp32: return 0;
+    case KvScheme::Fp16: return ax >= 0x1p-14 ? ax * 0x1p-11 : 0x1p-25;  // subnormal step 2^-24
+    case KvScheme::Bf16: return ax * 0x1p-8;
+    case KvScheme::Int8: return amax(0, n) / 127 * (0.5 + 0x1p-20);
+    case KvScheme::Int8Head: {
+      const int h = i / head_dim;
+      return amax(h * head_dim, (h + 1) * head_dim) / 127 * (0.5 + 0x1p-20);
+    }
+    case KvScheme::Fp8E4M3:  // scale-free cast: saturates at 448
+      return ax > 448 ? ax - 448 : (ax >= 0x1p-6 ? ax * 0x1p-4 : 0x1p-10);
+    case KvScheme::Fp8E4M3Scaled: {
+      const double sc = amax(0, n) / 448;
+      const double xs = ax / sc;
+      return (xs >= 0x1p-6 ? xs * 0x1p-4 : 0x1p-10) * sc * (1 + 1e-6) + ax * 0x1p-22;
+    }
+    case KvScheme::Fp8E5M2:
+      return ax > 57344 ? ax - 57344 : (ax >= 0x1p-14 ? ax * 0x1p-3 : 0x1p-17);
+    case KvScheme::Q8_0: {
+      const int b = i / 32 * 32;
+      const double d = amax(b, b + 32) / 127;
+      return d / 2 + 127 * std::max(d * 0x1p-11, 0x1p-25) + ax * 1e-6;  // fp16 d may be subnormal
+    }
+    case KvScheme::Q4_0: {
+      const int b = i / 32 * 32;
+      const double d = amax(b, b + 32) / 8;
+      // Codes span -8..7 times d: values of the sign opposite to max clamp at 7|d|.
+      return std::max(d / 2, ax - 7 * d) + 8 * std::max(d * 0x1p-11, 0x1p-25) + ax * 1e-6;
+    }
+  }
+  return 0;
+}
+
+TEST(KvScheme, EveryCodecRoundTripsWithinItsBound) {
+  const int n = 128, head_dim = 32;
+  test::Rng rng(21);
+  for (KvScheme s : all_kv_schemes()) {
+    SCOPED_TRACE(kv_scheme_name(s));
+    KvRowCodec codec(s, n, head_dim);
+    std::vector<uint8_t> bytes(codec.row_bytes());
+    std::vector<float> row(n), back(n);
+    for (int trial = 0; trial < 200; ++trial) {
+      const double scale = std::pow(10.0, trial % 7 - 3);
+      for (int i = 0; i < n; ++i) row[static_cast<size_t>(i)] = static_cast<float>(rng.Gaussian() * scale * ((i % 29 == 3) ? 15 : 1));
+      codec.encode(row.data(), bytes.data());
+      codec.decode(bytes.data(), back.data());
+      for (int i = 0; i < n; ++i) {
+        const float x = row[static_cast<size_t>(i)];
+        ASSERT_LE(std::fabs(x - back[static_cast<size_t>(i)]), Bound(s, x, row.data(), n, head_dim, i))
+            << "i=" << i << " x=" << x << " got " << back[static_cast<size_t>(i)];
+      }
+    }
+    // All-zero rows decode to zeros (no NaN from a zero scale).
+    std::fill(row.begin(), row.end(), 0.0f);
+    codec.encode(row.data(), bytes.data());
+    codec.decode(bytes.data(), back.data());
+    for (float v : back) ASSERT_EQ(v, 0.0f);
+  }
+}
+
+TEST(KvScheme, BytesAndBitsPerElementAreExact) {
+  // row_len 32 (stories260K: 4 KV heads x 8).
+  struct Want { KvScheme s; size_t bytes; double bits; };
+  const Want want[] = {
+      {KvScheme::Fp32, 128, 32}, {KvScheme::Fp16, 64, 16}, {KvScheme::Bf16, 64, 16},
+      {KvScheme::Int8, 36, 9},   {KvScheme::Int8Head, 48, 12}, {KvScheme::Fp8E4M3, 32, 8},
+      {KvScheme::Fp8E4M3Scaled, 36, 9}, {KvScheme::Fp8E5M2, 32, 8}, {KvScheme::Q8_0, 34, 8.5},
+      {KvScheme::Q4_0, 18, 4.5},
+  };
+  for (const Want& w : want) {
+    KvRowCodec c(w.s, 32, 8);
+    EXPECT_EQ(c.row_bytes(), w.bytes) << kv_scheme_name(w.s);
+    EXPECT_DOUBLE_EQ(c.bits_per_element(), w.bits) << kv_scheme_name(w.s);
+    KvCache cache(w.s, 5, 512, 4, 8);
+    EXPECT_EQ(cache.bytes(512), 2 * w.bytes * 5 * 512);
+  }
+  EXPECT_THROW(KvRowCodec(KvScheme::Q4_0, 48, 8), Error);  // not a multiple of 32
+  EXPECT_THROW(KvRowCodec(KvScheme::Int8Head, 30, 8), Error);
+  EXPECT_THROW(KvRowCodec(KvScheme::Int8, 0, 8), Error);
+  EXPECT_THROW(KvRowCodec(static_cast<KvScheme>(77), 32, 8), Error);
+}
+
+TEST(KvCache, WritesRowsAndReadsThemBack) {
+  test::Rng rng(5);
+  for (KvScheme s : all_kv_schemes()) {
+    KvCache cache(s, 2, 16, 2, 16);
+    std::vector<float> k(32), v(32), out(32);
+    for (int pos = 0; pos < 16; ++pos) {
+      for (auto& f : k) f = static_cast<float>(rng.Gaussian());
+      for (auto& f : v) f = static_cast<float>(rng.Gaussian());
+      cache.write(1, pos, k, v);
+      cache.read_k(1, pos, out);
+      for (int i = 0; i < 32; ++i) ASSERT_EQ(out[static_cast<size_t>(i)], cache.k_rows(1)[pos * 32 + i]);
+      cache.read_v(1, pos, out);
+      for (int i = 0; i < 32; ++i) ASSERT_EQ(out[static_cast<size_t>(i)], cache.v_rows(1)[pos * 32 + i]);
+      if (s == KvScheme::Fp32) {
+        ASSERT_EQ(0, std::memcmp(out.data(), v.data(), 128));
+      }
+    }
+    std::vector<float> bad(32, 1.0f);
+    bad[7] = NAN;
+    try {
+      cache.write(0, 0, k, bad);
+      FAIL();
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("v[7]"), std::string::npos) << e.what();
+    }
+    EXPECT_THROW(cache.write(2, 0, k, v), Error);
+    EXPECT_THROW(cache.write(0, 16, k, v), Error);
+    EXPECT_THROW(cache.write(0, 0, std::span<const float>(k).first(31), v), Error);
+  }
+}
+
+}  // namespace
+}  // namespace kvq

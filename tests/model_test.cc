@@ -1,0 +1,215 @@
+// The model harness against external fixtures: llama2.c's greedy output in
+// the model README, the model card's validation loss, bitwise agreement of
+// the batched window with token-by-token decoding, and bad-input errors.
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "kvq/error.h"
+#include "model/eval.h"
+#include "model/llama2.h"
+#include "tests/test_util.h"
+
+namespace kvq::model {
+namespace {
+
+std::string Slurp(const std::string& p) {
+  std::ifstream f(p, std::ios::binary);
+  std::ostringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+std::string TempPath(const std::string& name) {
+  return (std::filesystem::temp_directory_path() / ("kvq_model_test_" + std::to_string(::getpid()) + "_" + name)).string();
+}
+
+std::string ErrorOf(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "<no error>";
+}
+
+#define KVQ_MODEL_FILES()                                                               \
+  KVQ_REQUIRE_SHARED_FILE(model_path, "models/stories260K/stories260K.bin");            \
+  KVQ_REQUIRE_SHARED_FILE(tok_path, "models/stories260K/tok512.bin");                   \
+  KVQ_REQUIRE_SHARED_FILE(readme_path, "models/stories260K/README.md");                 \
+  KVQ_REQUIRE_SHARED_FILE(text_path, "data/tinystories-valid-dev.txt");
+
+TEST(Model, GreedyFromBosMatchesTheKnownGoodOutput) {
+  KVQ_MODEL_FILES();
+  // The fixture: the fenced block after "printed text is exactly:".
+  const std::string readme = Slurp(readme_path);
+  const size_t at = readme.find("```", readme.find("printed text is exactly"));
+  ASSERT_NE(at, std::string::npos);
+  const size_t begin = readme.find('\n', at) + 1;
+  const std::string want = readme.substr(begin, readme.find("```", begin) - begin);
+  ASSERT_GT(want.size(), 100u);
+
+  const Checkpoint ckpt(model_path);
+  const Tokenizer tok(tok_path, ckpt.config().vocab_size);
+  Transformer tf(ckpt, KvScheme::Fp32, 200);
+  std::string got;
+  int token = Tokenizer::kBos;
+  for (int pos = 0; pos < 200; ++pos) {
+    const auto logits = tf.forward(token, pos);
+    const int next = static_cast<int>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    got += tok.decode(token, next);
+    token = next;
+  }
+  EXPECT_EQ(got + "\n", want);
+}
+
+TEST(Model, WindowIsBitwiseIdenticalToTokenByTokenDecoding) {
+  KVQ_MODEL_FILES();
+  const Checkpoint ckpt(model_path);
+  const Tokenizer tok(tok_path, ckpt.config().vocab_size);
+  const std::vector<int> ids = tokenize_stories(tok, Slurp(text_path));
+  const int T = 37;  // not a multiple of the 16-token matmul block
+  const int V = ckpt.config().vocab_size;
+  for (KvScheme s : all_kv_schemes()) {
+    SCOPED_TRACE(kv_scheme_name(s));
+    Transformer batched(ckpt, s, T), stepwise(ckpt, s, T);
+    const auto lw = batched.forward_window({ids.data(), static_cast<size_t>(T)});
+    const std::vector<float> window(lw.begin(), lw.end());
+    for (int t = 0; t < T; ++t) {
+      const auto ls = stepwise.forward(ids[static_cast<size_t>(t)], t);
+      ASSERT_EQ(0, std::memcmp(ls.data(), window.data() + static_cast<size_t>(t) * V, static_cast<size_t>(V) * 4))
+          << "position " << t;
+    }
+  }
+}
+
+// The model card reports 1.2968 on TinyStories validation; the full dev text
+// (SPEC §7 protocol) must land within 0.03.
+TEST(Model, Fp32LossOnDevTextMatchesTheModelCard) {
+  KVQ_MODEL_FILES();
+  EvalOptions o;
+  o.model_path = model_path;
+  o.tokenizer_path = tok_path;
+  o.text_path = text_path;
+  o.schemes = {KvScheme::Fp32};
+  const EvalReport r = run_eval(o);
+  ASSERT_EQ(r.results.size(), 1u);
+  EXPECT_GT(r.windows, 200);
+  EXPECT_NEAR(r.results[0].mean_nll, 1.2968, 0.03);
+  EXPECT_EQ(r.results[0].top1_pct, 100.0);
+  EXPECT_EQ(r.results[0].kld_mean, 0.0);
+}
+
+TEST(Model, EvalMetricsAreConsistentAndThreadIndependent) {
+  KVQ_MODEL_FILES();
+  EvalOptions o;
+  o.model_path = model_path;
+  o.tokenizer_path = tok_path;
+  o.text_path = text_path;
+  o.schemes = {KvScheme::Int8, KvScheme::Q4_0, KvScheme::Fp16};
+  o.ctx = 64;
+  o.max_windows = 12;
+  o.threads = 1;
+  const EvalReport a = run_eval(o);
+  o.threads = 2;
+  const EvalReport b = run_eval(o);
+  ASSERT_EQ(a.results.size(), 4u);
+  EXPECT_EQ(a.tokens, 12 * 64);
+  for (size_t i = 0; i < a.results.size(); ++i) {
+    EXPECT_EQ(a.results[i].ppl, b.results[i].ppl);
+    EXPECT_EQ(a.results[i].kld_mean, b.results[i].kld_mean);
+  }
+  const auto& fp32 = a.results[0];
+  const auto& int8 = a.results[1];
+  const auto& q4 = a.results[2];
+  const auto& f16 = a.results[3];
+  EXPECT_EQ(int8.kv_bytes, 2u * 36 * 5 * 64);
+  // Quality ordering that the formats imply: fp16 ~ exact, int8 small, q4_0 large.
+  EXPECT_LT(f16.kld_mean, int8.kld_mean);
+  EXPECT_LT(int8.kld_mean, q4.kld_mean);
+  EXPECT_GT(int8.kld_mean, 0.0);
+  EXPECT_LT(f16.kld_mean, 1e-4);
+  EXPECT_NEAR(int8.delta_ppl, int8.ppl - fp32.ppl, 1e-12);
+  EXPECT_LE(int8.kld_mean, int8.kld_max);
+  EXPECT_GT(q4.delta_ppl_pct, int8.delta_ppl_pct);
+}
+
+TEST(Model, TokenizerEncodesAndDecodes) {
+  KVQ_MODEL_FILES();
+  const Tokenizer tok(tok_path, 512);
+  const std::vector<int> ids = tok.encode("Once upon a time", true);
+  ASSERT_GE(ids.size(), 3u);
+  EXPECT_EQ(ids[0], Tokenizer::kBos);
+  std::string text;
+  for (size_t i = 1; i < ids.size(); ++i) text += tok.decode(ids[i - 1], ids[i]);
+  EXPECT_EQ(text, "Once upon a time");  // BOS drops the dummy-prefix space
+  // Byte fallback: a code point with no piece becomes its UTF-8 bytes + 3.
+  const std::vector<int> e = tok.encode("\xE4\xB8\xAD", false);  // U+4E2D, no piece in a 512 vocab
+  ASSERT_GE(e.size(), 3u);
+  std::vector<int> tail(e.end() - 3, e.end());
+  EXPECT_EQ(tail, (std::vector<int>{0xE4 + 3, 0xB8 + 3, 0xAD + 3}));
+  EXPECT_EQ(tok.decode(5, 0xE4 + 3), std::string(1, static_cast<char>(0xE4)));
+  EXPECT_TRUE(tok.encode("", false).empty());
+  EXPECT_EQ(tok.encode("", true), std::vector<int>{Tokenizer::kBos});
+}
+
+TEST(Model, StoriesAreSplitStrippedAndPrefixedWithBos) {
+  KVQ_MODEL_FILES();
+  const Tokenizer tok(tok_path, 512);
+  const std::vector<int> a = tokenize_stories(tok, "  Hi there.\n<|endoftext|>\n\n<|endoftext|>Bye.\n");
+  std::vector<int> want = tok.encode("Hi there.", true);
+  const std::vector<int> b = tok.encode("Bye.", true);
+  want.insert(want.end(), b.begin(), b.end());
+  EXPECT_EQ(a, want);
+  EXPECT_NE(ErrorOf([&] { tokenize_stories(tok, " \n<|endoftext|>\n "); }).find("no stories"), std::string::npos);
+}
+
+TEST(Model, BadFilesAreClearErrors) {
+  KVQ_MODEL_FILES();
+  const std::string bytes = Slurp(model_path);
+  const std::string trunc = TempPath("trunc.bin");
+  std::ofstream(trunc, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size() - 100));
+  EXPECT_NE(ErrorOf([&] { Checkpoint c(trunc); }).find("truncated or inconsistent"), std::string::npos);
+  const std::string tiny = TempPath("tiny.bin");
+  std::ofstream(tiny, std::ios::binary).write(bytes.data(), 10);
+  EXPECT_NE(ErrorOf([&] { Checkpoint c(tiny); }).find("28-byte"), std::string::npos);
+  std::string bad = bytes;
+  const int32_t heads = 7;  // dim 64 is not a multiple of 7
+  std::memcpy(bad.data() + 12, &heads, 4);
+  const std::string badp = TempPath("bad.bin");
+  std::ofstream(badp, std::ios::binary).write(bad.data(), static_cast<std::streamsize>(bad.size()));
+  EXPECT_NE(ErrorOf([&] { Checkpoint c(badp); }).find("inconsistent header"), std::string::npos);
+  EXPECT_NE(ErrorOf([&] { Checkpoint c("/nonexistent/model.bin"); }).find("cannot open"), std::string::npos);
+
+  const std::string tb = Slurp(tok_path);
+  const std::string ttrunc = TempPath("tok.bin");
+  std::ofstream(ttrunc, std::ios::binary).write(tb.data(), static_cast<std::streamsize>(tb.size() / 2));
+  EXPECT_NE(ErrorOf([&] { Tokenizer t(ttrunc, 512); }).find("truncated"), std::string::npos);
+  EXPECT_NE(ErrorOf([&] { Tokenizer t(tok_path, 300); }).find("trailing bytes"), std::string::npos);
+  for (const auto& p : {trunc, tiny, badp, ttrunc}) std::filesystem::remove(p);
+
+  const Checkpoint ckpt(model_path);
+  EXPECT_NE(ErrorOf([&] { Transformer t(ckpt, KvScheme::Int8, 513); }).find("max_seq"), std::string::npos);
+  Transformer t(ckpt, KvScheme::Int8, 8);
+  EXPECT_NE(ErrorOf([&] { t.forward(512, 0); }).find("token"), std::string::npos);
+  EXPECT_NE(ErrorOf([&] { t.forward(1, 8); }).find("pos"), std::string::npos);
+  EvalOptions o;
+  o.model_path = model_path;
+  o.tokenizer_path = tok_path;
+  o.text_path = text_path;
+  o.schemes = {KvScheme::Int8};
+  o.ctx = 1000;
+  EXPECT_NE(ErrorOf([&] { run_eval(o); }).find("ctx"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvq::model

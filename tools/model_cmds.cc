@@ -1,0 +1,167 @@
+// `kvq eval` and `kvq generate`.
+#include <omp.h>
+
+#include <chrono>
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include "CLI/CLI.hpp"
+#include "kvq/error.h"
+#include "model/eval.h"
+#include "model/llama2.h"
+#include "nlohmann/json.hpp"
+#include "tools/commands.h"
+
+namespace kvq::tools {
+
+std::string SharedDir() {
+  const char* env = std::getenv("KVQ_SHARED");
+  return env && *env ? env : "../shared";
+}
+std::string DefaultModel() { return SharedDir() + "/models/stories260K/stories260K.bin"; }
+std::string DefaultTokenizer() { return SharedDir() + "/models/stories260K/tok512.bin"; }
+std::string DefaultText() { return SharedDir() + "/data/tinystories-valid-dev.txt"; }
+
+void AddEvalCommand(CLI::App& app, EvalCliOptions& o) {
+  CLI::App* c = app.add_subcommand("eval", "Perplexity, KL and top-1 of each KV scheme against fp32 on a real model");
+  c->add_option("--model", o.model, "llama2.c checkpoint (default: $KVQ_SHARED/models/stories260K/stories260K.bin)");
+  c->add_option("--tokenizer", o.tokenizer, "llama2.c tokenizer.bin (default: .../tok512.bin)");
+  c->add_option("--text", o.text, "evaluation text, stories separated by <|endoftext|>");
+  c->add_option("--kv", o.kv, "comma-separated KV schemes or 'all'")->default_val("all");
+  c->add_option("--ctx", o.ctx, "context length (default: the model's seq_len)");
+  c->add_option("--max-windows", o.max_windows, "evaluate at most N windows (0: all)");
+  c->add_option("--json", o.json, "also write the results as JSON to FILE");
+  c->add_option("--threads", o.threads, "threads (0: OpenMP default)");
+}
+
+int RunEval(const EvalCliOptions& o) {
+  model::EvalOptions e;
+  e.model_path = o.model.empty() ? DefaultModel() : o.model;
+  e.tokenizer_path = o.tokenizer.empty() ? DefaultTokenizer() : o.tokenizer;
+  e.text_path = o.text.empty() ? DefaultText() : o.text;
+  e.schemes = parse_kv_scheme_list(o.kv, "--kv");
+  e.ctx = o.ctx;
+  e.max_windows = o.max_windows;
+  e.threads = o.threads;
+  e.progress = true;
+  KVQ_CHECK_ARG(o.ctx >= 0, "--ctx: expected >= 0, got ", o.ctx);
+  if (!o.json.empty()) {
+    const auto dir = std::filesystem::path(o.json).parent_path();
+    KVQ_CHECK_ARG(dir.empty() || std::filesystem::is_directory(dir), "--json: directory '", dir.string(),
+                  "' does not exist");
+  }
+  const model::EvalReport r = model::run_eval(e);
+  std::fputs(model::format_report(r).c_str(), stdout);
+  if (!o.json.empty()) {
+    nlohmann::json j;
+    j["model"] = r.model_path;
+    j["text"] = r.text_path;
+    j["tokens"] = r.tokens;
+    j["ctx"] = r.ctx;
+    j["windows"] = r.windows;
+    j["threads"] = r.threads;
+    j["results"] = nlohmann::json::array();
+    for (const auto& s : r.results) {
+      j["results"].push_back({{"scheme", kv_scheme_name(s.scheme)},
+                              {"bits_per_element", s.bits_per_element},
+                              {"kv_bytes", s.kv_bytes},
+                              {"ppl", s.ppl},
+                              {"mean_nll", s.mean_nll},
+                              {"delta_ppl", s.delta_ppl},
+                              {"delta_ppl_pct", s.delta_ppl_pct},
+                              {"kld_mean", s.kld_mean},
+                              {"kld_max", s.kld_max},
+                              {"top1_pct", s.top1_pct},
+                              {"tokens_per_s", s.tokens_per_s}});
+    }
+    // Written to a temporary file and renamed: never a partial JSON file.
+    const std::string tmp = o.json + ".tmp";
+    {
+      std::ofstream f(tmp);
+      if (!f) Fail("--json: cannot write '", tmp, "'");
+      f << j.dump(2) << "\n";
+      if (!f.good()) Fail("--json: write to '", tmp, "' failed");
+    }
+    std::filesystem::rename(tmp, o.json);
+  }
+  return 0;
+}
+
+void AddGenerateCommand(CLI::App& app, GenerateOptions& o) {
+  CLI::App* c = app.add_subcommand("generate", "Generate text with the K/V cache in a scheme (text on stdout)");
+  c->add_option("--model", o.model, "llama2.c checkpoint");
+  c->add_option("--tokenizer", o.tokenizer, "llama2.c tokenizer.bin");
+  c->add_option("--prompt", o.prompt, "prompt text (default: empty, start from BOS)");
+  c->add_option("--temperature", o.temperature, "0 = greedy (default)")->check(CLI::Range(0.0, 100.0));
+  c->add_option("--seed", o.seed, "sampling seed");
+  c->add_option("--steps", o.steps, "forward steps, prompt included (default 256, max seq_len)");
+  c->add_option("--kv", o.kv, "KV scheme")->default_val("fp32");
+}
+
+int RunGenerate(const GenerateOptions& o) {
+  const model::Checkpoint ckpt(o.model.empty() ? DefaultModel() : o.model);
+  const model::Tokenizer tok(o.tokenizer.empty() ? DefaultTokenizer() : o.tokenizer, ckpt.config().vocab_size);
+  const KvScheme scheme = parse_kv_scheme(o.kv, "--kv");
+  KVQ_CHECK_ARG(o.steps >= 1 && o.steps <= ckpt.config().seq_len, "--steps: expected 1..", ckpt.config().seq_len,
+                ", got ", o.steps);
+  KVQ_CHECK_ARG(std::isfinite(o.temperature) && o.temperature >= 0, "--temperature: expected >= 0");
+  const std::vector<int> prompt = tok.encode(o.prompt, /*bos=*/true);
+  KVQ_CHECK_ARG(static_cast<int>(prompt.size()) <= o.steps, "--prompt: ", prompt.size(),
+                " tokens do not fit in --steps ", o.steps);
+  model::Transformer tf(ckpt, scheme, o.steps);
+  const int V = ckpt.config().vocab_size;
+  uint64_t rng = o.seed ? o.seed : 0x9E3779B97F4A7C15ull;
+  auto uniform = [&] {  // xorshift64*
+    rng ^= rng >> 12, rng ^= rng << 25, rng ^= rng >> 27;
+    return static_cast<float>((rng * 0x2545F4914F6CDD1Dull) >> 40) / 16777216.0f;
+  };
+  int token = prompt[0];
+  int generated = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<float> probs(static_cast<size_t>(V));
+  for (int pos = 0; pos < o.steps; ++pos) {
+    const std::span<const float> logits = tf.forward(token, pos);
+    int next;
+    if (pos + 1 < static_cast<int>(prompt.size())) {
+      next = prompt[static_cast<size_t>(pos) + 1];
+    } else if (o.temperature == 0.0) {
+      next = static_cast<int>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    } else {
+      float m = *std::max_element(logits.begin(), logits.end());
+      double sum = 0;
+      for (int i = 0; i < V; ++i) sum += probs[static_cast<size_t>(i)] = std::exp((logits[static_cast<size_t>(i)] - m) / static_cast<float>(o.temperature));
+      const double r = uniform() * sum;
+      double c = 0;
+      next = V - 1;
+      for (int i = 0; i < V; ++i) {
+        c += probs[static_cast<size_t>(i)];
+        if (r < c) {
+          next = i;
+          break;
+        }
+      }
+    }
+    if (next == model::Tokenizer::kBos) break;  // BOS delimits sequences
+    const std::string piece = tok.decode(token, next);
+    // Like llama2.c's safe_printf: skip lone unprintable bytes.
+    if (!(piece.size() == 1 && !std::isprint(static_cast<unsigned char>(piece[0])) &&
+          !std::isspace(static_cast<unsigned char>(piece[0])))) {
+      std::fputs(piece.c_str(), stdout);
+    }
+    token = next;
+    ++generated;
+  }
+  std::fputs("\n", stdout);
+  std::fflush(stdout);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::fprintf(stderr, "kvq generate: %d tokens, kv %s (%.3f bits/element, %zu bytes/token), %.1f tok/s\n", generated,
+               kv_scheme_name(scheme), tf.cache().bits_per_element(), tf.cache().bytes_per_token(),
+               generated / secs);
+  return 0;
+}
+
+}  // namespace kvq::tools
