@@ -28,6 +28,9 @@ namespace kvq {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
+// How far ahead of the current element the streaming kernels prefetch.
+constexpr size_t kPrefetchFloats = 1024;  // 4 KiB
+
 // Largest |x| bit pattern (as int32) over x; >= 0x7F800000 means non-finite.
 // Integer max of sign-cleared bits equals the float max for finite values.
 int32_t MaxAbsBits(const float* HWY_RESTRICT x, size_t n) {
@@ -44,6 +47,9 @@ int32_t MaxAbsBits(const float* HWY_RESTRICT x, size_t n) {
     auto m0 = hn::Zero(di), m1 = hn::Zero(di), m2 = hn::Zero(di), m3 = hn::Zero(di);
     size_t i = begin;
     for (; i + 4 * N <= end; i += 4 * N) {
+      for (size_t k = 0; k < 4 * N * sizeof(float); k += 64) {
+        hwy::Prefetch(reinterpret_cast<const char*>(p + i + kPrefetchFloats) + k);
+      }
       m0 = hn::Max(m0, hn::And(hn::LoadU(di, p + i), mask));
       m1 = hn::Max(m1, hn::And(hn::LoadU(di, p + i + N), mask));
       m2 = hn::Max(m2, hn::And(hn::LoadU(di, p + i + 2 * N), mask));
@@ -93,6 +99,8 @@ void QuantizeInt8(const float* HWY_RESTRICT x, size_t n, float scale, int8_t* HW
     const auto vinv = hn::Set(d, inv_ok);
     size_t i = begin;
     for (; i + 2 * N <= end; i += 2 * N) {
+      hwy::Prefetch(x + i + kPrefetchFloats);
+      hwy::Prefetch(x + i + kPrefetchFloats + N);
       const auto a = QuantizeInt8Vec(d, hn::LoadU(d, x + i), vscale, vinv);
       const auto b = QuantizeInt8Vec(d, hn::LoadU(d, x + i + N), vscale, vinv);
       hn::StoreU(hn::DemoteTo(d8, a), d8, codes + i);
@@ -159,6 +167,9 @@ bool QuantizeFp8(const float* HWY_RESTRICT x, size_t n, uint8_t* HWY_RESTRICT co
     auto m = hn::Zero(di);
     size_t i = begin;
     for (; i + N <= end; i += N) {
+      // Software prefetch keeps loads in flight while the ALU-heavy encode
+      // runs (the hardware prefetcher alone left DRAM idle here).
+      hwy::Prefetch(x + i + kPrefetchFloats);
       const auto v = hn::LoadU(d, x + i);
       m = hn::Max(m, hn::And(hn::BitCast(di, v), mask));
       hn::StoreU(hn::DemoteTo(d8, EncodeFp8<E4M3Fmt>(d, v, /*saturate=*/true)), d8, codes + i);
