@@ -64,21 +64,27 @@ int32_t MaxAbsBits(const float* HWY_RESTRICT x, size_t n) {
 }
 
 // rne(x / scale) clamped to [-127, 127], bit-exact with the true division.
-// Fast path: y = x * (1/scale). |y - fl(x/scale)| <= 3 * 127 * 2^-24 < 2.5e-5
-// (|x / scale| <= 127 plus the three roundings of 1/scale, the product and
-// the quotient), so rounding y gives the same integer unless y lies within
-// 2.5e-5 of a half-integer; such vectors (rare) are redone with Div.
+// Fast path (normal scale): y = x * (1/scale). |y - fl(x/scale)| <= 3 * 127 *
+// 2^-24 < 2.5e-5 (|x / scale| <= 127 plus the roundings of 1/scale, the
+// product and the quotient), so rounding y gives the same integer unless y
+// lies within 2.5e-5 of a half-integer; such vectors (rare) are redone with
+// Div. With a normal scale |x / scale| < 127.5, so no clamp is needed there.
+// Rounding uses the magic-number add: for |z| < 2^22, z + 1.5 * 2^23 lies in
+// [2^23, 2^24) where the float spacing is 1, so the add rounds to nearest even
+// and the low mantissa bits are the integer.
 template <class D>
 HWY_INLINE hn::Vec<hn::RebindToSigned<D>> QuantizeInt8Vec(D d, hn::Vec<D> v, hn::Vec<D> vscale,
                                                         hn::Vec<D> vinv) {
   const hn::RebindToSigned<D> di;
-  auto q = hn::Round(hn::Mul(v, vinv));
-  const auto frac = hn::Abs(hn::Sub(hn::Mul(v, vinv), q));
+  const auto magic = hn::Set(d, 12582912.0f);  // 1.5 * 2^23
+  const auto y = hn::Mul(v, vinv);
+  auto t = hn::Add(y, magic);
+  const auto frac = hn::Abs(hn::Sub(y, hn::Sub(t, magic)));
   if (HWY_UNLIKELY(!hn::AllTrue(d, hn::Le(frac, hn::Set(d, 0.5f - 3.0e-5f))))) {  // NaN -> Div
-    q = hn::Round(hn::Div(v, vscale));
+    const auto z = hn::Min(hn::Max(hn::Div(v, vscale), hn::Set(d, -127.0f)), hn::Set(d, 127.0f));
+    t = hn::Add(z, magic);
   }
-  q = hn::Min(hn::Max(q, hn::Set(d, -127.0f)), hn::Set(d, 127.0f));
-  return hn::ConvertTo(di, q);
+  return hn::Sub(hn::BitCast(di, t), hn::BitCast(di, magic));
 }
 
 // codes = clamp(rne(x / scale), -127, 127); scale > 0 and x finite.
@@ -87,10 +93,11 @@ void QuantizeInt8(const float* HWY_RESTRICT x, size_t n, float scale, int8_t* HW
   const hn::Rebind<int8_t, decltype(d)> d8;
   const size_t N = hn::Lanes(d);
   const int64_t chunks = static_cast<int64_t>((n + KVQ_AFFINE_CHUNK - 1) / KVQ_AFFINE_CHUNK);
-  // A denormal scale can have an infinite reciprocal: then every vector
-  // takes the division path (inv = NaN makes the fast-path check fail).
-  const float inv = 1.0f / scale;
-  const float inv_ok = std::isfinite(inv) ? inv : std::numeric_limits<float>::quiet_NaN();
+  // A subnormal scale is imprecise (and its reciprocal may be infinite): then
+  // every vector takes the clamped division path (NaN fails the fast check).
+  const float inv_ok = scale >= std::numeric_limits<float>::min()
+                           ? 1.0f / scale
+                           : std::numeric_limits<float>::quiet_NaN();
 #pragma omp parallel for schedule(static) if (chunks > 1 && !omp_in_parallel())
   for (int64_t c = 0; c < chunks; ++c) {
     const size_t begin = static_cast<size_t>(c) * KVQ_AFFINE_CHUNK;

@@ -213,21 +213,12 @@ TEST(Affine, EmptyTensorsRoundTrip) {
   }
 }
 
-std::string ErrorOf(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "<no error>";
-}
-
 TEST(Affine, ErrorsNameTheArgument) {
   std::vector<float> v(20, 1.0f);
   v[13] = NAN;
   Tensor xn = MakeF32(v, {4, 5});
   for (QuantMode m : {QuantMode::Int8, QuantMode::Fp8}) {
-    const std::string msg = ErrorOf([&] { quantize_kv_cache(xn, m); });
+    const std::string msg = test::ErrorOf([&] { quantize_kv_cache(xn, m); });
     EXPECT_NE(msg.find("flat index 13"), std::string::npos) << msg;
     EXPECT_NE(msg.find("x:"), std::string::npos) << msg;
   }
@@ -235,24 +226,24 @@ TEST(Affine, ErrorsNameTheArgument) {
   v[7] = -INFINITY;
   v[19] = INFINITY;
   Tensor xi = MakeF32(v, {20});
-  EXPECT_NE(ErrorOf([&] { quantize_kv_cache(xi); }).find("flat index 7"), std::string::npos);
-  EXPECT_NE(ErrorOf([&] { quantization_error_per_token(xi); }).find("flat index 7"), std::string::npos);
+  EXPECT_NE(test::ErrorOf([&] { quantize_kv_cache(xi); }).find("flat index 7"), std::string::npos);
+  EXPECT_NE(test::ErrorOf([&] { quantization_error_per_token(xi); }).find("flat index 7"), std::string::npos);
 
   Tensor scalar({}, DType::F32);
-  EXPECT_NE(ErrorOf([&] { quantize_kv_cache(scalar); }).find("rank >= 1"), std::string::npos);
+  EXPECT_NE(test::ErrorOf([&] { quantize_kv_cache(scalar); }).find("rank >= 1"), std::string::npos);
   Tensor i8({4}, DType::I8);
-  EXPECT_NE(ErrorOf([&] { quantize_kv_cache(i8); }).find("dtype"), std::string::npos);
-  EXPECT_NE(ErrorOf([&] { quantize_kv_cache(MakeF32({1}, {1}), static_cast<QuantMode>(9)); }).find("mode"),
+  EXPECT_NE(test::ErrorOf([&] { quantize_kv_cache(i8); }).find("dtype"), std::string::npos);
+  EXPECT_NE(test::ErrorOf([&] { quantize_kv_cache(MakeF32({1}, {1}), static_cast<QuantMode>(9)); }).find("mode"),
             std::string::npos);
   EXPECT_THROW(parse_quant_mode("int4"), Error);
   EXPECT_EQ(parse_quant_mode("fp8"), QuantMode::Fp8);
 
   AffineQuantized q = quantize_kv_cache(MakeF32({1, 2}, {2}));
   q.mode = QuantMode::Fp8;  // codes are i8: mismatch
-  EXPECT_NE(ErrorOf([&] { dequantize_kv_cache(q); }).find("q.codes"), std::string::npos);
+  EXPECT_NE(test::ErrorOf([&] { dequantize_kv_cache(q); }).find("q.codes"), std::string::npos);
   q.mode = QuantMode::Int8;
   q.scale = NAN;
-  EXPECT_NE(ErrorOf([&] { dequantize_kv_cache(q); }).find("q.scale"), std::string::npos);
+  EXPECT_NE(test::ErrorOf([&] { dequantize_kv_cache(q); }).find("q.scale"), std::string::npos);
 }
 
 TEST(Affine, PerTokenErrorIsRowMeanAbsRoundTrip) {

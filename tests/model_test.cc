@@ -33,15 +33,6 @@ std::string TempPath(const std::string& name) {
   return (std::filesystem::temp_directory_path() / ("kvq_model_test_" + std::to_string(::getpid()) + "_" + name)).string();
 }
 
-std::string ErrorOf(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "<no error>";
-}
-
 #define KVQ_MODEL_FILES()                                                               \
   KVQ_REQUIRE_SHARED_FILE(model_path, "models/stories260K/stories260K.bin");            \
   KVQ_REQUIRE_SHARED_FILE(tok_path, "models/stories260K/tok512.bin");                   \
@@ -170,7 +161,7 @@ TEST(Model, StoriesAreSplitStrippedAndPrefixedWithBos) {
   const std::vector<int> b = tok.encode("Bye.", true);
   want.insert(want.end(), b.begin(), b.end());
   EXPECT_EQ(a, want);
-  EXPECT_NE(ErrorOf([&] { tokenize_stories(tok, " \n<|endoftext|>\n "); }).find("no stories"), std::string::npos);
+  EXPECT_NE(test::ErrorOf([&] { tokenize_stories(tok, " \n<|endoftext|>\n "); }).find("no stories"), std::string::npos);
 }
 
 TEST(Model, BadFilesAreClearErrors) {
@@ -178,37 +169,37 @@ TEST(Model, BadFilesAreClearErrors) {
   const std::string bytes = Slurp(model_path);
   const std::string trunc = TempPath("trunc.bin");
   std::ofstream(trunc, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size() - 100));
-  EXPECT_NE(ErrorOf([&] { Checkpoint c(trunc); }).find("truncated or inconsistent"), std::string::npos);
+  EXPECT_NE(test::ErrorOf([&] { Checkpoint c(trunc); }).find("truncated or inconsistent"), std::string::npos);
   const std::string tiny = TempPath("tiny.bin");
   std::ofstream(tiny, std::ios::binary).write(bytes.data(), 10);
-  EXPECT_NE(ErrorOf([&] { Checkpoint c(tiny); }).find("28-byte"), std::string::npos);
+  EXPECT_NE(test::ErrorOf([&] { Checkpoint c(tiny); }).find("28-byte"), std::string::npos);
   std::string bad = bytes;
   const int32_t heads = 7;  // dim 64 is not a multiple of 7
   std::memcpy(bad.data() + 12, &heads, 4);
   const std::string badp = TempPath("bad.bin");
   std::ofstream(badp, std::ios::binary).write(bad.data(), static_cast<std::streamsize>(bad.size()));
-  EXPECT_NE(ErrorOf([&] { Checkpoint c(badp); }).find("inconsistent header"), std::string::npos);
-  EXPECT_NE(ErrorOf([&] { Checkpoint c("/nonexistent/model.bin"); }).find("cannot open"), std::string::npos);
+  EXPECT_NE(test::ErrorOf([&] { Checkpoint c(badp); }).find("inconsistent header"), std::string::npos);
+  EXPECT_NE(test::ErrorOf([&] { Checkpoint c("/nonexistent/model.bin"); }).find("cannot open"), std::string::npos);
 
   const std::string tb = Slurp(tok_path);
   const std::string ttrunc = TempPath("tok.bin");
   std::ofstream(ttrunc, std::ios::binary).write(tb.data(), static_cast<std::streamsize>(tb.size() / 2));
-  EXPECT_NE(ErrorOf([&] { Tokenizer t(ttrunc, 512); }).find("truncated"), std::string::npos);
-  EXPECT_NE(ErrorOf([&] { Tokenizer t(tok_path, 300); }).find("trailing bytes"), std::string::npos);
+  EXPECT_NE(test::ErrorOf([&] { Tokenizer t(ttrunc, 512); }).find("truncated"), std::string::npos);
+  EXPECT_NE(test::ErrorOf([&] { Tokenizer t(tok_path, 300); }).find("trailing bytes"), std::string::npos);
   for (const auto& p : {trunc, tiny, badp, ttrunc}) std::filesystem::remove(p);
 
   const Checkpoint ckpt(model_path);
-  EXPECT_NE(ErrorOf([&] { Transformer t(ckpt, KvScheme::Int8, 513); }).find("max_seq"), std::string::npos);
+  EXPECT_NE(test::ErrorOf([&] { Transformer t(ckpt, KvScheme::Int8, 513); }).find("max_seq"), std::string::npos);
   Transformer t(ckpt, KvScheme::Int8, 8);
-  EXPECT_NE(ErrorOf([&] { t.forward(512, 0); }).find("token"), std::string::npos);
-  EXPECT_NE(ErrorOf([&] { t.forward(1, 8); }).find("pos"), std::string::npos);
+  EXPECT_NE(test::ErrorOf([&] { t.forward(512, 0); }).find("token"), std::string::npos);
+  EXPECT_NE(test::ErrorOf([&] { t.forward(1, 8); }).find("pos"), std::string::npos);
   EvalOptions o;
   o.model_path = model_path;
   o.tokenizer_path = tok_path;
   o.text_path = text_path;
   o.schemes = {KvScheme::Int8};
   o.ctx = 1000;
-  EXPECT_NE(ErrorOf([&] { run_eval(o); }).find("ctx"), std::string::npos);
+  EXPECT_NE(test::ErrorOf([&] { run_eval(o); }).find("ctx"), std::string::npos);
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "hwy/targets.h"
+#include "kvq/error.h"
 
 namespace kvq::test {
 
@@ -77,6 +78,16 @@ inline std::vector<float> SyntheticKV(Rng& rng, int64_t tokens, int64_t channels
     }
   }
   return x;
+}
+
+// The message of the kvq::Error that fn throws, or "<no error>".
+inline std::string ErrorOf(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "<no error>";
 }
 
 struct Distortion {
