@@ -46,8 +46,9 @@ EvalReport run_eval(const EvalOptions& opts);
 // A table in the style of llama.cpp's perplexity tool.
 std::string format_report(const EvalReport& r);
 
-// Per-window logits of `scheme` over `tokens` (window of ctx+1 tokens:
-// inputs tokens[0..ctx), targets tokens[1..ctx]); exposed for tests.
+// Sums over one window's ctx predicted positions (inputs tokens[0..ctx),
+// targets tokens[1..ctx]); reduced in window order so thread count does not
+// change the result.
 struct WindowStats {
   double nll = 0, kld = 0, kld_max = 0;
   int64_t top1 = 0;

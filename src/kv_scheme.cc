@@ -196,10 +196,9 @@ KvCache::KvCache(KvScheme scheme, int n_layers, int max_seq, int n_kv_heads, int
                       static_cast<size_t>(codec_.row_len()), 0.0f);
 }
 
-const uint8_t* KvCache::row_ptr(int layer, int pos, int kv) const {
-  const size_t rb = codec_.row_bytes();
-  return data_.data() + ((static_cast<size_t>(layer) * static_cast<size_t>(max_seq_) + static_cast<size_t>(pos)) * 2 +
-                         static_cast<size_t>(kv)) * rb;
+size_t KvCache::RowOffset(int layer, int pos, int kv) const {
+  return ((static_cast<size_t>(layer) * static_cast<size_t>(max_seq_) + static_cast<size_t>(pos)) * 2 +
+          static_cast<size_t>(kv)) * codec_.row_bytes();
 }
 
 void KvCache::write(int layer, int pos, std::span<const float> k, std::span<const float> v) {
@@ -211,8 +210,8 @@ void KvCache::write(int layer, int pos, std::span<const float> k, std::span<cons
   const int64_t bk = first_non_finite(k), bv = first_non_finite(v);
   KVQ_CHECK_ARG(bk < 0 && bv < 0, "k, v: expected finite values, found a non-finite value at ",
                 bk >= 0 ? "k[" : "v[", bk >= 0 ? bk : bv, "] (layer ", layer, ", pos ", pos, ")");
-  uint8_t* kb = const_cast<uint8_t*>(row_ptr(layer, pos, 0));
-  uint8_t* vb = const_cast<uint8_t*>(row_ptr(layer, pos, 1));
+  uint8_t* kb = data_.data() + RowOffset(layer, pos, 0);
+  uint8_t* vb = data_.data() + RowOffset(layer, pos, 1);
   codec_.encode(k.data(), kb);
   codec_.encode(v.data(), vb);
   codec_.decode(kb, decoded_.data() + Offset(layer, 0) + static_cast<size_t>(pos) * n);
@@ -222,13 +221,13 @@ void KvCache::write(int layer, int pos, std::span<const float> k, std::span<cons
 void KvCache::read_k(int layer, int pos, std::span<float> out) const {
   KVQ_CHECK_ARG(layer >= 0 && layer < n_layers_ && pos >= 0 && pos < max_seq_, "layer/pos: out of range");
   KVQ_CHECK_ARG(out.size() == static_cast<size_t>(codec_.row_len()), "out: expected ", codec_.row_len(), " values");
-  codec_.decode(row_ptr(layer, pos, 0), out.data());
+  codec_.decode(data_.data() + RowOffset(layer, pos, 0), out.data());
 }
 
 void KvCache::read_v(int layer, int pos, std::span<float> out) const {
   KVQ_CHECK_ARG(layer >= 0 && layer < n_layers_ && pos >= 0 && pos < max_seq_, "layer/pos: out of range");
   KVQ_CHECK_ARG(out.size() == static_cast<size_t>(codec_.row_len()), "out: expected ", codec_.row_len(), " values");
-  codec_.decode(row_ptr(layer, pos, 1), out.data());
+  codec_.decode(data_.data() + RowOffset(layer, pos, 1), out.data());
 }
 
 }  // namespace kvq

@@ -33,6 +33,16 @@ std::string TempPath(const std::string& name) {
   return (std::filesystem::temp_directory_path() / ("kvq_model_test_" + std::to_string(::getpid()) + "_" + name)).string();
 }
 
+EvalOptions DevTextOptions(const std::string& model, const std::string& tok, const std::string& text,
+                           std::vector<KvScheme> schemes) {
+  EvalOptions o;
+  o.model_path = model;
+  o.tokenizer_path = tok;
+  o.text_path = text;
+  o.schemes = std::move(schemes);
+  return o;
+}
+
 #define KVQ_MODEL_FILES()                                                               \
   KVQ_REQUIRE_SHARED_FILE(model_path, "models/stories260K/stories260K.bin");            \
   KVQ_REQUIRE_SHARED_FILE(tok_path, "models/stories260K/tok512.bin");                   \
@@ -87,11 +97,7 @@ TEST(Model, WindowIsBitwiseIdenticalToTokenByTokenDecoding) {
 // (SPEC §7 protocol) must land within 0.03.
 TEST(Model, Fp32LossOnDevTextMatchesTheModelCard) {
   KVQ_MODEL_FILES();
-  EvalOptions o;
-  o.model_path = model_path;
-  o.tokenizer_path = tok_path;
-  o.text_path = text_path;
-  o.schemes = {KvScheme::Fp32};
+  const EvalOptions o = DevTextOptions(model_path, tok_path, text_path, {KvScheme::Fp32});
   const EvalReport r = run_eval(o);
   ASSERT_EQ(r.results.size(), 1u);
   EXPECT_GT(r.windows, 200);
@@ -102,11 +108,7 @@ TEST(Model, Fp32LossOnDevTextMatchesTheModelCard) {
 
 TEST(Model, EvalMetricsAreConsistentAndThreadIndependent) {
   KVQ_MODEL_FILES();
-  EvalOptions o;
-  o.model_path = model_path;
-  o.tokenizer_path = tok_path;
-  o.text_path = text_path;
-  o.schemes = {KvScheme::Int8, KvScheme::Q4_0, KvScheme::Fp16};
+  EvalOptions o = DevTextOptions(model_path, tok_path, text_path, {KvScheme::Int8, KvScheme::Q4_0, KvScheme::Fp16});
   o.ctx = 64;
   o.max_windows = 12;
   o.threads = 1;
@@ -193,11 +195,7 @@ TEST(Model, BadFilesAreClearErrors) {
   Transformer t(ckpt, KvScheme::Int8, 8);
   EXPECT_NE(test::ErrorOf([&] { t.forward(512, 0); }).find("token"), std::string::npos);
   EXPECT_NE(test::ErrorOf([&] { t.forward(1, 8); }).find("pos"), std::string::npos);
-  EvalOptions o;
-  o.model_path = model_path;
-  o.tokenizer_path = tok_path;
-  o.text_path = text_path;
-  o.schemes = {KvScheme::Int8};
+  EvalOptions o = DevTextOptions(model_path, tok_path, text_path, {KvScheme::Int8});
   o.ctx = 1000;
   EXPECT_NE(test::ErrorOf([&] { run_eval(o); }).find("ctx"), std::string::npos);
 }

@@ -48,7 +48,6 @@ int RunEval(const EvalCliOptions& o) {
   e.max_windows = o.max_windows;
   e.threads = o.threads;
   e.progress = true;
-  KVQ_CHECK_ARG(o.ctx >= 0, "--ctx: expected >= 0, got ", o.ctx);
   if (!o.json.empty()) {
     const auto dir = std::filesystem::path(o.json).parent_path();
     KVQ_CHECK_ARG(dir.empty() || std::filesystem::is_directory(dir), "--json: directory '", dir.string(),

@@ -99,7 +99,7 @@ class KvCache {
   double bits_per_element() const { return codec_.bits_per_element(); }
 
  private:
-  const uint8_t* row_ptr(int layer, int pos, int kv) const;
+  size_t RowOffset(int layer, int pos, int kv) const;  // byte offset in data_
   size_t Offset(int layer, int kv) const {
     return (static_cast<size_t>(layer) * 2 + static_cast<size_t>(kv)) * static_cast<size_t>(max_seq_) *
            static_cast<size_t>(codec_.row_len());
