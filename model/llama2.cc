@@ -253,17 +253,6 @@ void MatMul(float* out, const float* x, const float* w, int T, int n, int d) {
   }
 }
 
-void Softmax(float* x, int n) {
-  float max_val = x[0];
-  for (int i = 1; i < n; ++i) max_val = std::max(max_val, x[i]);
-  float sum = 0.0f;
-  for (int i = 0; i < n; ++i) {
-    x[i] = std::exp(x[i] - max_val);
-    sum += x[i];
-  }
-  for (int i = 0; i < n; ++i) x[i] /= sum;
-}
-
 }  // namespace
 
 Transformer::Transformer(const Checkpoint& ckpt, KvScheme scheme, int max_seq)
@@ -284,33 +273,13 @@ Transformer::Transformer(const Checkpoint& ckpt, KvScheme scheme, int max_seq)
       rope_sin_[static_cast<size_t>(pos * (hs / 2) + i / 2)] = std::sin(val);
     }
   }
-  att_.resize(static_cast<size_t>(max_seq));
   logits_.resize(static_cast<size_t>(cfg_.vocab_size));
 }
 
 void Transformer::attention(int layer, int pos, const float* q, float* out) {
-  const int hs = cfg_.head_size(), kv_dim = cfg_.kv_dim(), kv_mul = cfg_.n_heads / cfg_.n_kv_heads;
-  const float* keys = cache_.k_rows(layer);
-  const float* values = cache_.v_rows(layer);
-  const float inv_sqrt = std::sqrt(static_cast<float>(hs));
-  for (int h = 0; h < cfg_.n_heads; ++h) {
-    const float* qh = q + h * hs;
-    const int off = (h / kv_mul) * hs;
-    for (int t = 0; t <= pos; ++t) {
-      const float* k = keys + static_cast<size_t>(t) * static_cast<size_t>(kv_dim) + static_cast<size_t>(off);
-      float score = 0.0f;
-      for (int i = 0; i < hs; ++i) score += qh[i] * k[i];
-      att_[static_cast<size_t>(t)] = score / inv_sqrt;
-    }
-    Softmax(att_.data(), pos + 1);
-    float* oh = out + h * hs;
-    std::fill(oh, oh + hs, 0.0f);
-    for (int t = 0; t <= pos; ++t) {
-      const float* v = values + static_cast<size_t>(t) * static_cast<size_t>(kv_dim) + static_cast<size_t>(off);
-      const float a = att_[static_cast<size_t>(t)];
-      for (int i = 0; i < hs; ++i) oh[i] += a * v[i];
-    }
-  }
+  // Fused decode attention over the stored codes (kvq/attention.h).
+  const size_t n = static_cast<size_t>(cfg_.dim);
+  decode_attention({q, n}, cfg_.n_heads, cache_.view(layer, pos + 1), {out, n});
 }
 
 std::span<const float> Transformer::forward(int token, int pos) {

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "kvq/attention.h"
 #include "kvq/kv_scheme.h"
 
 namespace kvq::model {
@@ -111,7 +112,7 @@ class Transformer {
   const Weights& w_;
   KvCache cache_;
   int max_seq_;
-  std::vector<float> x_, xb_, xb2_, hb_, hb2_, q_, k_, v_, att_, logits_;  // (T, width)
+  std::vector<float> x_, xb_, xb2_, hb_, hb2_, q_, k_, v_, logits_;  // (T, width)
   std::vector<float> rope_cos_, rope_sin_;  // (max_seq, head_size / 2)
 };
 

@@ -187,13 +187,22 @@ void KvRowCodec::decode(const uint8_t* src, float* out) const {
 }
 
 KvCache::KvCache(KvScheme scheme, int n_layers, int max_seq, int n_kv_heads, int head_dim)
-    : codec_(scheme, n_kv_heads * head_dim, head_dim), n_layers_(n_layers), max_seq_(max_seq) {
+    : codec_(scheme, n_kv_heads * head_dim, head_dim),
+      n_layers_(n_layers),
+      max_seq_(max_seq),
+      n_kv_heads_(n_kv_heads),
+      head_dim_(head_dim) {
   KVQ_CHECK_ARG(n_layers > 0, "n_layers: expected > 0, got ", n_layers);
   KVQ_CHECK_ARG(max_seq > 0, "max_seq: expected > 0, got ", max_seq);
   KVQ_CHECK_ARG(n_kv_heads > 0, "n_kv_heads: expected > 0, got ", n_kv_heads);
   data_.assign(bytes(static_cast<int64_t>(max_seq)), 0);
-  decoded_.assign(static_cast<size_t>(n_layers) * 2 * static_cast<size_t>(max_seq) *
-                      static_cast<size_t>(codec_.row_len()), 0.0f);
+}
+
+KvRowsView KvCache::view(int layer, int64_t tokens) const {
+  KVQ_CHECK_ARG(layer >= 0 && layer < n_layers_, "layer: expected 0..", n_layers_ - 1, ", got ", layer);
+  KVQ_CHECK_ARG(tokens >= 0 && tokens <= max_seq_, "tokens: expected 0..", max_seq_, ", got ", tokens);
+  return KvRowsView{scheme(), n_kv_heads_, head_dim_, data_.data() + RowOffset(layer, 0, 0),
+                    data_.data() + RowOffset(layer, 0, 1), 2 * codec_.row_bytes(), tokens};
 }
 
 size_t KvCache::RowOffset(int layer, int pos, int kv) const {
@@ -214,8 +223,6 @@ void KvCache::write(int layer, int pos, std::span<const float> k, std::span<cons
   uint8_t* vb = data_.data() + RowOffset(layer, pos, 1);
   codec_.encode(k.data(), kb);
   codec_.encode(v.data(), vb);
-  codec_.decode(kb, decoded_.data() + Offset(layer, 0) + static_cast<size_t>(pos) * n);
-  codec_.decode(vb, decoded_.data() + Offset(layer, 1) + static_cast<size_t>(pos) * n);
 }
 
 void KvCache::read_k(int layer, int pos, std::span<float> out) const {

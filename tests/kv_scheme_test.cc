@@ -196,15 +196,24 @@ TEST(KvCache, WritesRowsAndReadsThemBack) {
   test::Rng rng(5);
   for (KvScheme s : all_kv_schemes()) {
     KvCache cache(s, 2, 16, 2, 16);
-    std::vector<float> k(32), v(32), out(32);
+    std::vector<float> k(32), v(32), out(32), want(32);
+    std::vector<uint8_t> enc(cache.codec().row_bytes());
     for (int pos = 0; pos < 16; ++pos) {
       for (auto& f : k) f = static_cast<float>(rng.Gaussian());
       for (auto& f : v) f = static_cast<float>(rng.Gaussian());
       cache.write(1, pos, k, v);
+      const KvRowsView view = cache.view(1, pos + 1);
+      ASSERT_EQ(view.tokens, pos + 1);
+      cache.codec().encode(k.data(), enc.data());
+      ASSERT_EQ(0, std::memcmp(view.k + pos * view.stride, enc.data(), enc.size()));
+      cache.codec().decode(enc.data(), want.data());
       cache.read_k(1, pos, out);
-      for (int i = 0; i < 32; ++i) ASSERT_EQ(out[static_cast<size_t>(i)], cache.k_rows(1)[pos * 32 + i]);
+      ASSERT_EQ(out, want);
+      cache.codec().encode(v.data(), enc.data());
+      ASSERT_EQ(0, std::memcmp(view.v + pos * view.stride, enc.data(), enc.size()));
+      cache.codec().decode(enc.data(), want.data());
       cache.read_v(1, pos, out);
-      for (int i = 0; i < 32; ++i) ASSERT_EQ(out[static_cast<size_t>(i)], cache.v_rows(1)[pos * 32 + i]);
+      ASSERT_EQ(out, want);
       if (s == KvScheme::Fp32) {
         ASSERT_EQ(0, std::memcmp(out.data(), v.data(), 128));
       }

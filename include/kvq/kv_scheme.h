@@ -66,14 +66,21 @@ class KvRowCodec {
   size_t row_bytes_;
 };
 
+// Read-only view of the stored K and V rows of one layer (the input of the
+// fused attention kernel, attention.h).
+struct KvRowsView {
+  KvScheme scheme = KvScheme::Fp32;
+  int n_kv_heads = 0;
+  int head_dim = 0;
+  const uint8_t* k = nullptr;  // K row t starts at k + t * stride
+  const uint8_t* v = nullptr;  // V row t starts at v + t * stride
+  size_t stride = 0;           // bytes between consecutive rows, >= the row's bytes
+  int64_t tokens = 0;          // rows available
+};
+
 // K and V rows of n_layers layers for positions [0, max_seq), stored in one
-// scheme. Memory is allocated once, at construction.
-//
-// Besides the stored bytes, the cache keeps each row decoded from those bytes
-// right after it is written (the values attention sees; decoding is
-// deterministic, so this equals decoding at every read while costing O(T)
-// rather than O(T^2) decodes per sequence). bytes() counts only the stored
-// bytes; the decoded rows are the dequantize-then-attend reference.
+// scheme: the stored bytes are the only copy (attention reads the codes
+// through view()). Memory is allocated once, at construction.
 class KvCache {
  public:
   KvCache(KvScheme scheme, int n_layers, int max_seq, int n_kv_heads, int head_dim);
@@ -85,11 +92,9 @@ class KvCache {
   // Stores the K and V rows of `layer` at `pos`. Throws kvq::Error on an out
   // of range layer/pos, a wrong row length or a non-finite value.
   void write(int layer, int pos, std::span<const float> k, std::span<const float> v);
-  // Decoded rows of `layer`: max_seq * row_len floats, rows [0, written)
-  // valid.
-  const float* k_rows(int layer) const { return decoded_.data() + Offset(layer, 0); }
-  const float* v_rows(int layer) const { return decoded_.data() + Offset(layer, 1); }
-  // Decode one stored row afresh from its bytes.
+  // The first `tokens` stored rows of `layer`.
+  KvRowsView view(int layer, int64_t tokens) const;
+  // Decode one stored row from its bytes.
   void read_k(int layer, int pos, std::span<float> out) const;
   void read_v(int layer, int pos, std::span<float> out) const;
 
@@ -100,15 +105,12 @@ class KvCache {
 
  private:
   size_t RowOffset(int layer, int pos, int kv) const;  // byte offset in data_
-  size_t Offset(int layer, int kv) const {
-    return (static_cast<size_t>(layer) * 2 + static_cast<size_t>(kv)) * static_cast<size_t>(max_seq_) *
-           static_cast<size_t>(codec_.row_len());
-  }
   KvRowCodec codec_;
   int n_layers_;
   int max_seq_;
-  std::vector<uint8_t> data_;     // stored bytes: [layer][pos][K row | V row]
-  std::vector<float> decoded_;    // [layer][K | V][pos][row_len]
+  int n_kv_heads_;
+  int head_dim_;
+  std::vector<uint8_t> data_;  // stored bytes: [layer][pos][K row | V row]
 };
 
 }  // namespace kvq

@@ -1,0 +1,46 @@
+// Fused decode attention over a quantized KV cache (SPEC §8).
+//
+// One new query position attends over T cached tokens whose K and V rows are
+// stored in a KvScheme (kv_scheme.h row layouts). The kernel reads the codes
+// directly: each K/V vector is dequantized in registers (per-row and
+// per-head scales are folded into the score and the softmax weight, ggml
+// block scales are applied per 32-value block), scores go through an online
+// softmax in blocks of 32 tokens (no T-sized buffer), and every query head
+// of a GQA group is served from the same loaded K/V vector. Highway SIMD,
+// one dispatch per call; OpenMP over (KV head, token segment) work items,
+// whose partial softmax states are merged exactly.
+//
+// decode_attention_ref is the dequantize-then-attend reference: rows decoded
+// by KvRowCodec, scores and softmax in double, two passes.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "kvq/kv_scheme.h"
+#include "kvq/tensor.h"
+
+namespace kvq {
+
+struct DecodeAttentionOptions {
+  int64_t length = -1;  // attend to rows [0, length) (causal length); -1 = all tokens
+  float scale = 0.0f;   // score scale; 0 = 1 / sqrt(head_dim)
+  int threads = 0;      // OpenMP threads; 0 = omp_get_max_threads(); 1 = the caller's only
+};
+
+// q: n_heads * head_dim floats (head-major); out: the same size. n_heads must
+// be a positive multiple of kv.n_kv_heads (query head h reads KV head
+// h / (n_heads / n_kv_heads)); head_dim a multiple of 8; at least one token.
+// Throws kvq::Error on any invalid argument or non-finite q.
+void decode_attention(std::span<const float> q, int n_heads, const KvRowsView& kv,
+                      std::span<float> out, const DecodeAttentionOptions& opts = {});
+// q: F32 tensor of shape (n_heads, head_dim); returns (n_heads, head_dim).
+Tensor decode_attention(const TensorView& q, const KvRowsView& kv,
+                        const DecodeAttentionOptions& opts = {});
+
+// Reference (validated like decode_attention; slow, for tests).
+void decode_attention_ref(std::span<const float> q, int n_heads, const KvRowsView& kv,
+                          std::span<float> out, const DecodeAttentionOptions& opts = {});
+
+}  // namespace kvq

@@ -1,0 +1,581 @@
+// Fused decode attention over a quantized KV cache (SPEC §8).
+#include "kvq/attention.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "kvq/affine.h"
+#include "kvq/error.h"
+#include "kvq/ggml_quants.h"
+
+#ifndef KVQ_ATTENTION_SHARED_
+#define KVQ_ATTENTION_SHARED_
+namespace kvq::attn {
+
+// One work item: a KV head and a token segment, with the running softmax
+// state of the item's query heads (m: running max, l: running sum, acc:
+// unnormalised output, head-major).
+struct Item {
+  const float* q;  // G * hd pre-scaled query values
+  float* m;        // G
+  float* l;        // G
+  float* acc;      // G * hd
+  int g;           // KV head
+  int G;           // query heads in the group
+  int64_t t0, t1;  // token range [t0, t1)
+};
+
+struct Call {
+  KvScheme scheme;
+  int n_kv, hd;
+  const uint8_t* k;
+  const uint8_t* v;
+  size_t stride;
+  const Item* items;
+  int64_t n_items;
+  int threads;
+};
+
+inline float LoadF32(const uint8_t* p) {
+  float f;
+  std::memcpy(&f, p, 4);
+  return f;
+}
+// IEEE half -> float for finite values (ggml block scales).
+inline float HalfToFloat(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  const float mag = std::bit_cast<float>(static_cast<uint32_t>(h & 0x7FFF) << 13) * 0x1p112f;
+  return (h & 0x8000) ? -mag : mag;
+}
+// Offset of the codes within a row, for the non-block layouts.
+inline size_t CodesOffset(KvScheme s, int n_kv) {
+  switch (s) {
+    case KvScheme::Int8:
+    case KvScheme::Fp8E4M3Scaled: return 4;
+    case KvScheme::Int8Head: return 4 * static_cast<size_t>(n_kv);
+    default: return 0;
+  }
+}
+
+}  // namespace kvq::attn
+#endif  // KVQ_ATTENTION_SHARED_
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "src/attention.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/highway.h"
+#include "hwy/cache_control.h"
+#include "hwy/contrib/math/math-inl.h"
+#include "src/fp8-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace kvq {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+using attn::Call;
+using attn::Item;
+
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
+constexpr bool kF16C = true;  // hardware half <-> float (vcvtph2ps)
+#else
+constexpr bool kF16C = false;
+#endif
+
+HWY_INLINE float BlockScale(const uint8_t* blk) {
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
+  uint16_t h;
+  std::memcpy(&h, blk, 2);
+  return _cvtsh_ss(h);
+#else
+  return attn::HalfToFloat(blk);
+#endif
+}
+
+// With F16C, E4M3 codes are widened to halves worth 2^-8 of their value
+// (E5M2 codes are the top byte of a half); the 2^8 is folded into the row scale.
+template <KvScheme S>
+constexpr float kFp8Fold = (kF16C && (S == KvScheme::Fp8E4M3 || S == KvScheme::Fp8E4M3Scaled)) ? 256.0f : 1.0f;
+
+// Scale folded into a row's score / softmax weight (per row or per head).
+template <KvScheme S>
+HWY_INLINE float RowScale(const uint8_t* row, int g) {
+  if constexpr (S == KvScheme::Int8) return attn::LoadF32(row);
+  if constexpr (S == KvScheme::Fp8E4M3Scaled) return attn::LoadF32(row) * kFp8Fold<S>;
+  if constexpr (S == KvScheme::Int8Head) return attn::LoadF32(row + 4 * g);
+  return kFp8Fold<S>;
+}
+
+template <class D>
+HWY_INLINE hn::Vec<D> HalvesToFloat(D d, hn::Vec<hn::Rebind<uint16_t, D>> h16) {
+  const hn::Rebind<hwy::float16_t, D> dh;
+  return hn::PromoteTo(d, hn::BitCast(dh, h16));
+}
+
+// Values of row elements [x, x + Lanes(d)) before the folded row scale.
+// `codes` = row + CodesOffset. x is a multiple of Lanes(d), which divides 16,
+// so a vector never straddles a ggml block or a q4_0 half-block.
+template <KvScheme S, class D>
+HWY_INLINE hn::Vec<D> LoadVals(D d, const uint8_t* row, const uint8_t* codes, size_t x) {
+  const hn::RebindToSigned<D> di;
+  if constexpr (S == KvScheme::Fp32) {
+    return hn::LoadU(d, reinterpret_cast<const float*>(row) + x);
+  } else if constexpr (S == KvScheme::Fp16) {
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
+    const hn::Rebind<hwy::float16_t, D> dh;
+    return hn::PromoteTo(d, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(row) + x));
+#else
+    // Finite halves without F16C: move the bits into place and rebias by 2^112.
+    const hn::Rebind<uint16_t, D> du16;
+    const auto h = hn::PromoteTo(di, hn::LoadU(du16, reinterpret_cast<const uint16_t*>(row) + x));
+    const auto mag = hn::Mul(hn::BitCast(d, hn::ShiftLeft<13>(hn::And(h, hn::Set(di, 0x7FFF)))),
+                             hn::Set(d, 0x1p112f));
+    return hn::Or(mag, hn::BitCast(d, hn::ShiftLeft<16>(hn::And(h, hn::Set(di, 0x8000)))));
+#endif
+  } else if constexpr (S == KvScheme::Bf16) {
+    const hn::Rebind<uint16_t, D> du16;
+    const auto h = hn::PromoteTo(di, hn::LoadU(du16, reinterpret_cast<const uint16_t*>(row) + x));
+    return hn::BitCast(d, hn::ShiftLeft<16>(h));
+  } else if constexpr (S == KvScheme::Int8 || S == KvScheme::Int8Head) {
+    const hn::Rebind<int8_t, D> d8;
+    return hn::ConvertTo(d, hn::PromoteTo(di, hn::LoadU(d8, reinterpret_cast<const int8_t*>(codes) + x)));
+  } else if constexpr (S == KvScheme::Fp8E4M3 || S == KvScheme::Fp8E4M3Scaled) {
+    const hn::Rebind<uint8_t, D> du8;
+    if constexpr (kF16C) {
+      const hn::Rebind<uint16_t, D> du16;
+      const auto b = hn::PromoteTo(du16, hn::LoadU(du8, codes + x));
+      return HalvesToFloat(d, hn::Or(hn::ShiftLeft<7>(hn::And(b, hn::Set(du16, 0x7F))),
+                                     hn::ShiftLeft<8>(hn::And(b, hn::Set(du16, 0x80)))));
+    }
+    return DecodeFp8<E4M3Fmt>(d, hn::PromoteTo(di, hn::LoadU(du8, codes + x)));
+  } else if constexpr (S == KvScheme::Fp8E5M2) {
+    const hn::Rebind<uint8_t, D> du8;
+    if constexpr (kF16C) {
+      const hn::Rebind<uint16_t, D> du16;
+      return HalvesToFloat(d, hn::ShiftLeft<8>(hn::PromoteTo(du16, hn::LoadU(du8, codes + x))));
+    }
+    return DecodeFp8<E5M2Fmt>(d, hn::PromoteTo(di, hn::LoadU(du8, codes + x)));
+  } else if constexpr (S == KvScheme::Q8_0) {
+    const hn::Rebind<int8_t, D> d8;
+    const uint8_t* blk = row + sizeof(ggml::BlockQ8_0) * (x / ggml::kBlock);
+    const auto c = hn::LoadU(d8, reinterpret_cast<const int8_t*>(blk + 2) + x % ggml::kBlock);
+    return hn::Mul(hn::ConvertTo(d, hn::PromoteTo(di, c)), hn::Set(d, BlockScale(blk)));
+  } else {
+    static_assert(S == KvScheme::Q4_0);
+    const hn::Rebind<uint8_t, D> du8;
+    const uint8_t* blk = row + sizeof(ggml::BlockQ4_0) * (x / ggml::kBlock);
+    const size_t o = x % ggml::kBlock;
+    const auto bytes = hn::LoadU(du8, blk + 2 + (o & 15));
+    const auto nib = o < 16 ? hn::And(bytes, hn::Set(du8, 0x0F)) : hn::ShiftRight<4>(bytes);
+    const float db = BlockScale(blk);
+    return hn::MulAdd(hn::ConvertTo(d, hn::PromoteTo(di, nib)), hn::Set(d, db), hn::Set(d, -8.0f * db));
+  }
+}
+
+// A whole ggml block (32 values, kC = 32 / N vectors) with its scale
+// decoded once. Used when heads are block-aligned (head_dim % 32 == 0).
+template <KvScheme S, class D, size_t kC>
+HWY_INLINE void LoadBlock(D d, const uint8_t* blk, hn::Vec<D> (&v)[kC]) {
+  constexpr size_t N = hn::MaxLanes(D());
+  const hn::RebindToSigned<D> di;
+  const float db = BlockScale(blk);
+  const auto vdb = hn::Set(d, db);
+  if constexpr (S == KvScheme::Q8_0) {
+    const hn::Rebind<int8_t, D> d8;
+    const int8_t* qs = reinterpret_cast<const int8_t*>(blk + 2);
+    for (size_t c = 0; c < kC; ++c) {
+      v[c] = hn::Mul(hn::ConvertTo(d, hn::PromoteTo(di, hn::LoadU(d8, qs + c * N))), vdb);
+    }
+  } else {
+    static_assert(S == KvScheme::Q4_0);
+    const hn::Rebind<uint8_t, D> du8;
+    const auto off = hn::Set(d, -8.0f * db);
+    for (size_t c = 0; c < kC / 2; ++c) {  // one load feeds a low- and a high-nibble vector
+      const auto bytes = hn::LoadU(du8, blk + 2 + c * N);
+      v[c] = hn::MulAdd(hn::ConvertTo(d, hn::PromoteTo(di, hn::And(bytes, hn::Set(du8, 0x0F)))), vdb, off);
+      v[c + kC / 2] = hn::MulAdd(hn::ConvertTo(d, hn::PromoteTo(di, hn::ShiftRight<4>(bytes))), vdb, off);
+    }
+  }
+}
+
+// kC vectors of row elements [x, x + kC * N): a whole block on the block
+// path, else one vector.
+template <KvScheme S, bool kBlocks, class D, size_t kC>
+HWY_INLINE void LoadGroup(D d, const uint8_t* row, const uint8_t* codes, size_t x, hn::Vec<D> (&v)[kC]) {
+  if constexpr (kBlocks) {
+    constexpr size_t kBlockBytes = S == KvScheme::Q8_0 ? sizeof(ggml::BlockQ8_0) : sizeof(ggml::BlockQ4_0);
+    LoadBlock<S>(d, row + kBlockBytes * (x / ggml::kBlock), v);
+  } else {
+    v[0] = LoadVals<S>(d, row, codes, x);
+  }
+}
+
+constexpr int kBlockTokens = 32;
+
+// Horizontal sums of kG accumulators, written to out[0..kG). Groups of four
+// share one reduction tree: two interleave levels leave [a0 a1 a2 a3]
+// partials in every 128-bit block, then the blocks are added.
+template <int kG, class D>
+HWY_INLINE void SumLanes(D d, const hn::Vec<D> (&a)[kG], float* HWY_RESTRICT out) {
+  constexpr size_t N = hn::MaxLanes(D());
+#if HWY_TARGET != HWY_SCALAR
+  if constexpr (kG % 4 == 0 && N >= 4) {
+    const hn::Repartition<uint64_t, D> d64;
+    for (int h = 0; h < kG; h += 4) {
+      const auto t01 = hn::Add(hn::InterleaveLower(d, a[h], a[h + 1]), hn::InterleaveUpper(d, a[h], a[h + 1]));
+      const auto t23 = hn::Add(hn::InterleaveLower(d, a[h + 2], a[h + 3]), hn::InterleaveUpper(d, a[h + 2], a[h + 3]));
+      const auto w01 = hn::BitCast(d64, t01), w23 = hn::BitCast(d64, t23);
+      auto u = hn::Add(hn::BitCast(d, hn::InterleaveLower(d64, w01, w23)),
+                       hn::BitCast(d, hn::InterleaveUpper(d64, w01, w23)));
+      if constexpr (N == 16) {
+        const hn::Half<D> dh;
+        const hn::Half<decltype(dh)> dq;
+        const auto v8 = hn::Add(hn::LowerHalf(dh, u), hn::UpperHalf(dh, u));
+        hn::StoreU(hn::Add(hn::LowerHalf(dq, v8), hn::UpperHalf(dq, v8)), dq, out + h);
+      } else if constexpr (N == 8) {
+        const hn::Half<D> dh;
+        hn::StoreU(hn::Add(hn::LowerHalf(dh, u), hn::UpperHalf(dh, u)), dh, out + h);
+      } else {
+        hn::StoreU(u, d, out + h);
+      }
+    }
+    return;
+  }
+#endif
+  for (int h = 0; h < kG; ++h) out[h] = hn::GetLane(hn::SumOfLanes(d, a[h]));
+}
+
+// Bytes of a row that head elements [x, x + n) live in: {offset, length}.
+// Rows are strided by the K|V interleave (> 2 KiB at head_dim 128), beyond
+// what hardware stride prefetchers follow, so the kernel prefetches them.
+template <KvScheme S>
+HWY_INLINE void SliceBytes(int n_kv, size_t x, size_t n, size_t& off, size_t& len) {
+  if constexpr (S == KvScheme::Q8_0 || S == KvScheme::Q4_0) {
+    constexpr size_t kB = S == KvScheme::Q8_0 ? sizeof(ggml::BlockQ8_0) : sizeof(ggml::BlockQ4_0);
+    off = kB * (x / ggml::kBlock);
+    len = kB * ((x + n + ggml::kBlock - 1) / ggml::kBlock) - off;
+  } else {
+    constexpr size_t kElem = S == KvScheme::Fp32 ? 4 : (S == KvScheme::Fp16 || S == KvScheme::Bf16) ? 2 : 1;
+    off = attn::CodesOffset(S, n_kv) + kElem * x;
+    len = kElem * n;
+  }
+}
+
+HWY_INLINE void PrefetchSlice(const uint8_t* row, size_t off, size_t len, bool with_row_start) {
+  if (with_row_start) hwy::Prefetch(row);
+  for (size_t i = 0; i < len; i += 64) hwy::Prefetch(row + off + i);
+  hwy::Prefetch(row + off + len - 1);
+}
+
+// kG query heads of one KV head over the item's tokens, in blocks of 32:
+// scores from the K codes, an online-softmax update, then V accumulated from
+// the codes with every head's weight applied to the same loaded vector.
+template <KvScheme S, bool kBlocks, int kG, class D>
+HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, int h0) {
+  constexpr size_t N = hn::MaxLanes(D());
+  constexpr size_t kC = kBlocks ? ggml::kBlock / N : 1;  // vectors per element group
+  constexpr size_t kEG = kC * N;
+  const size_t hd = static_cast<size_t>(c.hd);
+  const size_t xbase = static_cast<size_t>(it.g) * hd;
+  const size_t coff = attn::CodesOffset(S, c.n_kv);
+  const float* q = it.q + static_cast<size_t>(h0) * hd;
+  float* acc = it.acc + static_cast<size_t>(h0) * hd;
+  float* m = it.m + h0;
+  float* l = it.l + h0;
+  HWY_ALIGN float s[kG][kBlockTokens];
+  float vscale[kBlockTokens];
+  size_t pf_off, pf_len;
+  SliceBytes<S>(c.n_kv, xbase, hd, pf_off, pf_len);
+  constexpr bool kRowScale = S == KvScheme::Int8 || S == KvScheme::Int8Head || S == KvScheme::Fp8E4M3Scaled;
+
+  for (int64_t t0 = it.t0; t0 < it.t1; t0 += kBlockTokens) {
+    const int nb = static_cast<int>(std::min<int64_t>(kBlockTokens, it.t1 - t0));
+    for (int b = 0; b < nb; ++b) {
+      const uint8_t* row = c.k + static_cast<size_t>(t0 + b) * c.stride;
+      // K of the next block, V of this one (read after the scores).
+      if (t0 + b + kBlockTokens < it.t1) PrefetchSlice(row + kBlockTokens * c.stride, pf_off, pf_len, kRowScale);
+      PrefetchSlice(c.v + static_cast<size_t>(t0 + b) * c.stride, pf_off, pf_len, kRowScale);
+      hn::Vec<D> a[kG];
+      for (int h = 0; h < kG; ++h) a[h] = hn::Zero(d);
+#pragma GCC unroll 8
+      for (size_t e = 0; e < hd; e += kEG) {
+        hn::Vec<D> kv[kC];
+        LoadGroup<S, kBlocks>(d, row, row + coff, xbase + e, kv);
+        for (size_t j = 0; j < kC; ++j) {
+          for (int h = 0; h < kG; ++h) a[h] = hn::MulAdd(hn::LoadU(d, q + h * hd + e + j * N), kv[j], a[h]);
+        }
+      }
+      const float rs = RowScale<S>(row, it.g);
+      float dots[kG];
+      SumLanes<kG>(d, a, dots);
+      for (int h = 0; h < kG; ++h) s[h][b] = dots[h] * rs;
+    }
+    for (int b = 0; b < nb; ++b) vscale[b] = RowScale<S>(c.v + static_cast<size_t>(t0 + b) * c.stride, it.g);
+
+    for (int h = 0; h < kG; ++h) {
+      float bm = s[h][0];
+      for (int b = 1; b < nb; ++b) bm = std::max(bm, s[h][b]);
+      const float mn = std::max(m[h], bm);
+      const float corr = std::exp(m[h] - mn);  // 0 on the first block (m = -inf)
+      if (corr != 1.0f) {
+        l[h] *= corr;
+        const auto vc = hn::Set(d, corr);
+        for (size_t e = 0; e < hd; e += N) {
+          hn::StoreU(hn::Mul(hn::LoadU(d, acc + h * hd + e), vc), d, acc + h * hd + e);
+        }
+      }
+      m[h] = mn;
+      for (int b = nb; b < kBlockTokens; ++b) s[h][b] = mn;  // padding, weight zeroed below
+      const auto vm = hn::Set(d, mn);
+      for (int b = 0; b < kBlockTokens; b += static_cast<int>(N)) {
+        hn::Store(hn::Exp(d, hn::Sub(hn::Load(d, s[h] + b), vm)), d, s[h] + b);
+      }
+      float sum = 0.0f;
+      for (int b = 0; b < nb; ++b) {
+        sum += s[h][b];
+        s[h][b] *= vscale[b];  // now the weight of V row b's codes
+      }
+      l[h] += sum;
+    }
+
+    for (size_t e = 0; e < hd; e += kEG) {
+      hn::Vec<D> a[kG][kC];
+      for (int h = 0; h < kG; ++h) {
+        for (size_t j = 0; j < kC; ++j) a[h][j] = hn::LoadU(d, acc + h * hd + e + j * N);
+      }
+#pragma GCC unroll 2
+      for (int b = 0; b < nb; ++b) {
+        const uint8_t* row = c.v + static_cast<size_t>(t0 + b) * c.stride;
+        hn::Vec<D> vv[kC];
+        LoadGroup<S, kBlocks>(d, row, row + coff, xbase + e, vv);
+        for (int h = 0; h < kG; ++h) {
+          const auto w = hn::Set(d, s[h][b]);
+          for (size_t j = 0; j < kC; ++j) a[h][j] = hn::MulAdd(w, vv[j], a[h][j]);
+        }
+      }
+      for (int h = 0; h < kG; ++h) {
+        for (size_t j = 0; j < kC; ++j) hn::StoreU(a[h][j], d, acc + h * hd + e + j * N);
+      }
+    }
+  }
+}
+
+template <KvScheme S, bool kBlocks, class D>
+void AttendScheme(D d, const Call& c) {
+  const int64_t n = c.n_items;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(c.threads) if (c.threads > 1 && n > 1)
+  for (int64_t i = 0; i < n; ++i) {
+    const Item& it = c.items[i];
+    int h = 0;
+    while (h < it.G) {  // the group in sub-groups of 8, 4, 2, 1 heads
+      const int rem = it.G - h;
+      if (rem >= 8) {
+        AttendGroup<S, kBlocks, 8>(d, c, it, h), h += 8;
+      } else if (rem >= 4) {
+        AttendGroup<S, kBlocks, 4>(d, c, it, h), h += 4;
+      } else if (rem >= 2) {
+        AttendGroup<S, kBlocks, 2>(d, c, it, h), h += 2;
+      } else {
+        AttendGroup<S, kBlocks, 1>(d, c, it, h), h += 1;
+      }
+    }
+  }
+}
+
+template <class D>
+void AttendAll(D d, const Call& c) {
+  // ggml blocks are read whole when every head starts on a block and a
+  // vector holds at most half a block.
+  const bool blocks = c.hd % ggml::kBlock == 0 && hn::MaxLanes(d) <= 16;
+  switch (c.scheme) {
+    case KvScheme::Fp32: return AttendScheme<KvScheme::Fp32, false>(d, c);
+    case KvScheme::Fp16: return AttendScheme<KvScheme::Fp16, false>(d, c);
+    case KvScheme::Bf16: return AttendScheme<KvScheme::Bf16, false>(d, c);
+    case KvScheme::Int8: return AttendScheme<KvScheme::Int8, false>(d, c);
+    case KvScheme::Int8Head: return AttendScheme<KvScheme::Int8Head, false>(d, c);
+    case KvScheme::Fp8E4M3: return AttendScheme<KvScheme::Fp8E4M3, false>(d, c);
+    case KvScheme::Fp8E4M3Scaled: return AttendScheme<KvScheme::Fp8E4M3Scaled, false>(d, c);
+    case KvScheme::Fp8E5M2: return AttendScheme<KvScheme::Fp8E5M2, false>(d, c);
+    case KvScheme::Q8_0:
+      return blocks ? AttendScheme<KvScheme::Q8_0, true>(d, c) : AttendScheme<KvScheme::Q8_0, false>(d, c);
+    case KvScheme::Q4_0:
+      return blocks ? AttendScheme<KvScheme::Q4_0, true>(d, c) : AttendScheme<KvScheme::Q4_0, false>(d, c);
+  }
+}
+
+// Vectors of up to 16 floats when head_dim allows, else 8 (head_dim % 8 == 0
+// is validated), so a vector never crosses a head or a 16-value half-block.
+void DecodeAttentionKernel(const Call& c) {
+  if (c.hd % 16 == 0) {
+    AttendAll(hn::CappedTag<float, 16>(), c);
+  } else {
+    AttendAll(hn::CappedTag<float, 8>(), c);
+  }
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace kvq
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace kvq {
+HWY_EXPORT(DecodeAttentionKernel);
+
+namespace {
+
+struct Validated {
+  int G = 0;
+  int64_t T = 0;
+  float scale = 0.0f;
+  size_t row_bytes = 0;
+};
+
+Validated Validate(std::span<const float> q, int n_heads, const KvRowsView& kv,
+                   std::span<float> out, const DecodeAttentionOptions& opts) {
+  KVQ_CHECK_ARG(kv.n_kv_heads > 0, "kv.n_kv_heads: expected > 0, got ", kv.n_kv_heads);
+  KVQ_CHECK_ARG(kv.head_dim > 0 && kv.head_dim % 8 == 0,
+                "kv.head_dim: expected a positive multiple of 8, got ", kv.head_dim);
+  KVQ_CHECK_ARG(n_heads > 0 && n_heads % kv.n_kv_heads == 0, "n_heads: expected a positive multiple of ",
+                "kv.n_kv_heads = ", kv.n_kv_heads, ", got ", n_heads);
+  const KvRowCodec codec(kv.scheme, kv.n_kv_heads * kv.head_dim, kv.head_dim);  // validates the scheme
+  const size_t want = static_cast<size_t>(n_heads) * static_cast<size_t>(kv.head_dim);
+  KVQ_CHECK_ARG(q.size() == want, "q: expected n_heads * head_dim = ", want, " values, got ", q.size());
+  KVQ_CHECK_ARG(out.size() == want, "out: expected ", want, " values, got ", out.size());
+  KVQ_CHECK_ARG(kv.tokens >= 0, "kv.tokens: expected >= 0, got ", kv.tokens);
+  KVQ_CHECK_ARG(opts.length >= -1 && opts.length <= kv.tokens, "length: expected -1 or 0..",
+                kv.tokens, " (kv.tokens), got ", opts.length);
+  Validated r;
+  r.T = opts.length < 0 ? kv.tokens : opts.length;
+  KVQ_CHECK_ARG(r.T > 0, "kv: expected at least one token to attend to, got 0");
+  KVQ_CHECK_ARG(kv.k != nullptr && kv.v != nullptr, "kv.k, kv.v: expected non-null row pointers");
+  r.row_bytes = codec.row_bytes();
+  KVQ_CHECK_ARG(kv.stride >= r.row_bytes, "kv.stride: expected >= the row size ", r.row_bytes,
+                " bytes of scheme ", kv_scheme_name(kv.scheme), ", got ", kv.stride);
+  KVQ_CHECK_ARG(opts.threads >= 0, "threads: expected >= 0, got ", opts.threads);
+  KVQ_CHECK_ARG(std::isfinite(opts.scale), "scale: expected a finite value, got ", opts.scale);
+  r.scale = opts.scale != 0.0f ? opts.scale : 1.0f / std::sqrt(static_cast<float>(kv.head_dim));
+  if (const int64_t bad = first_non_finite(q); bad >= 0) {
+    Fail("q: expected finite values, found ", q[static_cast<size_t>(bad)], " at index ", bad);
+  }
+  r.G = n_heads / kv.n_kv_heads;
+  return r;
+}
+
+}  // namespace
+
+void decode_attention(std::span<const float> q, int n_heads, const KvRowsView& kv,
+                      std::span<float> out, const DecodeAttentionOptions& opts) {
+  const Validated v = Validate(q, n_heads, kv, out, opts);
+  const size_t hd = static_cast<size_t>(kv.head_dim);
+  const size_t G = static_cast<size_t>(v.G);
+
+  int threads = opts.threads > 0 ? opts.threads : omp_get_max_threads();
+  // Small problems (and calls from inside a parallel region) stay on the
+  // caller's thread: fork/join costs more than the work.
+  const int64_t work = v.T * kv.n_kv_heads * kv.head_dim;
+  if (omp_in_parallel() || work < (int64_t{1} << 16)) threads = 1;
+  // Work items: each KV head, split into token segments of >= 256 tokens
+  // when there are fewer heads than 2 x threads.
+  int64_t segs = 1;
+  if (threads > 1 && kv.n_kv_heads < 2 * threads) {
+    segs = std::min<int64_t>((2 * threads + kv.n_kv_heads - 1) / kv.n_kv_heads,
+                             std::max<int64_t>(1, v.T / 256));
+  }
+  const int64_t n_items = kv.n_kv_heads * segs;
+
+  thread_local std::vector<float> qs, state;
+  thread_local std::vector<attn::Item> items;
+  qs.resize(q.size());
+  for (size_t i = 0; i < q.size(); ++i) qs[i] = q[i] * v.scale;
+  const size_t per_item = G * (hd + 2);
+  state.assign(static_cast<size_t>(n_items) * per_item, 0.0f);
+  items.resize(static_cast<size_t>(n_items));
+  for (int64_t i = 0; i < n_items; ++i) {
+    const int g = static_cast<int>(i / segs);
+    const int64_t sgi = i % segs;
+    float* st = state.data() + static_cast<size_t>(i) * per_item;
+    std::fill(st, st + G, -std::numeric_limits<float>::infinity());
+    items[static_cast<size_t>(i)] = attn::Item{qs.data() + static_cast<size_t>(g) * G * hd,
+                                               st, st + G, st + 2 * G, g, v.G,
+                                               v.T * sgi / segs, v.T * (sgi + 1) / segs};
+  }
+  const attn::Call call{kv.scheme, kv.n_kv_heads, kv.head_dim, kv.k, kv.v, kv.stride,
+                        items.data(), n_items, threads};
+  HWY_DYNAMIC_DISPATCH(DecodeAttentionKernel)(call);
+
+  // Merge the segments of each KV head: rescale to the common max, sum, divide.
+  for (int g = 0; g < kv.n_kv_heads; ++g) {
+    for (size_t h = 0; h < G; ++h) {
+      float mmax = -std::numeric_limits<float>::infinity();
+      for (int64_t s = 0; s < segs; ++s) {
+        const attn::Item& it = items[static_cast<size_t>(g * segs + s)];
+        if (it.t1 > it.t0) mmax = std::max(mmax, it.m[h]);
+      }
+      float* o = out.data() + (static_cast<size_t>(g) * G + h) * hd;
+      std::fill(o, o + hd, 0.0f);
+      float lsum = 0.0f;
+      for (int64_t s = 0; s < segs; ++s) {
+        const attn::Item& it = items[static_cast<size_t>(g * segs + s)];
+        if (it.t1 <= it.t0) continue;
+        const float w = std::exp(it.m[h] - mmax);
+        lsum += it.l[h] * w;
+        for (size_t e = 0; e < hd; ++e) o[e] += it.acc[h * hd + e] * w;
+      }
+      const float inv = 1.0f / lsum;
+      for (size_t e = 0; e < hd; ++e) o[e] *= inv;
+    }
+  }
+}
+
+Tensor decode_attention(const TensorView& q, const KvRowsView& kv, const DecodeAttentionOptions& opts) {
+  KVQ_CHECK_ARG(q.dtype() == DType::F32, "q: expected dtype F32, got ", dtype_name(q.dtype()));
+  KVQ_CHECK_ARG(q.rank() == 2 && q.dim(1) == kv.head_dim, "q: expected shape (n_heads, ", kv.head_dim,
+                "), got ", shape_str(q.shape()));
+  Tensor out = Tensor::Uninitialized(q.shape(), DType::F32);
+  decode_attention(std::span<const float>(q.data_as<float>(), static_cast<size_t>(q.numel())),
+                   static_cast<int>(q.dim(0)), kv,
+                   std::span<float>(out.data_as<float>(), static_cast<size_t>(out.numel())), opts);
+  return out;
+}
+
+void decode_attention_ref(std::span<const float> q, int n_heads, const KvRowsView& kv,
+                          std::span<float> out, const DecodeAttentionOptions& opts) {
+  const Validated v = Validate(q, n_heads, kv, out, opts);
+  const int row_len = kv.n_kv_heads * kv.head_dim;
+  const KvRowCodec codec(kv.scheme, row_len, kv.head_dim);
+  const size_t hd = static_cast<size_t>(kv.head_dim), T = static_cast<size_t>(v.T);
+  std::vector<float> K(T * static_cast<size_t>(row_len)), V(K.size());
+  for (size_t t = 0; t < T; ++t) {
+    codec.decode(kv.k + t * kv.stride, K.data() + t * static_cast<size_t>(row_len));
+    codec.decode(kv.v + t * kv.stride, V.data() + t * static_cast<size_t>(row_len));
+  }
+  std::vector<double> sc(T), o(hd);
+  for (int h = 0; h < n_heads; ++h) {
+    const size_t off = static_cast<size_t>(h / v.G) * hd;
+    const float* qh = q.data() + static_cast<size_t>(h) * hd;
+    double mx = -INFINITY;
+    for (size_t t = 0; t < T; ++t) {
+      double s = 0.0;
+      for (size_t e = 0; e < hd; ++e) s += static_cast<double>(qh[e]) * K[t * static_cast<size_t>(row_len) + off + e];
+      sc[t] = s * v.scale;
+      mx = std::max(mx, sc[t]);
+    }
+    double l = 0.0;
+    std::fill(o.begin(), o.end(), 0.0);
+    for (size_t t = 0; t < T; ++t) {
+      const double p = std::exp(sc[t] - mx);
+      l += p;
+      for (size_t e = 0; e < hd; ++e) o[e] += p * V[t * static_cast<size_t>(row_len) + off + e];
+    }
+    for (size_t e = 0; e < hd; ++e) out[static_cast<size_t>(h) * hd + e] = static_cast<float>(o[e] / l);
+  }
+}
+
+}  // namespace kvq
+#endif  // HWY_ONCE

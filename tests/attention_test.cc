@@ -1,0 +1,242 @@
+// Fused decode attention vs the dequantize-then-attend reference.
+#include "kvq/attention.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "tests/test_util.h"
+
+namespace kvq {
+namespace {
+
+using test::ErrorOf;
+using test::Rng;
+
+constexpr double kU = 0x1p-24;  // float unit roundoff
+
+struct Case {
+  KvScheme scheme;
+  int n_kv, ratio, d;
+  int64_t T;
+};
+
+std::string Name(const Case& c) {
+  return std::string(kv_scheme_name(c.scheme)) + " n_kv=" + std::to_string(c.n_kv) +
+         " ratio=" + std::to_string(c.ratio) + " d=" + std::to_string(c.d) + " T=" + std::to_string(c.T);
+}
+
+// A one-layer cache of T rows of LLM-like K/V (a few large channels).
+KvCache MakeCache(const Case& c, Rng& rng, float k_scale = 1.0f) {
+  KvCache cache(c.scheme, 1, static_cast<int>(c.T), c.n_kv, c.d);
+  const int row = c.n_kv * c.d;
+  std::vector<float> k(static_cast<size_t>(row)), v(k.size());
+  for (int64_t t = 0; t < c.T; ++t) {
+    for (int i = 0; i < row; ++i) {
+      const float big = (i % 13 == 3) ? 6.0f : 1.0f;
+      k[static_cast<size_t>(i)] = k_scale * big * static_cast<float>(rng.Gaussian());
+      v[static_cast<size_t>(i)] = big * static_cast<float>(rng.Gaussian());
+    }
+    cache.write(0, static_cast<int>(t), k, v);
+  }
+  return cache;
+}
+
+// Derived bound on |fused - reference| for one output head:
+//  - a score's float error is at most (d + 4) u * S, S = max_t sum_e |q_e k_te| * scale
+//    (d products summed, the query prescale, the folded row/block scale);
+//  - the softmax weights then move by at most 2 * that (the max shift
+//    cancels), plus a few ulps of the vector exp;
+//  - the weighted V sum and the normaliser each accumulate T float terms.
+// So |delta o| <= v_max * (4 (d + 4) u S + (2 T + 64) u).
+double Tolerance(const std::vector<float>& q, const std::vector<float>& K, const std::vector<float>& V,
+                 int h, int G, int d, int row, int64_t T, float scale) {
+  const int g = h / G;
+  double S = 0.0, vmax = 0.0;
+  for (int64_t t = 0; t < T; ++t) {
+    double s = 0.0;
+    for (int e = 0; e < d; ++e) {
+      s += std::fabs(q[static_cast<size_t>(h * d + e)] * K[static_cast<size_t>(t * row + g * d + e)]);
+      vmax = std::max(vmax, static_cast<double>(std::fabs(V[static_cast<size_t>(t * row + g * d + e)])));
+    }
+    S = std::max(S, s * scale);
+  }
+  return vmax * (4.0 * (d + 4) * kU * S + (2.0 * static_cast<double>(T) + 64.0) * kU);
+}
+
+void CheckAgainstReference(const Case& c, int threads, Rng& rng, float q_scale = 1.0f) {
+  SCOPED_TRACE(Name(c) + " threads=" + std::to_string(threads));
+  const KvCache cache = MakeCache(c, rng);
+  const int n_heads = c.n_kv * c.ratio, row = c.n_kv * c.d;
+  std::vector<float> q(static_cast<size_t>(n_heads * c.d));
+  for (auto& x : q) x = q_scale * static_cast<float>(rng.Gaussian());
+  const KvRowsView view = cache.view(0, c.T);
+  DecodeAttentionOptions o;
+  o.threads = threads;
+  std::vector<float> out(q.size()), ref(q.size());
+  decode_attention(q, n_heads, view, out, o);
+  decode_attention_ref(q, n_heads, view, ref, o);
+  std::vector<float> K(static_cast<size_t>(c.T * row)), V(K.size());
+  for (int64_t t = 0; t < c.T; ++t) {
+    cache.read_k(0, static_cast<int>(t), {K.data() + t * row, static_cast<size_t>(row)});
+    cache.read_v(0, static_cast<int>(t), {V.data() + t * row, static_cast<size_t>(row)});
+  }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
+  for (int h = 0; h < n_heads; ++h) {
+    const double tol = Tolerance(q, K, V, h, c.ratio, c.d, row, c.T, scale);
+    for (int e = 0; e < c.d; ++e) {
+      const size_t i = static_cast<size_t>(h * c.d + e);
+      ASSERT_TRUE(std::isfinite(out[i]));
+      ASSERT_NEAR(out[i], ref[i], tol) << "head " << h << " elem " << e;
+    }
+  }
+}
+
+// Row geometry every scheme accepts: ggml blocks need n_kv * d % 32 == 0.
+int KvHeadsFor(int d) { return d == 8 ? 4 : 2; }
+
+TEST(DecodeAttention, MatchesReferenceForEverySchemeShapeAndRatio) {
+  Rng rng(1);
+  for (KvScheme s : all_kv_schemes()) {
+    for (int d : {8, 64, 128}) {
+      for (int ratio : {1, 2, 4, 8}) {
+        for (int64_t T : {1, 31, 32, 33, 100, 1000, 2500}) {
+          if (d == 128 && T > 1000 && ratio != 4) continue;  // keep the sweep quick
+          CheckAgainstReference({s, KvHeadsFor(d), ratio, d, T}, ratio == 2 ? 2 : 1, rng);
+        }
+      }
+    }
+  }
+}
+
+TEST(DecodeAttention, OddGroupSizesAndSplitSegments) {
+  Rng rng(2);
+  // Groups of 3, 5, 6, 7 run as sub-groups of 4/2/1; one KV head with 2
+  // threads splits the tokens into segments whose softmax states are merged.
+  for (KvScheme s : {KvScheme::Fp32, KvScheme::Int8, KvScheme::Q4_0, KvScheme::Fp16}) {
+    for (int ratio : {3, 5, 6, 7}) CheckAgainstReference({s, 2, ratio, 64, 777}, 1, rng);
+    CheckAgainstReference({s, 1, 4, 64, 3000}, 2, rng);
+    CheckAgainstReference({s, 1, 1, 128, 4097}, 2, rng);
+  }
+}
+
+TEST(DecodeAttention, EveryCompiledTargetMatchesTheReference) {
+  test::ForEachTarget([&](const char*) {
+    Rng rng(3);
+    for (KvScheme s : all_kv_schemes()) {
+      for (int d : {8, 128}) CheckAgainstReference({s, KvHeadsFor(d), 2, d, 65}, 1, rng);
+    }
+  });
+}
+
+TEST(DecodeAttention, ExtremeScoresStayFiniteAndSelectTheRightToken) {
+  Rng rng(4);
+  for (KvScheme s : all_kv_schemes()) {
+    // Scores of order 1e4: a naive exp overflows, the online softmax must not.
+    CheckAgainstReference({s, 2, 4, 64, 300}, 1, rng, 2000.0f);
+  }
+  // One-hot attention: a single token's key aligned with q dominates, so the
+  // output is that token's V row. Catches skipped tokens, blocks or segments.
+  for (int64_t hot : {0, 31, 32, 777, 1999}) {
+    const Case c{KvScheme::Fp32, 1, 2, 64, 2000};
+    KvCache cache(c.scheme, 1, 2000, 1, 64);
+    std::vector<float> k(64), v(64), q(128, 0.0f);
+    for (int64_t t = 0; t < c.T; ++t) {
+      for (int e = 0; e < 64; ++e) {
+        k[static_cast<size_t>(e)] = (t == hot) ? 1.0f : 0.0f;
+        v[static_cast<size_t>(e)] = static_cast<float>(t) + 0.01f * e;
+      }
+      cache.write(0, static_cast<int>(t), k, v);
+    }
+    for (int e = 0; e < 128; ++e) q[static_cast<size_t>(e)] = 100.0f;  // score 800 vs 0
+    for (int threads : {1, 2}) {
+      std::vector<float> out(128);
+      DecodeAttentionOptions o;
+      o.threads = threads;
+      decode_attention(q, 2, cache.view(0, c.T), out, o);
+      for (int h = 0; h < 2; ++h) {
+        for (int e = 0; e < 64; ++e) {
+          ASSERT_FLOAT_EQ(out[static_cast<size_t>(h * 64 + e)], static_cast<float>(hot) + 0.01f * e)
+              << "hot " << hot << " threads " << threads;
+        }
+      }
+    }
+  }
+}
+
+TEST(DecodeAttention, LengthAndScaleOptions) {
+  Rng rng(5);
+  const Case c{KvScheme::Int8, 2, 2, 64, 500};
+  const KvCache cache = MakeCache(c, rng);
+  std::vector<float> q(256);
+  for (auto& x : q) x = static_cast<float>(rng.Gaussian());
+  std::vector<float> a(256), b(256);
+  DecodeAttentionOptions o;
+  o.length = 321;
+  decode_attention(q, 4, cache.view(0, 500), a, o);
+  decode_attention(q, 4, cache.view(0, 321), b, {});
+  EXPECT_EQ(a, b);  // a causal length equals a shorter view
+  o = {};
+  o.scale = 0.25f;
+  decode_attention(q, 4, cache.view(0, 500), a, o);
+  decode_attention_ref(q, 4, cache.view(0, 500), b, o);
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-4);
+  // The tensor form.
+  const Tensor qt = Tensor::FromF32(q, {4, 64});
+  const Tensor ot = decode_attention(qt, cache.view(0, 500));
+  decode_attention(q, 4, cache.view(0, 500), a, {});
+  EXPECT_EQ(std::memcmp(ot.data(), a.data(), 256 * 4), 0);
+}
+
+TEST(DecodeAttention, BadArgumentsAreClearErrors) {
+  Rng rng(6);
+  const KvCache cache = MakeCache({KvScheme::Q8_0, 2, 2, 64, 10}, rng);
+  const KvRowsView good = cache.view(0, 10);
+  std::vector<float> q(256, 0.5f), out(256);
+  const auto err = [&](KvRowsView kv, int n_heads = 4, DecodeAttentionOptions o = {}) {
+    return ErrorOf([&] { decode_attention(q, n_heads, kv, out, o); });
+  };
+  EXPECT_EQ(err(good), "<no error>");
+  EXPECT_NE(err(cache.view(0, 0)).find("at least one token"), std::string::npos);
+  DecodeAttentionOptions zero_len;
+  zero_len.length = 0;
+  EXPECT_NE(err(good, 4, zero_len).find("at least one token"), std::string::npos);
+  DecodeAttentionOptions long_len;
+  long_len.length = 11;
+  EXPECT_NE(err(good, 4, long_len).find("length: expected"), std::string::npos);
+  EXPECT_NE(err(good, 3).find("n_heads: expected a positive multiple"), std::string::npos);
+  EXPECT_NE(err(good, 8).find("q: expected n_heads * head_dim"), std::string::npos);
+  KvRowsView bad = good;
+  bad.head_dim = 12;
+  EXPECT_NE(err(bad).find("kv.head_dim"), std::string::npos);
+  bad = good;
+  bad.stride = 10;
+  EXPECT_NE(err(bad).find("kv.stride"), std::string::npos);
+  bad = good;
+  bad.k = nullptr;
+  EXPECT_NE(err(bad).find("non-null"), std::string::npos);
+  bad = good;
+  bad.scheme = static_cast<KvScheme>(42);
+  EXPECT_NE(err(bad).find("scheme"), std::string::npos);
+  bad = good;
+  bad.n_kv_heads = 0;
+  EXPECT_NE(err(bad).find("kv.n_kv_heads"), std::string::npos);
+  DecodeAttentionOptions o;
+  o.threads = -1;
+  EXPECT_NE(err(good, 4, o).find("threads"), std::string::npos);
+  o = {};
+  o.scale = INFINITY;
+  EXPECT_NE(err(good, 4, o).find("scale"), std::string::npos);
+  q[77] = NAN;
+  EXPECT_NE(err(good).find("q: expected finite values, found nan at index 77"), std::string::npos);
+  q[77] = 0;
+  EXPECT_NE(ErrorOf([&] { decode_attention(Tensor({4, 32}, DType::F32), good); }).find("q: expected shape"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf([&] { decode_attention(Tensor({4, 64}, DType::F16), good); }).find("dtype F32"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvq
