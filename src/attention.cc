@@ -4,7 +4,6 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -13,6 +12,7 @@
 #include "kvq/affine.h"
 #include "kvq/error.h"
 #include "kvq/ggml_quants.h"
+#include "kvq/half.h"
 
 #ifndef KVQ_ATTENTION_SHARED_
 #define KVQ_ATTENTION_SHARED_
@@ -46,13 +46,6 @@ inline float LoadF32(const uint8_t* p) {
   float f;
   std::memcpy(&f, p, 4);
   return f;
-}
-// IEEE half -> float for finite values (ggml block scales).
-inline float HalfToFloat(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  const float mag = std::bit_cast<float>(static_cast<uint32_t>(h & 0x7FFF) << 13) * 0x1p112f;
-  return (h & 0x8000) ? -mag : mag;
 }
 // Offset of the codes within a row, for the non-block layouts.
 inline size_t CodesOffset(KvScheme s, int n_kv) {
@@ -94,7 +87,9 @@ HWY_INLINE float BlockScale(const uint8_t* blk) {
   std::memcpy(&h, blk, 2);
   return _cvtsh_ss(h);
 #else
-  return attn::HalfToFloat(blk);
+  uint16_t h;
+  std::memcpy(&h, blk, 2);
+  return f16_to_f32_ref(h);
 #endif
 }
 
@@ -223,8 +218,8 @@ constexpr int kBlockTokens = 32;
 // partials in every 128-bit block, then the blocks are added.
 template <int kG, class D>
 HWY_INLINE void SumLanes(D d, const hn::Vec<D> (&a)[kG], float* HWY_RESTRICT out) {
-  constexpr size_t N = hn::MaxLanes(D());
 #if HWY_TARGET != HWY_SCALAR
+  constexpr size_t N = hn::MaxLanes(D());
   if constexpr (kG % 4 == 0 && N >= 4) {
     const hn::Repartition<uint64_t, D> d64;
     for (int h = 0; h < kG; h += 4) {

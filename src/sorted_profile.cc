@@ -8,7 +8,6 @@
 #include <limits>
 #include <map>
 #include <mutex>
-#include <numeric>
 #include <tuple>
 
 #include <unsupported/Eigen/SpecialFunctions>

@@ -204,6 +204,8 @@ TEST(KvCache, WritesRowsAndReadsThemBack) {
       cache.write(1, pos, k, v);
       const KvRowsView view = cache.view(1, pos + 1);
       ASSERT_EQ(view.tokens, pos + 1);
+      ASSERT_EQ(view.scheme, s);
+      ASSERT_EQ(view.stride, 2 * cache.codec().row_bytes());
       cache.codec().encode(k.data(), enc.data());
       ASSERT_EQ(0, std::memcmp(view.k + pos * view.stride, enc.data(), enc.size()));
       cache.codec().decode(enc.data(), want.data());
@@ -229,6 +231,11 @@ TEST(KvCache, WritesRowsAndReadsThemBack) {
     EXPECT_THROW(cache.write(2, 0, k, v), Error);
     EXPECT_THROW(cache.write(0, 16, k, v), Error);
     EXPECT_THROW(cache.write(0, 0, std::span<const float>(k).first(31), v), Error);
+    EXPECT_THROW(cache.view(2, 1), Error);
+    EXPECT_THROW(cache.view(-1, 1), Error);
+    EXPECT_THROW(cache.view(0, 17), Error);
+    EXPECT_THROW(cache.view(0, -1), Error);
+    EXPECT_EQ(cache.view(0, 0).tokens, 0);
   }
 }
 
