@@ -37,15 +37,30 @@ std::vector<int> tokenize_stories(const Tokenizer& tok, const std::string& text)
   return out;
 }
 
-namespace {
-
-std::string ReadFile(const std::string& path) {
+std::string read_text_file(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   if (!f) Fail("text '", path, "': cannot open");
   std::ostringstream ss;
   ss << f.rdbuf();
   return ss.str();
 }
+
+EvalText load_eval_text(const Config& cfg, const std::string& tokenizer_path, const std::string& text_path,
+                        int ctx, int max_windows) {
+  Tokenizer tok(tokenizer_path, cfg.vocab_size);
+  EvalText t;
+  t.ctx = ctx == 0 ? cfg.seq_len : ctx;
+  KVQ_CHECK_ARG(t.ctx >= 1 && t.ctx <= cfg.seq_len, "ctx: expected 1..", cfg.seq_len, " (the model's seq_len), got ",
+                ctx);
+  KVQ_CHECK_ARG(max_windows >= 0, "max_windows: expected >= 0, got ", max_windows);
+  t.stream = tokenize_stories(tok, read_text_file(text_path));
+  t.windows = static_cast<int>(t.stream.size() / static_cast<size_t>(t.ctx + 1));
+  KVQ_CHECK_ARG(t.windows > 0, "text: ", t.stream.size(), " tokens, fewer than one window of ctx + 1 = ", t.ctx + 1);
+  if (max_windows > 0) t.windows = std::min(t.windows, max_windows);
+  return t;
+}
+
+namespace {
 
 // log_softmax of one logits row into out (double precision accumulation).
 void LogSoftmax(const float* logits, int n, float* out) {
@@ -66,16 +81,10 @@ int Argmax(const float* x, int n) {
 EvalReport run_eval(const EvalOptions& o) {
   Checkpoint ckpt(o.model_path);
   const Config& cfg = ckpt.config();
-  Tokenizer tok(o.tokenizer_path, cfg.vocab_size);
-  const int ctx = o.ctx == 0 ? cfg.seq_len : o.ctx;
-  KVQ_CHECK_ARG(ctx >= 1 && ctx <= cfg.seq_len, "ctx: expected 1..", cfg.seq_len, " (the model's seq_len), got ", ctx);
-  KVQ_CHECK_ARG(o.max_windows >= 0, "max_windows: expected >= 0, got ", o.max_windows);
   KVQ_CHECK_ARG(o.threads >= 0, "threads: expected >= 0, got ", o.threads);
   KVQ_CHECK_ARG(!o.schemes.empty(), "kv: expected at least one scheme");
-  const std::vector<int> stream = tokenize_stories(tok, ReadFile(o.text_path));
-  int windows = static_cast<int>(stream.size() / static_cast<size_t>(ctx + 1));
-  KVQ_CHECK_ARG(windows > 0, "text: ", stream.size(), " tokens, fewer than one window of ctx + 1 = ", ctx + 1);
-  if (o.max_windows > 0) windows = std::min(windows, o.max_windows);
+  const EvalText text = load_eval_text(cfg, o.tokenizer_path, o.text_path, o.ctx, o.max_windows);
+  const int ctx = text.ctx, windows = text.windows;
   const int threads = o.threads > 0 ? o.threads : omp_get_max_threads();
 
   std::vector<KvScheme> order = {KvScheme::Fp32};
@@ -108,7 +117,7 @@ EvalReport run_eval(const EvalOptions& o) {
       std::vector<float> logp(static_cast<size_t>(V));
 #pragma omp for schedule(dynamic, 1)
       for (int w = 0; w < windows; ++w) {
-        const int* win = stream.data() + static_cast<size_t>(w) * static_cast<size_t>(ctx + 1);
+        const int* win = text.window(w);
         const std::span<const float> logits = tf.forward_window({win, static_cast<size_t>(ctx)});
         WindowStats& st = stats[static_cast<size_t>(w)];
         for (int t = 0; t < ctx; ++t) {

@@ -14,6 +14,18 @@ namespace kvq::model {
 // Splits on "<|endoftext|>", strips each story, skips empty ones, encodes
 // each as [BOS] + tokens and concatenates. Throws kvq::Error when no story.
 std::vector<int> tokenize_stories(const Tokenizer& tok, const std::string& text);
+// The whole file; throws kvq::Error naming the path when it cannot be read.
+std::string read_text_file(const std::string& path);
+
+// The evaluation stream cut into non-overlapping windows of ctx + 1 tokens
+// (ctx 0: the model's seq_len; max_windows 0: every full window).
+struct EvalText {
+  std::vector<int> stream;
+  int ctx = 0, windows = 0;
+  const int* window(int w) const { return stream.data() + static_cast<size_t>(w) * static_cast<size_t>(ctx + 1); }
+};
+EvalText load_eval_text(const Config& cfg, const std::string& tokenizer_path, const std::string& text_path, int ctx,
+                        int max_windows);
 
 struct EvalOptions {
   std::string model_path, tokenizer_path, text_path;

@@ -47,6 +47,18 @@ assert all(keys<=set(x) for x in r)
 assert r[0][\"delta_ppl\"]==0 and r[2][\"bits_per_element\"]==4.5
 "'
 
+"$KVQ" receipts --ctx 64 --chunk 32 --max-windows 2 --json "$T/r.json" >"$T/out" 2>"$T/err"; rc=$?
+check "receipts succeeds" '[ $rc -eq 0 ]'
+check "receipts prints a table" 'grep -q "| layer | clusters" "$T/out" && grep -q "^| 4 |" "$T/out"'
+check "receipts JSON is valid" '/usr/bin/python3 -c "
+import json
+j=json.load(open(\"$T/r.json\"))
+assert j[\"chunk\"]==32 and j[\"windows\"]==2 and len(j[\"layers\"])==5, j
+assert all(l[\"tokens\"]==128 and -1<=l[\"spearman_int8_v\"]<=1 for l in j[\"layers\"])
+"'
+"$KVQ" receipts --max-clusters 0 >/dev/null 2>"$T/err"; rc=$?
+check "receipts --max-clusters 0 exits 2 naming it" '[ $rc -eq 2 ] && grep -q "max_clusters" "$T/err"'
+
 "$KVQ" generate --steps 20 >"$T/gen" 2>"$T/err"; rc=$?
 check "generate succeeds" '[ $rc -eq 0 ]'
 check "generate stdout is the text only" 'head -c 16 "$T/gen" | grep -q "^Once upon a time" && ! grep -q "tok/s" "$T/gen"'

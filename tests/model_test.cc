@@ -16,6 +16,7 @@
 
 #include "kvq/error.h"
 #include "model/eval.h"
+#include "model/receipts.h"
 #include "model/llama2.h"
 #include "tests/test_util.h"
 
@@ -134,6 +135,49 @@ TEST(Model, EvalMetricsAreConsistentAndThreadIndependent) {
   EXPECT_NEAR(int8.delta_ppl, int8.ppl - fp32.ppl, 1e-12);
   EXPECT_LE(int8.kld_mean, int8.kld_max);
   EXPECT_GT(q4.delta_ppl_pct, int8.delta_ppl_pct);
+}
+
+TEST(Model, ReceiptsOnRealKvAreConsistentAndThreadIndependent) {
+  KVQ_MODEL_FILES();
+  ReceiptOptions o;
+  o.model_path = model_path;
+  o.tokenizer_path = tok_path;
+  o.text_path = text_path;
+  o.ctx = 96;
+  o.chunk = 40;  // chunks of 40, 40, 16
+  o.max_windows = 3;
+  o.threads = 1;
+  const ReceiptReport a = run_receipts(o);
+  o.threads = 2;
+  const ReceiptReport b = run_receipts(o);
+  ASSERT_EQ(a.layers.size(), 5u);
+  for (size_t l = 0; l < a.layers.size(); ++l) {
+    const LayerReceipt& x = a.layers[l];
+    SCOPED_TRACE(l);
+    EXPECT_EQ(x.tokens, 3 * 96);
+    EXPECT_EQ(x.rho_int8_k, b.layers[l].rho_int8_k);
+    EXPECT_EQ(x.bytes_per_token_membership, b.layers[l].bytes_per_token_membership);
+    EXPECT_GE(x.births, 3);  // at least one cluster per window
+    EXPECT_LE(x.clusters_max, o.bank.max_clusters);
+    EXPECT_GT(x.outliers, 0);
+    EXPECT_LT(x.outliers, x.tokens);
+    for (double rho : {x.rho_int8_k, x.rho_int8_v, x.rho_fp8_k, x.rho_fp8_v}) {
+      EXPECT_GE(rho, -1.0);
+      EXPECT_LE(rho, 1.0);
+    }
+    EXPECT_EQ(x.fp32_bytes_per_token, 2.0 * 32 * 4);
+    EXPECT_GT(x.bytes_per_token_membership, 0.0);
+    EXPECT_LT(x.bytes_per_token_membership, x.fp32_bytes_per_token);
+    EXPECT_GT(x.mean_residual, 0.0);
+  }
+  const std::string table = format_receipts(a);
+  EXPECT_NE(table.find("| layer | clusters"), std::string::npos);
+  EXPECT_NE(table.find("chunks of 40 tokens"), std::string::npos);
+  o.chunk = 0;
+  EXPECT_NE(test::ErrorOf([&] { run_receipts(o); }).find("chunk: expected >= 1"), std::string::npos);
+  o.chunk = 8;
+  o.bank.ridge = -1;
+  EXPECT_NE(test::ErrorOf([&] { run_receipts(o); }).find("ridge"), std::string::npos);
 }
 
 TEST(Model, TokenizerEncodesAndDecodes) {

@@ -27,6 +27,15 @@ struct EvalCliOptions {
 void AddEvalCommand(CLI::App& app, EvalCliOptions& opts);
 int RunEval(const EvalCliOptions& opts);
 
+struct ReceiptsCliOptions {
+  std::string model, tokenizer, text, json;
+  int ctx = 0, max_windows = 0, threads = 0, chunk = 128;
+  int max_clusters = -1, outlier_top_k = -1;  // -1: ClusterBankOptions defaults
+  double birth_distance = -1, merge_distance = -1, ridge = -1;
+};
+void AddReceiptsCommand(CLI::App& app, ReceiptsCliOptions& opts);
+int RunReceipts(const ReceiptsCliOptions& opts);
+
 struct GenerateOptions {
   std::string model, tokenizer, prompt, kv = "fp32";
   double temperature = 0.0;

@@ -14,6 +14,8 @@ int main(int argc, char** argv) {
   kvq::tools::AddDemoCommand(app, demo);
   kvq::tools::EvalCliOptions eval;
   kvq::tools::AddEvalCommand(app, eval);
+  kvq::tools::ReceiptsCliOptions receipts;
+  kvq::tools::AddReceiptsCommand(app, receipts);
   kvq::tools::GenerateOptions gen;
   kvq::tools::AddGenerateCommand(app, gen);
   try {
@@ -25,6 +27,7 @@ int main(int argc, char** argv) {
   try {
     if (app.got_subcommand("demo")) return kvq::tools::RunDemo(demo);
     if (app.got_subcommand("eval")) return kvq::tools::RunEval(eval);
+    if (app.got_subcommand("receipts")) return kvq::tools::RunReceipts(receipts);
     if (app.got_subcommand("generate")) return kvq::tools::RunGenerate(gen);
   } catch (const kvq::Error& e) {
     std::fprintf(stderr, "kvq: error: %s\n", e.what());

@@ -13,6 +13,7 @@
 #include "kvq/error.h"
 #include "model/eval.h"
 #include "model/llama2.h"
+#include "model/receipts.h"
 #include "nlohmann/json.hpp"
 #include "tools/commands.h"
 
@@ -25,6 +26,26 @@ std::string SharedDir() {
 std::string DefaultModel() { return SharedDir() + "/models/stories260K/stories260K.bin"; }
 std::string DefaultTokenizer() { return SharedDir() + "/models/stories260K/tok512.bin"; }
 std::string DefaultText() { return SharedDir() + "/data/tinystories-valid-dev.txt"; }
+
+// --json's directory must exist before any work starts.
+void CheckJsonPath(const std::string& path) {
+  if (path.empty()) return;
+  const auto dir = std::filesystem::path(path).parent_path();
+  KVQ_CHECK_ARG(dir.empty() || std::filesystem::is_directory(dir), "--json: directory '", dir.string(),
+                "' does not exist");
+}
+
+// Written to a temporary file and renamed: never a partial JSON file.
+void WriteJson(const std::string& path, const nlohmann::json& j) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp);
+    if (!f) Fail("--json: cannot write '", tmp, "'");
+    f << j.dump(2) << "\n";
+    if (!f.good()) Fail("--json: write to '", tmp, "' failed");
+  }
+  std::filesystem::rename(tmp, path);
+}
 
 void AddEvalCommand(CLI::App& app, EvalCliOptions& o) {
   CLI::App* c = app.add_subcommand("eval", "Perplexity, KL and top-1 of each KV scheme against fp32 on a real model");
@@ -48,11 +69,7 @@ int RunEval(const EvalCliOptions& o) {
   e.max_windows = o.max_windows;
   e.threads = o.threads;
   e.progress = true;
-  if (!o.json.empty()) {
-    const auto dir = std::filesystem::path(o.json).parent_path();
-    KVQ_CHECK_ARG(dir.empty() || std::filesystem::is_directory(dir), "--json: directory '", dir.string(),
-                  "' does not exist");
-  }
+  CheckJsonPath(o.json);
   const model::EvalReport r = model::run_eval(e);
   std::fputs(model::format_report(r).c_str(), stdout);
   if (!o.json.empty()) {
@@ -77,15 +94,78 @@ int RunEval(const EvalCliOptions& o) {
                               {"top1_pct", s.top1_pct},
                               {"tokens_per_s", s.tokens_per_s}});
     }
-    // Written to a temporary file and renamed: never a partial JSON file.
-    const std::string tmp = o.json + ".tmp";
-    {
-      std::ofstream f(tmp);
-      if (!f) Fail("--json: cannot write '", tmp, "'");
-      f << j.dump(2) << "\n";
-      if (!f.good()) Fail("--json: write to '", tmp, "' failed");
+    WriteJson(o.json, j);
+  }
+  return 0;
+}
+
+void AddReceiptsCommand(CLI::App& app, ReceiptsCliOptions& o) {
+  CLI::App* c = app.add_subcommand(
+      "receipts", "E2 ClusterBank on the model's real K/V: clusters, outliers, Spearman of its residual vs int8/fp8 error");
+  c->add_option("--model", o.model, "llama2.c checkpoint (default: $KVQ_SHARED/models/stories260K/stories260K.bin)");
+  c->add_option("--tokenizer", o.tokenizer, "llama2.c tokenizer.bin (default: .../tok512.bin)");
+  c->add_option("--text", o.text, "evaluation text, stories separated by <|endoftext|>");
+  c->add_option("--ctx", o.ctx, "context length (default: the model's seq_len)");
+  c->add_option("--max-windows", o.max_windows, "at most N windows (0: all)");
+  c->add_option("--chunk", o.chunk, "tokens per birth_and_merge chunk")->default_val(128);
+  c->add_option("--max-clusters", o.max_clusters, "ClusterBankOptions::max_clusters (default 16)");
+  c->add_option("--birth-distance", o.birth_distance, "ClusterBankOptions::birth_distance (default 2)");
+  c->add_option("--merge-distance", o.merge_distance, "ClusterBankOptions::merge_distance (default 0.25)");
+  c->add_option("--outlier-top-k", o.outlier_top_k, "ClusterBankOptions::outlier_top_k (default 4)");
+  c->add_option("--ridge", o.ridge, "ClusterBankOptions::ridge (default 0.01)");
+  c->add_option("--json", o.json, "also write the results as JSON to FILE");
+  c->add_option("--threads", o.threads, "threads (0: OpenMP default)");
+}
+
+int RunReceipts(const ReceiptsCliOptions& o) {
+  model::ReceiptOptions r;
+  r.model_path = o.model.empty() ? DefaultModel() : o.model;
+  r.tokenizer_path = o.tokenizer.empty() ? DefaultTokenizer() : o.tokenizer;
+  r.text_path = o.text.empty() ? DefaultText() : o.text;
+  r.ctx = o.ctx;
+  r.max_windows = o.max_windows;
+  r.chunk = o.chunk;
+  r.threads = o.threads;
+  r.progress = true;
+  if (o.max_clusters != -1) r.bank.max_clusters = o.max_clusters;
+  if (o.outlier_top_k != -1) r.bank.outlier_top_k = o.outlier_top_k;
+  if (o.birth_distance != -1) r.bank.birth_distance = o.birth_distance;
+  if (o.merge_distance != -1) r.bank.merge_distance = o.merge_distance;
+  if (o.ridge != -1) r.bank.ridge = o.ridge;
+  CheckJsonPath(o.json);
+  const model::ReceiptReport rep = model::run_receipts(r);
+  std::fputs(model::format_receipts(rep).c_str(), stdout);
+  if (!o.json.empty()) {
+    nlohmann::json j;
+    j["model"] = rep.model_path;
+    j["text"] = rep.text_path;
+    j["ctx"] = rep.ctx;
+    j["windows"] = rep.windows;
+    j["chunk"] = rep.chunk;
+    j["threads"] = rep.threads;
+    j["bank"] = {{"max_clusters", rep.bank.max_clusters},   {"birth_distance", rep.bank.birth_distance},
+                 {"merge_distance", rep.bank.merge_distance}, {"outlier_top_k", rep.bank.outlier_top_k},
+                 {"ridge", rep.bank.ridge}};
+    j["layers"] = nlohmann::json::array();
+    for (const auto& l : rep.layers) {
+      j["layers"].push_back({{"layer", l.layer},
+                             {"clusters_mean", l.clusters_mean},
+                             {"clusters_max", l.clusters_max},
+                             {"births", l.births},
+                             {"merges", l.merges},
+                             {"tokens", l.tokens},
+                             {"outliers", l.outliers},
+                             {"mean_residual", l.mean_residual},
+                             {"spearman_int8_k", l.rho_int8_k},
+                             {"spearman_int8_v", l.rho_int8_v},
+                             {"spearman_fp8_k", l.rho_fp8_k},
+                             {"spearman_fp8_v", l.rho_fp8_v},
+                             {"bytes_per_token_membership", l.bytes_per_token_membership},
+                             {"bytes_per_token_seed", l.bytes_per_token_seed},
+                             {"fp32_bytes_per_token", l.fp32_bytes_per_token},
+                             {"tails_parametric_pct", l.tails_parametric_pct}});
     }
-    std::filesystem::rename(tmp, o.json);
+    WriteJson(o.json, j);
   }
   return 0;
 }

@@ -1,0 +1,520 @@
+// E2 ClusterBank, I2 part 2 (quantize_cluster_outliers) and Spearman.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+
+#include "kvq/cluster_bank.h"
+#include "kvq/cluster_outliers.h"
+#include "kvq/stats.h"
+#include "tests/test_util.h"
+
+namespace kvq {
+namespace {
+using test::ErrorOf;
+using test::Rng;
+
+// Tokens from C well-separated Gaussian key clusters, each head's value an
+// affine map of the key plus small noise; one planted anomaly per cluster
+// (its value shifted far off the map).
+struct Planted {
+  int C, H, D;
+  int64_t T;
+  std::vector<float> k, v;
+  std::vector<int> label;
+  std::vector<std::vector<float>> mu_k, mu_v, a;  // [c * H + h]
+  std::vector<int64_t> anomalies;
+
+  Planted(int c, int h, int d, int64_t t, uint64_t seed, float separation = 8.0f) : C(c), H(h), D(d), T(t) {
+    Rng rng(seed);
+    for (int i = 0; i < C * H; ++i) {
+      std::vector<float> mk(D), mv(D), am(D * D);
+      for (auto& x : mk) x = separation * static_cast<float>(rng.Gaussian());
+      for (auto& x : mv) x = 2.0f * static_cast<float>(rng.Gaussian());
+      for (auto& x : am) x = static_cast<float>(rng.Gaussian() / std::sqrt(D));
+      mu_k.push_back(mk), mu_v.push_back(mv), a.push_back(am);
+    }
+    const int64_t W = int64_t{H} * D;
+    k.resize(T * W), v.resize(T * W), label.resize(T);
+    for (int64_t i = 0; i < T; ++i) {
+      const int cl = static_cast<int>(rng.Next() % C);
+      label[i] = cl;
+      for (int hh = 0; hh < H; ++hh) {
+        const auto& mk = mu_k[cl * H + hh];
+        const auto& mv = mu_v[cl * H + hh];
+        const auto& am = a[cl * H + hh];
+        float* kr = &k[i * W + hh * D];
+        float* vr = &v[i * W + hh * D];
+        for (int j = 0; j < D; ++j) kr[j] = mk[j] + static_cast<float>(rng.Gaussian());
+        for (int r = 0; r < D; ++r) {
+          double s = mv[r];
+          for (int j = 0; j < D; ++j) s += am[r * D + j] * (kr[j] - mk[j]);
+          vr[r] = static_cast<float>(s + 0.01 * rng.Gaussian());
+        }
+      }
+    }
+    // One anomaly per cluster: the first token of each label after T/3.
+    for (int cl = 0; cl < C; ++cl) {
+      for (int64_t i = T / 3; i < T; ++i) {
+        if (label[i] == cl) {
+          anomalies.push_back(i);
+          for (int64_t j = 0; j < W; ++j) v[i * W + j] += 6.0f;
+          break;
+        }
+      }
+    }
+    std::sort(anomalies.begin(), anomalies.end());
+  }
+  TensorView kv(int64_t t0, int64_t t1, bool value) const {
+    const auto& x = value ? v : k;
+    return TensorView(x.data() + t0 * H * D, {t1 - t0, H, D}, DType::F32);
+  }
+};
+
+ClusterBankOptions PlantedOptions() {
+  ClusterBankOptions o;
+  o.max_clusters = 8;
+  o.birth_distance = 0.5;
+  o.merge_distance = 0.1;
+  o.outlier_top_k = 2;
+  o.ridge = 1e-3;
+  return o;
+}
+
+// Moments computed directly from a set of token positions.
+std::vector<ClusterMoments> DirectMoments(const Planted& p, const std::vector<int64_t>& tokens) {
+  std::vector<ClusterMoments> m(p.H, ClusterMoments(p.D));
+  const int64_t W = int64_t{p.H} * p.D;
+  for (int64_t t : tokens)
+    for (int h = 0; h < p.H; ++h) m[h].add(&p.k[t * W + h * p.D], &p.v[t * W + h * p.D]);
+  return m;
+}
+
+void ExpectMomentsNear(const ClusterMoments& got, const ClusterMoments& want, const char* what) {
+  SCOPED_TRACE(what);
+  EXPECT_NEAR(got.count, want.count, 1e-9);
+  auto near = [](const std::vector<double>& a, const std::vector<double>& b) {
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-9 * (1.0 + std::abs(b[i]))) << i;
+  };
+  near(got.sum_k, want.sum_k);
+  near(got.sum_kk, want.sum_kk);
+  near(got.sum_v, want.sum_v);
+  near(got.sum_vk, want.sum_vk);
+}
+
+TEST(ClusterBank, FindsPlantedClustersRecoversTheAffineMapsAndFlagsAnomalies) {
+  const Planted p(3, 2, 8, 3000, 11);
+  ClusterBank bank(p.H, p.D, PlantedOptions());
+  const BirthMergeReceipt r = bank.birth_and_merge(p.kv(0, p.T, false), p.kv(0, p.T, true));
+  EXPECT_EQ(r.births, 3);
+  EXPECT_EQ(r.merges, 0);
+  ASSERT_EQ(bank.num_clusters(), 3);
+  ASSERT_EQ(r.assignments.size(), static_cast<size_t>(p.T));
+  ASSERT_EQ(r.per_token_residual.size(), static_cast<size_t>(p.T));
+  // The clustering is the planted labelling up to a renaming.
+  std::map<int, int> label_to_id;
+  for (int64_t t = 0; t < p.T; ++t) {
+    auto [it, fresh] = label_to_id.emplace(p.label[t], r.assignments[t]);
+    ASSERT_EQ(it->second, r.assignments[t]) << "token " << t << " split from its planted cluster";
+  }
+  ASSERT_EQ(label_to_id.size(), 3u);
+  std::set<int> ids;
+  for (auto [l, id] : label_to_id) ids.insert(id);
+  ASSERT_EQ(ids.size(), 3u) << "two planted clusters share an id";
+
+  // Every planted anomaly is flagged in its own cluster, and its residual
+  // dwarfs the others (6 per element over 16 elements = 576).
+  std::set<int64_t> flagged;
+  for (const auto& [id, set] : r.per_cluster_outlier_tokens) {
+    EXPECT_LE(set.indices.size(), 2u);
+    ASSERT_EQ(set.k.shape(), (Shape{static_cast<int64_t>(set.indices.size()), p.H, p.D}));
+    for (size_t i = 0; i < set.indices.size(); ++i) {
+      const int64_t t = set.indices[i];
+      EXPECT_EQ(r.assignments[t], id);
+      flagged.insert(t);
+      for (int64_t j = 0; j < p.H * p.D; ++j) {
+        EXPECT_EQ(set.k.data_as<float>()[i * p.H * p.D + j], p.k[t * p.H * p.D + j]);
+        EXPECT_EQ(set.v.data_as<float>()[i * p.H * p.D + j], p.v[t * p.H * p.D + j]);
+      }
+    }
+  }
+  for (int64_t t : p.anomalies) {
+    EXPECT_TRUE(flagged.count(t)) << "planted anomaly " << t << " not flagged";
+    EXPECT_GT(r.per_token_residual[t], 400.0f);
+  }
+  // With the anomalies removed each A is recovered: noise 0.01 over ~1000
+  // tokens leaves errors ~1e-3.
+  for (auto [l, id] : label_to_id) {
+    for (int h = 0; h < p.H; ++h) {
+      const ClusterHeadFit f = bank.fit(id, h);
+      const auto& want = p.a[l * p.H + h];
+      double worst = 0;
+      for (int i = 0; i < p.D * p.D; ++i) worst = std::max(worst, std::abs(double(f.a[i]) - want[i]));
+      EXPECT_LT(worst, 0.01) << "cluster " << id << " head " << h;
+      for (int j = 0; j < p.D; ++j) EXPECT_NEAR(f.mean_k[j], p.mu_k[l * p.H + h][j], 0.15);
+    }
+    ASSERT_TRUE(r.per_cluster_misfit.count(id));
+    // Non-outlier residual: noise only, 16 elements * 1e-4.
+    EXPECT_LT(r.per_cluster_misfit.at(id), 3e-3);
+  }
+  // Moments: each cluster holds exactly its non-outlier tokens.
+  for (auto [l, id] : label_to_id) {
+    std::vector<int64_t> tokens;
+    for (int64_t t = 0; t < p.T; ++t)
+      if (r.assignments[t] == id && !flagged.count(t)) tokens.push_back(t);
+    EXPECT_EQ(bank.cluster_count(id), static_cast<int64_t>(tokens.size()));
+    const auto want = DirectMoments(p, tokens);
+    for (int h = 0; h < p.H; ++h) ExpectMomentsNear(bank.moments(id, h), want[h], "cluster moments");
+  }
+}
+
+TEST(ClusterBank, MergedMomentsEqualTheMomentsOfTheUnion) {
+  // One blob, a tiny birth distance (many births) and a huge merge distance:
+  // everything merges back into the oldest cluster.
+  const Planted p(1, 2, 4, 400, 5, 0.0f);
+  ClusterBankOptions o;
+  o.max_clusters = 10;
+  o.birth_distance = 0.3;
+  o.merge_distance = 50.0;
+  o.outlier_top_k = 3;
+  ClusterBank bank(p.H, p.D, o);
+  const BirthMergeReceipt r = bank.birth_and_merge(p.kv(0, p.T, false), p.kv(0, p.T, true));
+  EXPECT_GT(r.births, 1);
+  EXPECT_EQ(r.merges, r.births - 1);
+  ASSERT_EQ(r.merged.size(), static_cast<size_t>(r.merges));
+  for (auto [keep, gone] : r.merged) EXPECT_LT(keep, gone);
+  ASSERT_EQ(bank.cluster_ids(), std::vector<int>{0});
+  for (int a : r.assignments) EXPECT_EQ(a, 0);
+  const auto& out = r.per_cluster_outlier_tokens.at(0);
+  EXPECT_EQ(out.indices.size(), 3u);
+  std::vector<int64_t> kept;
+  for (int64_t t = 0; t < p.T; ++t)
+    if (!std::count(out.indices.begin(), out.indices.end(), t)) kept.push_back(t);
+  const auto want = DirectMoments(p, kept);
+  for (int h = 0; h < p.H; ++h) ExpectMomentsNear(bank.moments(0, h), want[h], "merged");
+
+  // ClusterMoments::merge of two halves equals the moments of the whole.
+  std::vector<int64_t> first(kept.begin(), kept.begin() + 100), second(kept.begin() + 100, kept.end());
+  auto m1 = DirectMoments(p, first);
+  const auto m2 = DirectMoments(p, second);
+  m1[1].merge(m2[1]);
+  ExpectMomentsNear(m1[1], want[1], "ClusterMoments::merge");
+}
+
+TEST(ClusterBank, StatePersistsAcrossChunks) {
+  const Planted p(3, 2, 8, 3000, 21);
+  ClusterBank bank(p.H, p.D, PlantedOptions());
+  const auto r1 = bank.birth_and_merge(p.kv(0, 1500, false), p.kv(0, 1500, true));
+  const auto r2 = bank.birth_and_merge(p.kv(1500, 3000, false), p.kv(1500, 3000, true));
+  EXPECT_EQ(r1.births, 3);
+  EXPECT_EQ(r2.births, 0) << "the second chunk must reuse the clusters of the first";
+  EXPECT_EQ(r2.merges, 0);
+  EXPECT_EQ(bank.total_births(), 3);
+  for (int id : bank.cluster_ids()) {
+    std::vector<int64_t> tokens;
+    auto collect = [&](const BirthMergeReceipt& r, int64_t offset) {
+      std::set<int64_t> out;
+      if (r.per_cluster_outlier_tokens.count(id))
+        for (int64_t t : r.per_cluster_outlier_tokens.at(id).indices) out.insert(t);
+      for (int64_t t = 0; t < static_cast<int64_t>(r.assignments.size()); ++t)
+        if (r.assignments[t] == id && !out.count(t)) tokens.push_back(t + offset);
+    };
+    collect(r1, 0);
+    collect(r2, 1500);
+    const auto want = DirectMoments(p, tokens);
+    for (int h = 0; h < p.H; ++h) ExpectMomentsNear(bank.moments(id, h), want[h], "two chunks");
+  }
+  // A third chunk: tokens of the planted clusters plus 50 from a new, far
+  // blob, which births exactly one cluster.
+  std::vector<float> k3(p.k.begin(), p.k.begin() + 200 * 16), v3(p.v.begin(), p.v.begin() + 200 * 16);
+  Rng rng(99);
+  for (int t = 0; t < 50; ++t)
+    for (int j = 0; j < 16; ++j) k3[t * 16 + j] = 40.0f + static_cast<float>(rng.Gaussian());
+  const auto r3 = bank.birth_and_merge(TensorView(k3.data(), {200, 2, 8}, DType::F32),
+                                       TensorView(v3.data(), {200, 2, 8}, DType::F32));
+  EXPECT_EQ(r3.births, 1);
+  for (int t = 0; t < 50; ++t) EXPECT_EQ(r3.assignments[t], r3.born.at(0));
+  EXPECT_EQ(bank.num_clusters(), 4);
+}
+
+TEST(ClusterBank, NeverExceedsMaxClusters) {
+  Rng rng(3);
+  ClusterBankOptions o;
+  o.max_clusters = 4;
+  o.birth_distance = 1e-3;
+  o.merge_distance = 0;
+  ClusterBank bank(1, 8, o);
+  int64_t births = 0;
+  for (int chunk = 0; chunk < 5; ++chunk) {
+    std::vector<float> k(64 * 8), v(64 * 8);
+    for (auto& x : k) x = static_cast<float>(100.0 * rng.Gaussian());
+    for (auto& x : v) x = static_cast<float>(rng.Gaussian());
+    const auto r = bank.birth_and_merge(TensorView(k.data(), {64, 1, 8}, DType::F32),
+                                        TensorView(v.data(), {64, 1, 8}, DType::F32));
+    births += r.births;
+    EXPECT_LE(bank.num_clusters(), 4);
+    for (int a : r.assignments) EXPECT_TRUE(bank.cluster_count(a) > 0);
+  }
+  EXPECT_EQ(births, 4);
+  EXPECT_EQ(bank.total_births(), 4);
+}
+
+TEST(ClusterBank, ChunkOfOneTokenAndZeroVarianceHeads) {
+  ClusterBank bank(2, 4);
+  const float k1[8] = {1, 2, 3, 4, 0, 0, 0, 0}, v1[8] = {5, 6, 7, 8, 0, 0, 0, 0};
+  const auto r = bank.birth_and_merge(TensorView(k1, {1, 2, 4}, DType::F32), TensorView(v1, {1, 2, 4}, DType::F32));
+  EXPECT_EQ(r.births, 1);
+  EXPECT_EQ(r.assignments, std::vector<int>{0});
+  EXPECT_EQ(r.per_token_residual, std::vector<float>{0.0f});  // a lone token predicts itself
+  EXPECT_TRUE(r.per_cluster_outlier_tokens.empty());          // never the last token, never residual 0
+  EXPECT_EQ(bank.cluster_count(0), 1);
+  for (float x : bank.fit(0, 0).a) EXPECT_EQ(x, 0.0f);
+
+  // Head 1 identically zero across a chunk: its scatter is 0, the ridge keeps
+  // the fit finite (A = 0) and the residual only counts head 0.
+  Rng rng(8);
+  std::vector<float> k(300 * 8, 0.0f), v(300 * 8, 0.0f);
+  for (int t = 0; t < 300; ++t)
+    for (int j = 0; j < 4; ++j) {
+      k[t * 8 + j] = static_cast<float>(rng.Gaussian());
+      v[t * 8 + j] = 0.5f * k[t * 8 + j];
+    }
+  ClusterBank b2(2, 4);
+  const auto r2 = b2.birth_and_merge(TensorView(k.data(), {300, 2, 4}, DType::F32),
+                                     TensorView(v.data(), {300, 2, 4}, DType::F32));
+  for (float x : r2.per_token_residual) EXPECT_TRUE(std::isfinite(x));
+  for (int id : b2.cluster_ids()) {
+    for (float x : b2.fit(id, 1).a) EXPECT_EQ(x, 0.0f);
+    for (float x : b2.fit(id, 1).mean_v) EXPECT_EQ(x, 0.0f);
+  }
+}
+
+TEST(ClusterBank, F16InputMatchesItsF32Widening) {
+  const Planted p(2, 1, 8, 500, 4);
+  const Tensor k16 = from_f32(p.kv(0, p.T, false), DType::F16), v16 = from_f32(p.kv(0, p.T, true), DType::F16);
+  const Tensor k32 = to_f32(k16), v32 = to_f32(v16);
+  ClusterBank a(1, 8, PlantedOptions()), b(1, 8, PlantedOptions());
+  const auto ra = a.birth_and_merge(k16, v16);
+  const auto rb = b.birth_and_merge(k32, v32);
+  EXPECT_EQ(ra.assignments, rb.assignments);
+  EXPECT_EQ(ra.per_token_residual, rb.per_token_residual);
+}
+
+TEST(ClusterBank, BadInputIsAClearErrorAndLeavesTheBankUnchanged) {
+  const Planted p(2, 2, 4, 100, 6);
+  ClusterBank bank(p.H, p.D, PlantedOptions());
+  const auto ok = bank.birth_and_merge(p.kv(0, 50, false), p.kv(0, 50, true));
+  const int clusters = bank.num_clusters();
+  const ClusterMoments before = bank.moments(0, 0);
+
+  std::vector<float> bad(p.k.begin(), p.k.begin() + 50 * 8);
+  bad[17] = std::nanf("");
+  const TensorView v = p.kv(0, 50, true);
+  EXPECT_NE(ErrorOf([&] { bank.birth_and_merge(TensorView(bad.data(), {50, 2, 4}, DType::F32), v); })
+                .find("chunk_k: expected finite values, element 17"),
+            std::string::npos);
+  bad[17] = INFINITY;
+  EXPECT_NE(ErrorOf([&] { bank.birth_and_merge(v, TensorView(bad.data(), {50, 2, 4}, DType::F32)); })
+                .find("chunk_v: expected finite values"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf([&] { bank.birth_and_merge(TensorView(p.k.data(), {25, 4, 4}, DType::F32), v); })
+                .find("chunk_k: expected shape (T, 2, 4), got (25, 4, 4)"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf([&] { bank.birth_and_merge(TensorView(p.k.data(), {100, 4}, DType::F32), v); })
+                .find("chunk_k: expected shape"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf([&] { bank.birth_and_merge(p.kv(0, 49, false), v); }).find("chunk_v: expected 49 tokens"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf([&] { bank.birth_and_merge(p.kv(0, 0, false), p.kv(0, 0, true)); }).find("T >= 1"),
+            std::string::npos);
+  std::vector<int8_t> codes(400);
+  EXPECT_NE(ErrorOf([&] { bank.birth_and_merge(TensorView(codes.data(), {50, 2, 4}, DType::I8), v); })
+                .find("chunk_k: expected dtype F32, F16 or BF16, got i8"),
+            std::string::npos);
+  EXPECT_EQ(bank.num_clusters(), clusters);
+  ExpectMomentsNear(bank.moments(0, 0), before, "unchanged after errors");
+  EXPECT_NE(ErrorOf([&] { bank.fit(77, 0); }).find("no live cluster 77"), std::string::npos);
+  EXPECT_NE(ErrorOf([&] { bank.moments(0, 2); }).find("head: expected [0, 2)"), std::string::npos);
+
+  auto opt_error = [](auto mutate) {
+    ClusterBankOptions o;
+    mutate(o);
+    return ErrorOf([&] { ClusterBank b(2, 4, o); });
+  };
+  EXPECT_NE(opt_error([](auto& o) { o.max_clusters = 0; }).find("max_clusters: expected >= 1"), std::string::npos);
+  EXPECT_NE(opt_error([](auto& o) { o.birth_distance = 0; }).find("birth_distance"), std::string::npos);
+  EXPECT_NE(opt_error([](auto& o) { o.birth_distance = NAN; }).find("birth_distance"), std::string::npos);
+  EXPECT_NE(opt_error([](auto& o) { o.merge_distance = -1; }).find("merge_distance"), std::string::npos);
+  EXPECT_NE(opt_error([](auto& o) { o.outlier_top_k = -1; }).find("outlier_top_k"), std::string::npos);
+  EXPECT_NE(opt_error([](auto& o) { o.ridge = 0; }).find("ridge: expected a finite value > 0"), std::string::npos);
+  EXPECT_NE(ErrorOf([] { ClusterBank b(0, 4); }).find("n_head: expected >= 1"), std::string::npos);
+  EXPECT_NE(ErrorOf([] { ClusterBank b(2, 0); }).find("d_head: expected >= 1"), std::string::npos);
+}
+
+// ---- I2 part 2 --------------------------------------------------------------
+
+std::vector<float> Population(const Planted& p, const std::vector<int64_t>& excluded, const std::vector<int>* membership,
+                              int id, bool value) {
+  std::vector<float> out;
+  const int64_t W = int64_t{p.H} * p.D;
+  for (int64_t t = 0; t < p.T; ++t) {
+    if (std::count(excluded.begin(), excluded.end(), t)) continue;
+    if (membership && (*membership)[t] != id) continue;
+    const auto& x = value ? p.v : p.k;
+    out.insert(out.end(), x.begin() + t * W, x.begin() + (t + 1) * W);
+  }
+  return out;
+}
+
+TEST(ClusterOutliers, RoundTripFollowsTheSeedNote) {
+  const Planted p(3, 2, 8, 3000, 11);
+  ClusterBank bank(p.H, p.D, PlantedOptions());
+  const auto r = bank.birth_and_merge(p.kv(0, p.T, false), p.kv(0, p.T, true));
+  for (bool use_membership : {false, true}) {
+    SCOPED_TRACE(use_membership ? "membership" : "seed rule");
+    const auto q = use_membership ? quantize_cluster_outliers(r.per_cluster_outlier_tokens, p.kv(0, p.T, false),
+                                                              p.kv(0, p.T, true), QuantMode::Int8, GaussianEstimator(),
+                                                              0, std::span<const int>(r.assignments))
+                                  : quantize_cluster_outliers(r.per_cluster_outlier_tokens, p.kv(0, p.T, false),
+                                                              p.kv(0, p.T, true));
+    ASSERT_EQ(q.size(), r.per_cluster_outlier_tokens.size());
+    int64_t tails = 0;
+    for (const auto& [id, c] : q) {
+      const auto& set = r.per_cluster_outlier_tokens.at(id);
+      EXPECT_EQ(c.cluster_id, id);
+      EXPECT_EQ(c.outlier_indices, set.indices);
+      const auto d = dequantize_cluster_outliers(c);
+      ASSERT_TRUE(d.outlier_k && d.outlier_v && d.tail_k && d.tail_v);
+      // Outliers: within the int8 bound of their own per-tensor scale.
+      for (const auto& [x, y, qa] : {std::tuple{&set.k, &*d.outlier_k, &*c.outlier_k},
+                                     std::tuple{&set.v, &*d.outlier_v, &*c.outlier_v}}) {
+        ASSERT_EQ(y->shape(), x->shape());
+        for (int64_t i = 0; i < x->numel(); ++i)
+          EXPECT_LE(std::abs(x->data_as<float>()[i] - y->data_as<float>()[i]), qa->scale / 2 * (1 + 1e-6f));
+      }
+      // Tails: the population in chunk order, decoded as G4 decodes it.
+      const auto pk = Population(p, set.indices, use_membership ? &r.assignments : nullptr, id, false);
+      const auto pv = Population(p, set.indices, use_membership ? &r.assignments : nullptr, id, true);
+      EXPECT_EQ(c.tail_tokens * p.H * p.D, static_cast<int64_t>(pk.size()));
+      EXPECT_EQ(d.tail_k->shape(), (Shape{c.tail_tokens, p.H, p.D}));
+      const auto gk = decode(fit_sorted_profile(std::span<const float>(pk), GaussianEstimator()));
+      const auto gv = decode(fit_sorted_profile(std::span<const float>(pv), GaussianEstimator()));
+      EXPECT_TRUE(std::equal(gk.begin(), gk.end(), d.tail_k->data_as<float>()));
+      EXPECT_TRUE(std::equal(gv.begin(), gv.end(), d.tail_v->data_as<float>()));
+      tails += c.tail_tokens;
+      EXPECT_EQ(c.size_bytes(), c.outlier_k->size_bytes() + c.outlier_v->size_bytes() + 4 * c.outlier_indices.size() +
+                                    c.tail_k->size_bytes() + c.tail_v->size_bytes());
+    }
+    int64_t n_out = 0;
+    for (const auto& [id, set] : r.per_cluster_outlier_tokens) n_out += static_cast<int64_t>(set.indices.size());
+    // With membership the tails partition the non-outliers; the seed rule
+    // gives each cluster the whole chunk minus its own outliers.
+    if (use_membership) {
+      EXPECT_EQ(tails, p.T - n_out);
+    } else {
+      EXPECT_EQ(tails, static_cast<int64_t>(q.size()) * p.T - n_out);
+    }
+  }
+}
+
+TEST(ClusterOutliers, Fp8ModeEmptyPartsAndTailTopK) {
+  const Planted p(1, 1, 8, 64, 2, 0.0f);
+  OutlierTokens o;
+  o[3] = OutlierTokenSet{Tensor({0, 1, 8}, DType::F32), Tensor({0, 1, 8}, DType::F32), {}};
+  OutlierTokenSet s{Tensor({2, 1, 8}, DType::F32), Tensor({2, 1, 8}, DType::F32), {5, 9}};
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 8; ++j) {
+      s.k.data_as<float>()[i * 8 + j] = p.k[s.indices[i] * 8 + j];
+      s.v.data_as<float>()[i * 8 + j] = p.v[s.indices[i] * 8 + j];
+    }
+  o[7] = std::move(s);
+  std::vector<int> membership(64, 3);
+  membership[5] = membership[9] = 7;  // cluster 7 = its two outliers only
+  const auto q = quantize_cluster_outliers(o, p.kv(0, 64, false), p.kv(0, 64, true), QuantMode::Fp8,
+                                           LaplaceEstimator(), 5, std::span<const int>(membership));
+  const auto& c3 = q.at(3);
+  EXPECT_FALSE(c3.outlier_k || c3.outlier_v);
+  EXPECT_TRUE(c3.outlier_indices.empty());
+  ASSERT_TRUE(c3.tail_k);
+  EXPECT_EQ(c3.tail_tokens, 62);
+  EXPECT_EQ(c3.tail_k->family, "laplace");
+  EXPECT_EQ(c3.tail_k->head_indices.size(), 5u);
+  const auto& c7 = q.at(7);
+  ASSERT_TRUE(c7.outlier_k);
+  EXPECT_EQ(c7.outlier_k->codes.dtype(), DType::F8_E4M3);
+  EXPECT_FALSE(c7.tail_k || c7.tail_v);
+  EXPECT_EQ(c7.tail_tokens, 0);
+  const auto d3 = dequantize_cluster_outliers(c3);
+  EXPECT_FALSE(d3.outlier_k || d3.outlier_v);
+  const auto d7 = dequantize_cluster_outliers(c7);
+  EXPECT_FALSE(d7.tail_k || d7.tail_v);
+  EXPECT_EQ(total_size_bytes(q), c3.size_bytes() + c7.size_bytes());
+}
+
+TEST(ClusterOutliers, BadInputIsAClearError) {
+  const Planted p(1, 2, 4, 20, 2, 0.0f);
+  const TensorView k = p.kv(0, 20, false), v = p.kv(0, 20, true);
+  auto set = [](Shape shape, std::vector<int64_t> idx) {
+    return OutlierTokenSet{Tensor(shape, DType::F32), Tensor(shape, DType::F32), std::move(idx)};
+  };
+  auto err = [&](OutlierTokens o, std::optional<std::span<const int>> m = std::nullopt, int top_k = 0) {
+    return ErrorOf([&] { quantize_cluster_outliers(o, k, v, QuantMode::Int8, GaussianEstimator(), top_k, m); });
+  };
+  OutlierTokens o;
+  o[1] = set({2, 2, 4}, {0, 1});
+  EXPECT_EQ(err(std::move(o)), "<no error>");
+  o.clear();
+  o[1] = set({2, 4, 2}, {0, 1});
+  EXPECT_NE(err(std::move(o)).find("per_cluster_outlier_tokens[1].k: expected shape (2, 2, 4)"), std::string::npos);
+  o.clear();
+  o[1] = set({2, 2, 4}, {0, 20});
+  EXPECT_NE(err(std::move(o)).find("[1].indices: expected positions in [0, 20), got 20"), std::string::npos);
+  o.clear();
+  o[2] = set({2, 2, 4}, {3, 3});
+  EXPECT_NE(err(std::move(o)).find("[2].indices: expected distinct positions"), std::string::npos);
+  o.clear();
+  o[2] = set({1, 2, 4}, {3});
+  o[2].v.data_as<float>()[5] = NAN;
+  EXPECT_NE(err(std::move(o)).find("[2].v: expected finite values, element 5"), std::string::npos);
+  o.clear();
+  o[2] = set({1, 2, 4}, {3});
+  std::vector<int> m(19, 2);
+  EXPECT_NE(err(std::move(o), std::span<const int>(m)).find("membership: expected 20 cluster ids"), std::string::npos);
+  o.clear();
+  o[2] = set({1, 2, 4}, {3});
+  m.assign(20, 1);
+  EXPECT_NE(err(std::move(o), std::span<const int>(m)).find("membership: outlier 3 of cluster 2 is assigned to cluster 1"),
+            std::string::npos);
+  EXPECT_NE(err({}, std::nullopt, -1).find("tail_top_k: expected >= 0"), std::string::npos);
+  EXPECT_NE(ErrorOf([&] { quantize_cluster_outliers({}, k, p.kv(0, 10, true)); }).find("flat_v: expected shape (20, 2, 4)"),
+            std::string::npos);
+  std::vector<float> bad(p.k.begin(), p.k.end());
+  bad[9] = -INFINITY;
+  EXPECT_NE(ErrorOf([&] { quantize_cluster_outliers({}, TensorView(bad.data(), {20, 2, 4}, DType::F32), v); })
+                .find("flat_k: expected finite values, element 9"),
+            std::string::npos);
+  QuantizedClusterOutliers broken;
+  EXPECT_NE(ErrorOf([&] { dequantize_cluster_outliers(broken); }).find("expected n_head, d_head >= 1"),
+            std::string::npos);
+}
+
+TEST(Stats, SpearmanWithTies) {
+  const std::vector<float> a{1, 2, 2, 3}, b{1, 3, 2, 4};
+  EXPECT_EQ(average_ranks(a), (std::vector<double>{1, 2.5, 2.5, 4}));
+  EXPECT_NEAR(spearman(a, b), 4.5 / std::sqrt(22.5), 1e-12);
+  const std::vector<float> up{0.1f, 5, 7, 100}, down{9, 3, 2, -1};
+  EXPECT_DOUBLE_EQ(spearman(up, up), 1.0);
+  EXPECT_DOUBLE_EQ(spearman(up, down), -1.0);
+  EXPECT_TRUE(std::isnan(spearman(up, std::vector<float>{1, 1, 1, 1})));
+  EXPECT_NE(ErrorOf([&] { spearman(up, std::vector<float>{1, 2, 3}); }).find("b: expected 4 values like a, got 3"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf([&] { spearman(std::vector<float>{1}, std::vector<float>{1}); }).find("at least 2"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf([&] { spearman(up, std::vector<float>{1, NAN, 2, 3}); }).find("b: expected no NaN, element 1"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvq
