@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Sets everything up and runs every test (gtest via ctest).
+# Sets everything up and runs every test: gtest, the CLI contract and the
+# Python module's pytest suite, all through ctest.
 # Usage: scripts/test.sh [preset]   (default: release)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 preset=${1:-release}
+# The Python tests include torch in/out: install Debian's python3-torch too.
+export KVQ_WITH_TORCH=${KVQ_WITH_TORCH:-1}
 bash scripts/build.sh "$preset"
 ctest --preset "$preset" -j "$(nproc)"

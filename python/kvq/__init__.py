@@ -1,0 +1,461 @@
+"""kvq — KV-cache quantization for transformer inference (Python API).
+
+The seed note's module, backed by kvq's C++ core:
+
+I2 part 1, affine int8 / fp8 KV quantization (bit-exact with the note's formula)
+    quantize_kv_cache(x, *, mode='int8') -> AffineQuantized
+    dequantize_kv_cache(q) -> float32 array of the original shape
+    quantization_error_per_token(x, *, mode='int8') -> (n_tokens,)
+
+G4, the sorted-profile (parametric tail) quantizer
+    fit_sorted_profile(values, family=None, *, top_k=0, bits=4,
+                       codebook='lloyd_max', ks_max=DEFAULT_KS_MAX) -> SortedProfileEncoding
+    GaussianEstimator(), LaplaceEstimator()
+
+E2, the ClusterBank, and I2 part 2
+    ClusterBank(n_head, d_head, ...).birth_and_merge(chunk_k, chunk_v) -> receipt dict
+    quantize_cluster_outliers(per_cluster_outlier_tokens, flat_k, flat_v, *, mode='int8',
+                              tail_family=None, tail_top_k=0, membership=None)
+        -> {cluster_id: QuantizedClusterOutliers}
+    dequantize_cluster_outliers(q) -> {"outlier_k", "outlier_v", "tail_k", "tail_v"}
+
+Inputs are numpy arrays (float32, float16, or anything numpy converts to a
+real array; other real dtypes are converted to float32) or torch CPU tensors
+(float32, float16, bfloat16; other real dtypes converted to float32).
+Non-contiguous inputs are copied. Outputs are of the kind given: torch in,
+torch out. int8 codes are int8; fp8 (E4M3FN) codes come back as their uint8
+bit patterns (numpy.uint8 / torch.uint8), since numpy has no fp8 dtype.
+
+Bad input raises kvq.Error, a subclass of ValueError, whose message names
+the argument and what was expected.
+"""
+
+import sys as _sys
+
+import numpy as _np
+
+from . import _kvq
+from ._kvq import Error, Estimator, GaussianEstimator, LaplaceEstimator
+
+__all__ = [
+    "AffineQuantized", "ClusterBank", "DEFAULT_KS_MAX", "Error", "Estimator", "GaussianEstimator",
+    "LaplaceEstimator", "QuantizedClusterOutliers", "SortedProfileEncoding", "dequantize_cluster_outliers",
+    "dequantize_kv_cache", "fit_sorted_profile", "quantization_error_per_token", "quantize_cluster_outliers",
+    "quantize_kv_cache", "spearman",
+]
+
+Error.__doc__ = ("kvq's error: a bad argument (wrong shape, dtype or mode, NaN/Inf, empty or out-of-range input, "
+                 "truncated or corrupted bytes). A ValueError whose message names the argument and what was "
+                 "expected.")
+
+DEFAULT_KS_MAX = _kvq.DEFAULT_KS_MAX
+"""Default KS gate of fit_sorted_profile (an effect size, see SortedProfileEncoding)."""
+
+_MODES = ("int8", "fp8")
+
+
+# ---- array plumbing ------------------------------------------------------------
+
+def _torch():
+    """The torch module if the caller has imported it (kvq never imports it)."""
+    return _sys.modules.get("torch")
+
+
+def _is_torch(x):
+    t = _torch()
+    return t is not None and isinstance(x, t.Tensor)
+
+
+def _contiguous(a):
+    # np.ascontiguousarray would turn a 0-d array into 1-d; keep the rank.
+    return a if a.flags.c_contiguous else _np.ascontiguousarray(a)
+
+
+def _input(x, arg):
+    """(contiguous numpy array, dtype name, was_torch) for a real-valued input."""
+    if _is_torch(x):
+        torch = _torch()
+        if x.device.type != "cpu":
+            raise ValueError(f"{arg}: expected a CPU tensor, got device {x.device}")
+        t = x.detach()
+        if t.is_complex() or t.dtype == torch.bool:
+            raise ValueError(f"{arg}: expected a real-valued tensor, got dtype {t.dtype}")
+        if t.dtype == torch.bfloat16:
+            return _contiguous(t.contiguous().view(torch.int16).numpy().view(_np.uint16)), "bfloat16", True
+        if t.dtype not in (torch.float32, torch.float16):
+            t = t.to(torch.float32)
+        a = t.contiguous().numpy()
+        return _contiguous(a), str(a.dtype), True
+    try:
+        a = _np.asarray(x)
+    except Exception as e:  # ragged lists and the like
+        raise ValueError(f"{arg}: expected an array-like of real numbers ({e})") from None
+    if a.dtype.kind not in "fiu":
+        raise ValueError(f"{arg}: expected a real-valued array, got dtype {a.dtype}")
+    if a.dtype not in (_np.float32, _np.float16):
+        a = a.astype(_np.float32)
+    return _contiguous(a), str(a.dtype), False
+
+
+def _output(a, as_torch):
+    if a is None or not as_torch:
+        return a
+    return _torch().from_numpy(a)
+
+
+def _numpy(x):
+    """A numpy view/copy of an output-kind array (numpy or torch)."""
+    if _is_torch(x):
+        return x.detach().cpu().contiguous().numpy()
+    return _np.asarray(x)
+
+
+def _mode(mode):
+    if mode not in _MODES:
+        raise ValueError(f"mode: expected 'int8' or 'fp8', got {mode!r}")
+    return mode
+
+
+def _int(v, arg):
+    if isinstance(v, bool) or not isinstance(v, (int, _np.integer)):
+        raise ValueError(f"{arg}: expected an integer, got {v!r}")
+    return int(v)
+
+
+def _indices(x, arg):
+    a = _numpy(x) if _is_torch(x) else _np.asarray(x)
+    if a.size == 0:
+        return _np.zeros(0, dtype=_np.int64)
+    if a.dtype.kind not in "iu":
+        raise ValueError(f"{arg}: expected integer token positions, got dtype {a.dtype}")
+    return _np.ascontiguousarray(a.astype(_np.int64))
+
+
+def _flatten_batch(a, arg):
+    """(b, t, n_head, d_head) -> (b*t, n_head, d_head); other ranks unchanged."""
+    return a.reshape(-1, a.shape[-2], a.shape[-1]) if a.ndim == 4 else a
+
+
+# ---- I2 part 1 -------------------------------------------------------------------
+
+class AffineQuantized:
+    """Quantized codes plus the per-tensor scale needed to dequantize them.
+
+    codes: int8 (mode 'int8') or uint8 E4M3FN bit patterns (mode 'fp8'),
+        numpy or torch, the shape of the input.
+    scale: for int8 max(|x|) / 127 (dequant = codes * scale); for fp8 1.0.
+    mode: 'int8' or 'fp8'.
+    """
+
+    __slots__ = ("codes", "scale", "mode")
+
+    def __init__(self, codes, scale, mode):
+        self.codes = codes
+        self.scale = float(scale)
+        self.mode = _mode(mode)
+
+    @property
+    def size_bytes(self):
+        """Bytes stored: the codes plus the float32 scale."""
+        return int(_numpy(self.codes).nbytes) + 4
+
+    def __repr__(self):
+        return f"AffineQuantized(mode={self.mode!r}, scale={self.scale!r}, shape={tuple(self.codes.shape)})"
+
+
+def quantize_kv_cache(x, *, mode="int8"):
+    """Quantize a K or V tensor (any shape, rank >= 1) to int8 or fp8.
+
+    int8: symmetric per-tensor affine, scale = max(|x|) / 127 (float32),
+    codes = clamp(round_half_even(x / scale), -127, 127) with a true division;
+    an all-zero input stores scale 0 and zero codes. fp8: the E4M3FN cast of x
+    (saturating at +-448) with scale 1.0; codes are uint8 bit patterns.
+    NaN/Inf raise ValueError naming the first bad flat index.
+    """
+    a, dt, as_torch = _input(x, "x")
+    codes, scale, m = _kvq.quantize_kv_cache(a, dt, _mode(mode))
+    return AffineQuantized(_output(codes, as_torch), scale, m)
+
+
+def dequantize_kv_cache(q):
+    """Inverse of quantize_kv_cache: float32 of the original shape (codes * scale)."""
+    if not isinstance(q, AffineQuantized):
+        raise ValueError(f"q: expected an AffineQuantized, got {type(q).__name__}")
+    codes = q.codes
+    as_torch = _is_torch(codes)
+    c = _contiguous(_numpy(codes))
+    return _output(_kvq.dequantize_kv_cache(c, q.scale, _mode(q.mode)), as_torch)
+
+
+def quantization_error_per_token(x, *, mode="int8"):
+    """Mean absolute quantize/dequantize round-trip error of each leading-axis row.
+
+    x: (n_tokens, ...) -> (n_tokens,) float32, using quantize_kv_cache(x, mode=mode).
+    """
+    a, dt, as_torch = _input(x, "x")
+    return _output(_kvq.quantization_error_per_token(a, dt, _mode(mode)), as_torch)
+
+
+# ---- G4 ---------------------------------------------------------------------------
+
+class SortedProfileEncoding:
+    """G4 encoding of a value population: head-exact top-k + a fitted parametric tail.
+
+    Attributes: family, params (loc, scale), n, bits, codebook, ks_max,
+    ks_statistic (the exact KS distance D of the tail to its fit), p_value
+    (asymptotic Kolmogorov), path ('empty', 'constant', 'parametric', 'dense'),
+    fallback (True when the KS gate sent the tail to dense int8), why,
+    head_indices, head_values, size_bytes (exact serialised size).
+    decode() gives the n values back in their original order.
+    """
+
+    def __init__(self, enc, as_torch=False):
+        if not isinstance(enc, _kvq.SortedProfileEncoding):
+            raise ValueError("enc: expected an encoding made by fit_sorted_profile or SortedProfileEncoding.from_bytes")
+        self._enc = enc
+        self._torch = as_torch
+
+    family = property(lambda self: self._enc.family, doc="Estimator name of the tail fit.")
+    params = property(lambda self: self._enc.params, doc="Fitted tail parameters (loc, scale).")
+    n = property(lambda self: self._enc.n, doc="Values encoded (head + tail).")
+    bits = property(lambda self: self._enc.bits, doc="Code width of the parametric tail.")
+    codebook = property(lambda self: self._enc.codebook, doc="'lloyd_max' or 'quantile'.")
+    ks_max = property(lambda self: self._enc.ks_max, doc="The KS gate the fit was held to.")
+    ks_statistic = property(lambda self: self._enc.ks_statistic, doc="KS distance D of the tail to its fit.")
+    p_value = property(lambda self: self._enc.p_value, doc="Asymptotic Kolmogorov p-value of D.")
+    path = property(lambda self: self._enc.path, doc="How the tail was stored.")
+    fallback = property(lambda self: self._enc.fallback, doc="True when the tail went dense (int8).")
+    why = property(lambda self: self._enc.why, doc="Human-readable account of the path taken.")
+    size_bytes = property(lambda self: self._enc.size_bytes, doc="Exact size of serialize() in bytes.")
+
+    @property
+    def head_indices(self):
+        """Flat indices of the exact head values (ascending)."""
+        return _output(self._enc.head_indices, self._torch)
+
+    @property
+    def head_values(self):
+        """The exact head values (float32)."""
+        return _output(self._enc.head_values, self._torch)
+
+    def decode(self):
+        """The n values, in their original (flat) order, as float32."""
+        return _output(self._enc.decode(), self._torch)
+
+    def serialize(self):
+        """bytes: versioned container (magic 'KVQP', CRC32C), len == size_bytes."""
+        return self._enc.serialize()
+
+    @staticmethod
+    def from_bytes(data):
+        """Inverse of serialize(); raises ValueError on truncated or corrupted input."""
+        return SortedProfileEncoding(_kvq.SortedProfileEncoding.deserialize(bytes(data)))
+
+    def __repr__(self):
+        return (f"SortedProfileEncoding(family={self.family!r}, n={self.n}, path={self.path!r}, "
+                f"ks_statistic={self.ks_statistic:.4g}, size_bytes={self.size_bytes})")
+
+
+def _family(family, arg):
+    if family is None:
+        return GaussianEstimator()
+    if not isinstance(family, Estimator):
+        raise ValueError(f"{arg}: expected GaussianEstimator(), LaplaceEstimator() or None, got {family!r}")
+    return family
+
+
+def fit_sorted_profile(values, family=None, *, top_k=0, bits=4, codebook="lloyd_max", ks_max=DEFAULT_KS_MAX):
+    """G4: encode `values` (any shape, flattened) as head-exact top-k + a parametric tail.
+
+    family: GaussianEstimator() (default) or LaplaceEstimator().
+    top_k: values of largest |x| kept exactly (ties: lower index first).
+    bits: 1..8, tail code width. codebook: 'lloyd_max' or 'quantile'.
+    ks_max: gate on the KS distance D; above it the tail goes dense through
+        quantize_kv_cache int8 (fallback=True).
+    """
+    a, dt, as_torch = _input(values, "values")
+    enc = _kvq.fit_sorted_profile(a, dt, _family(family, "family"), _int(top_k, "top_k"), _int(bits, "bits"),
+                                  str(codebook), float(ks_max))
+    return SortedProfileEncoding(enc, as_torch)
+
+
+# ---- E2 ---------------------------------------------------------------------------
+
+_BANK_DEFAULTS = _kvq.default_cluster_bank_options()
+
+
+class ClusterBank:
+    """E2: one layer's tokens summarised as clusters with Gaussian-affine V|K fits.
+
+    ClusterBank(n_head, d_head, *, max_clusters=16, birth_distance=2.0,
+                merge_distance=0.25, outlier_top_k=4, ridge=0.01)
+
+    birth_and_merge(chunk_k, chunk_v) consumes a chunk of shape
+    (T, n_head, d_head) (or (b, t, n_head, d_head), flattened to b*t tokens)
+    and returns the receipt dict:
+      assignments (T,), per_token_residual (T,), per_cluster_misfit {id: float},
+      births, merges, born [ids], merged [(kept, absorbed)],
+      per_cluster_outlier_tokens {id: {"k": (n_out, n_head, d_head), "v": ..., "indices": (n_out,)}}.
+    Distances are normalised by the chunk's mean key variance; the bank's
+    state persists across chunks. See include/kvq/cluster_bank.h.
+    """
+
+    def __init__(self, n_head, d_head, *, max_clusters=_BANK_DEFAULTS["max_clusters"],
+                 birth_distance=_BANK_DEFAULTS["birth_distance"], merge_distance=_BANK_DEFAULTS["merge_distance"],
+                 outlier_top_k=_BANK_DEFAULTS["outlier_top_k"], ridge=_BANK_DEFAULTS["ridge"]):
+        self._bank = _kvq.ClusterBank(_int(n_head, "n_head"), _int(d_head, "d_head"),
+                                      _int(max_clusters, "max_clusters"), float(birth_distance),
+                                      float(merge_distance), _int(outlier_top_k, "outlier_top_k"), float(ridge))
+
+    n_head = property(lambda self: self._bank.n_head)
+    d_head = property(lambda self: self._bank.d_head)
+    num_clusters = property(lambda self: self._bank.num_clusters, doc="Live clusters.")
+    cluster_ids = property(lambda self: self._bank.cluster_ids, doc="Live cluster ids, ascending.")
+    total_births = property(lambda self: self._bank.total_births)
+    total_merges = property(lambda self: self._bank.total_merges)
+
+    def cluster_count(self, cluster_id):
+        """Tokens in the cluster's moments (outliers excluded)."""
+        return self._bank.cluster_count(_int(cluster_id, "cluster_id"))
+
+    def fit(self, cluster_id, head):
+        """{"count", "mean_k", "mean_v", "A"}: v_hat = mean_v + A @ (k - mean_k) for one head."""
+        return self._bank.fit(_int(cluster_id, "cluster_id"), _int(head, "head"))
+
+    def birth_and_merge(self, chunk_k, chunk_v):
+        """Assign, birth, merge, fit and flag outliers for one chunk; returns the receipt dict."""
+        k, kd, as_torch = _input(chunk_k, "chunk_k")
+        v, vd, _ = _input(chunk_v, "chunk_v")
+        r = self._bank.birth_and_merge(_flatten_batch(k, "chunk_k"), kd, _flatten_batch(v, "chunk_v"), vd)
+        if as_torch:
+            for key in ("assignments", "per_token_residual"):
+                r[key] = _output(r[key], True)
+            for s in r["per_cluster_outlier_tokens"].values():
+                for key in ("k", "v", "indices"):
+                    s[key] = _output(s[key], True)
+        return r
+
+    def __repr__(self):
+        return f"ClusterBank(n_head={self.n_head}, d_head={self.d_head}, clusters={self.num_clusters})"
+
+
+# ---- I2 part 2 --------------------------------------------------------------------
+
+class QuantizedClusterOutliers:
+    """One cluster's storage for one chunk: quantized exact outliers + G4 parametric tails.
+
+    cluster_id: int
+    outlier_k, outlier_v: AffineQuantized of the flagged tokens (n_out, n_head, d_head), or None
+    outlier_indices: flat chunk positions of the outliers (int64), or None
+    tail_k, tail_v: SortedProfileEncoding of the non-outlier population, or None
+    n_head, d_head, tail_tokens: geometry of the tail (decoded as (tail_tokens, n_head, d_head))
+    size_bytes: codes + scales + 4 bytes per index + the tails' serialised sizes
+    """
+
+    __slots__ = ("cluster_id", "outlier_k", "outlier_v", "outlier_indices", "tail_k", "tail_v", "n_head",
+                 "d_head", "tail_tokens", "size_bytes")
+
+    def __init__(self, cluster_id, outlier_k, outlier_v, outlier_indices, tail_k, tail_v, *, n_head=None,
+                 d_head=None, tail_tokens=None, size_bytes=None):
+        self.cluster_id = _int(cluster_id, "cluster_id")
+        self.outlier_k, self.outlier_v, self.outlier_indices = outlier_k, outlier_v, outlier_indices
+        self.tail_k, self.tail_v = tail_k, tail_v
+        self.n_head, self.d_head, self.tail_tokens, self.size_bytes = n_head, d_head, tail_tokens, size_bytes
+
+    def __repr__(self):
+        n_out = 0 if self.outlier_indices is None else len(self.outlier_indices)
+        return (f"QuantizedClusterOutliers(cluster_id={self.cluster_id}, outliers={n_out}, "
+                f"tail_tokens={self.tail_tokens}, size_bytes={self.size_bytes})")
+
+
+def quantize_cluster_outliers(per_cluster_outlier_tokens, flat_k, flat_v, *, mode="int8", tail_family=None,
+                              tail_top_k=0, membership=None):
+    """Close E2's I2/G4 storage seam for one birth_and_merge chunk.
+
+    per_cluster_outlier_tokens: the receipt's {cluster_id: {"k": (n_out, n_head, d_head),
+        "v": ..., "indices": (n_out,)}}.
+    flat_k, flat_v: the whole chunk, (b*t, n_head, d_head) (or (b, t, n_head, d_head)).
+    For each cluster: the outliers' K and V go through quantize_kv_cache(mode);
+    the tail population, every chunk token not among that cluster's indices
+    (or, with membership = the receipt's assignments, only the cluster's own
+    non-outlier tokens), goes through fit_sorted_profile(tail_family,
+    top_k=tail_top_k) for K and V separately.
+    Returns {cluster_id: QuantizedClusterOutliers}.
+    """
+    if not isinstance(per_cluster_outlier_tokens, dict):
+        raise ValueError("per_cluster_outlier_tokens: expected a dict {cluster_id: {'k', 'v', 'indices'}}, got "
+                         f"{type(per_cluster_outlier_tokens).__name__}")
+    k, kd, as_torch = _input(flat_k, "flat_k")
+    v, vd, _ = _input(flat_v, "flat_v")
+    k, v = _flatten_batch(k, "flat_k"), _flatten_batch(v, "flat_v")
+    norm = {}
+    for cid, entry in per_cluster_outlier_tokens.items():
+        cid = _int(cid, "per_cluster_outlier_tokens key")
+        if not isinstance(entry, dict) or not {"k", "v", "indices"} <= set(entry):
+            raise ValueError(f"per_cluster_outlier_tokens[{cid}]: expected a dict with 'k', 'v' and 'indices'")
+        ok, okd, _ = _input(entry["k"], f"per_cluster_outlier_tokens[{cid}].k")
+        ov, ovd, _ = _input(entry["v"], f"per_cluster_outlier_tokens[{cid}].v")
+        norm[cid] = (ok, okd, ov, ovd, _indices(entry["indices"], f"per_cluster_outlier_tokens[{cid}].indices"))
+    member = None
+    if membership is not None:
+        m = _numpy(membership) if _is_torch(membership) else _np.asarray(membership)
+        if m.dtype.kind not in "iu":
+            raise ValueError(f"membership: expected integer cluster ids, got dtype {m.dtype}")
+        if m.size and (m.min() < -2 ** 31 or m.max() >= 2 ** 31):
+            raise ValueError("membership: expected cluster ids that fit in int32")
+        member = _np.ascontiguousarray(m.astype(_np.int32))
+    parts = _kvq.quantize_cluster_outliers(norm, k, kd, v, vd, _mode(mode), _family(tail_family, "tail_family"),
+                                           _int(tail_top_k, "tail_top_k"), member)
+    out = {}
+    for cid, p in parts.items():
+        def affine(t):
+            return None if t is None else AffineQuantized(_output(t[0], as_torch), t[1], t[2])
+
+        def tail(e):
+            return None if e is None else SortedProfileEncoding(e, as_torch)
+
+        out[cid] = QuantizedClusterOutliers(
+            p["cluster_id"], affine(p["outlier_k"]), affine(p["outlier_v"]), _output(p["outlier_indices"], as_torch),
+            tail(p["tail_k"]), tail(p["tail_v"]), n_head=p["n_head"], d_head=p["d_head"],
+            tail_tokens=p["tail_tokens"], size_bytes=p["size_bytes"])
+    return out
+
+
+def dequantize_cluster_outliers(q):
+    """Inverse of one cluster's QuantizedClusterOutliers.
+
+    Returns {"outlier_k", "outlier_v", "tail_k", "tail_v"}: the outliers'
+    dequantized K/V (n_out, n_head, d_head), and the tails decoded in token
+    order as (tail_tokens, n_head, d_head) (flat when the geometry is unknown);
+    None where a part is absent.
+    """
+    if not isinstance(q, QuantizedClusterOutliers):
+        raise ValueError(f"q: expected a QuantizedClusterOutliers, got {type(q).__name__}")
+
+    def tail(e, arg):
+        if e is None:
+            return None
+        if not isinstance(e, SortedProfileEncoding):
+            raise ValueError(f"q.{arg}: expected a SortedProfileEncoding or None, got {type(e).__name__}")
+        x = e.decode()
+        if q.n_head and q.d_head:
+            if e.n % (q.n_head * q.d_head):
+                raise ValueError(f"q.{arg}: expected a multiple of n_head * d_head = {q.n_head * q.d_head} values, "
+                                 f"got {e.n}")
+            x = x.reshape(-1, q.n_head, q.d_head)
+        return x
+
+    return {
+        "outlier_k": None if q.outlier_k is None else dequantize_kv_cache(q.outlier_k),
+        "outlier_v": None if q.outlier_v is None else dequantize_kv_cache(q.outlier_v),
+        "tail_k": tail(q.tail_k, "tail_k"),
+        "tail_v": tail(q.tail_v, "tail_v"),
+    }
+
+
+def spearman(a, b):
+    """Spearman's rank correlation (average ranks for ties); NaN when a side is constant."""
+    x, _, _ = _input(a, "a")
+    y, _, _ = _input(b, "b")
+    return _kvq.spearman(_np.ascontiguousarray(x.astype(_np.float32).reshape(-1)),
+                         _np.ascontiguousarray(y.astype(_np.float32).reshape(-1)))

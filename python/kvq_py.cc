@@ -1,0 +1,351 @@
+// _kvq: the pybind11 extension behind the `kvq` Python package
+// (python/kvq/__init__.py adds the seed note's signatures, torch support and
+// docstrings). Arrays cross the boundary as C-contiguous numpy arrays with an
+// explicit element type ("float32", "float16", "bfloat16" = uint16 bits);
+// outputs are numpy arrays that own the C++ buffer (no copy). kvq::Error
+// becomes kvq.Error, a subclass of ValueError. Heavy work runs without the GIL.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "kvq/affine.h"
+#include "kvq/cluster_bank.h"
+#include "kvq/cluster_outliers.h"
+#include "kvq/sorted_profile.h"
+#include "kvq/stats.h"
+
+namespace py = pybind11;
+
+namespace kvq::python {
+namespace {
+
+DType ParseFloatDType(const std::string& s, const char* arg) {
+  if (s == "float32") return DType::F32;
+  if (s == "float16") return DType::F16;
+  if (s == "bfloat16") return DType::BF16;
+  Fail(arg, ": expected dtype float32, float16 or bfloat16, got ", s);
+}
+
+// The numpy element type that carries `t` (fp8 and bf16 as bit patterns).
+py::dtype NumpyDType(DType t) {
+  switch (t) {
+    case DType::F32: return py::dtype::of<float>();
+    case DType::F16: return py::dtype("float16");
+    case DType::BF16: return py::dtype::of<uint16_t>();
+    case DType::I8: return py::dtype::of<int8_t>();
+    case DType::U8:
+    case DType::F8_E4M3:
+    case DType::F8_E5M2: return py::dtype::of<uint8_t>();
+    case DType::I32: return py::dtype::of<int32_t>();
+    case DType::I64: return py::dtype::of<int64_t>();
+  }
+  Fail("internal: unknown dtype");
+}
+
+std::string DTypeName(const py::dtype& d) { return py::str(static_cast<const py::handle&>(d)).cast<std::string>(); }
+
+// A view of a C-contiguous array whose items are `dtype`.
+TensorView ViewOf(const py::array& a, DType dtype, const char* arg) {
+  KVQ_CHECK_ARG(a.flags() & py::array::c_style, arg, ": expected a C-contiguous array");
+  const py::dtype want = NumpyDType(dtype);
+  KVQ_CHECK_ARG(a.dtype().is(want), arg, ": expected numpy dtype ", DTypeName(want), " for ",
+                dtype_name(dtype), ", got ", DTypeName(a.dtype()));
+  Shape shape(a.shape(), a.shape() + a.ndim());
+  return TensorView(a.data(), std::move(shape), dtype);
+}
+
+TensorView FloatView(const py::array& a, const std::string& dtype, const char* arg) {
+  return ViewOf(a, ParseFloatDType(dtype, arg), arg);
+}
+
+// numpy array owning a kvq::Tensor (no copy).
+py::array ToNumpy(Tensor t) {
+  const py::dtype dt = NumpyDType(t.dtype());
+  auto* owner = new Tensor(std::move(t));
+  py::capsule free_when_done(owner, [](void* p) { delete static_cast<Tensor*>(p); });
+  std::vector<py::ssize_t> shape(owner->shape().begin(), owner->shape().end());
+  return py::array(dt, shape, owner->data(), free_when_done);
+}
+
+template <typename T>
+py::array VectorToNumpy(const std::vector<T>& v) {
+  py::array_t<T> a(static_cast<py::ssize_t>(v.size()));
+  if (!v.empty()) std::memcpy(a.mutable_data(), v.data(), v.size() * sizeof(T));
+  return a;
+}
+
+py::tuple AffineToPython(AffineQuantized q) {
+  const float scale = q.scale;
+  const std::string mode = quant_mode_name(q.mode);
+  return py::make_tuple(ToNumpy(std::move(q.codes)), scale, mode);
+}
+
+// Codes from Python: int8 for "int8", uint8 E4M3 bit patterns for "fp8".
+AffineQuantized AffineFromPython(const py::array& codes, float scale, const std::string& mode_name) {
+  AffineQuantized q;
+  q.mode = parse_quant_mode(mode_name, "q.mode");
+  const DType want = q.mode == QuantMode::Int8 ? DType::I8 : DType::F8_E4M3;
+  KVQ_CHECK_ARG(codes.dtype().is(NumpyDType(want)), "q.codes: expected ",
+                q.mode == QuantMode::Int8 ? "int8" : "uint8 (fp8 E4M3 bit patterns)", " codes for mode '", mode_name,
+                "', got dtype ", DTypeName(codes.dtype()));
+  KVQ_CHECK_ARG(std::isfinite(scale) && scale >= 0.0f, "q.scale: expected a finite value >= 0, got ", scale);
+  KVQ_CHECK_ARG(q.mode == QuantMode::Int8 || scale == 1.0f, "q.scale: expected 1.0 for fp8 codes, got ", scale);
+  q.codes = Tensor::FromView(ViewOf(codes, want, "q.codes"));
+  q.scale = scale;
+  return q;
+}
+
+py::dict ReceiptToPython(BirthMergeReceipt r) {
+  py::dict d;
+  d["assignments"] = VectorToNumpy(std::vector<int64_t>(r.assignments.begin(), r.assignments.end()));
+  d["per_token_residual"] = VectorToNumpy(r.per_token_residual);
+  py::dict misfit;
+  for (const auto& [id, m] : r.per_cluster_misfit) misfit[py::int_(id)] = m;
+  d["per_cluster_misfit"] = misfit;
+  d["births"] = r.births;
+  d["merges"] = r.merges;
+  d["born"] = r.born;
+  d["merged"] = r.merged;
+  py::dict out;
+  for (auto& [id, set] : r.per_cluster_outlier_tokens) {
+    py::dict s;
+    s["k"] = ToNumpy(std::move(set.k));
+    s["v"] = ToNumpy(std::move(set.v));
+    s["indices"] = VectorToNumpy(set.indices);
+    out[py::int_(id)] = s;
+  }
+  d["per_cluster_outlier_tokens"] = out;
+  return d;
+}
+
+py::dict FitToPython(const ClusterHeadFit& f, int d) {
+  py::dict o;
+  o["count"] = f.count;
+  o["mean_k"] = VectorToNumpy(f.mean_k);
+  o["mean_v"] = VectorToNumpy(f.mean_v);
+  py::array a = VectorToNumpy(f.a);
+  o["A"] = a.reshape({d, d});
+  return o;
+}
+
+}  // namespace
+}  // namespace kvq::python
+
+PYBIND11_MODULE(_kvq, m) {
+  using namespace kvq;
+  using namespace kvq::python;
+  m.doc() = "kvq's C++ core (use the `kvq` package, not this module directly)";
+  static py::exception<Error> error(m, "Error", PyExc_ValueError);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const Error& e) {
+      PyErr_SetString(error.ptr(), e.what());
+    }
+  });
+
+  // ---- I2 part 1 --------------------------------------------------------------
+  m.def("quantize_kv_cache", [](const py::array& x, const std::string& dtype, const std::string& mode) {
+    const TensorView v = FloatView(x, dtype, "x");
+    const QuantMode qm = parse_quant_mode(mode, "mode");
+    AffineQuantized q;
+    {
+      py::gil_scoped_release release;
+      q = quantize_kv_cache(v, qm);
+    }
+    return AffineToPython(std::move(q));
+  });
+  m.def("dequantize_kv_cache", [](const py::array& codes, float scale, const std::string& mode) {
+    const AffineQuantized q = AffineFromPython(codes, scale, mode);
+    Tensor out;
+    {
+      py::gil_scoped_release release;
+      out = dequantize_kv_cache(q);
+    }
+    return ToNumpy(std::move(out));
+  });
+  m.def("quantization_error_per_token", [](const py::array& x, const std::string& dtype, const std::string& mode) {
+    const TensorView v = FloatView(x, dtype, "x");
+    const QuantMode qm = parse_quant_mode(mode, "mode");
+    Tensor out;
+    {
+      py::gil_scoped_release release;
+      out = quantization_error_per_token(v, qm);
+    }
+    return ToNumpy(std::move(out));
+  });
+
+  // ---- G4 ---------------------------------------------------------------------
+  py::class_<Estimator, std::shared_ptr<Estimator>>(m, "Estimator",
+                                                     "A location-scale family for fit_sorted_profile's tail.")
+      .def_property_readonly("name", &Estimator::name)
+      .def(
+          "fit",
+          [](const Estimator& e, const py::array& x) {
+            const TensorView v = ViewOf(x, DType::F32, "values");
+            const LocScale p = e.fit({v.data_as<float>(), static_cast<size_t>(v.numel())});
+            return py::make_tuple(p.loc, p.scale);
+          },
+          "(loc, scale) estimated from float32 values")
+      .def("__repr__", [](const Estimator& e) { return "<kvq estimator '" + e.name() + "'>"; });
+  py::class_<GaussianEstimator, Estimator, std::shared_ptr<GaussianEstimator>>(
+      m, "GaussianEstimator", "Gaussian family: loc = mean, scale = standard deviation (MLE).")
+      .def(py::init<>());
+  py::class_<LaplaceEstimator, Estimator, std::shared_ptr<LaplaceEstimator>>(
+      m, "LaplaceEstimator", "Laplace family: loc = median, scale = mean absolute deviation from the median.")
+      .def(py::init<>());
+
+  py::class_<SortedProfileEncoding>(m, "SortedProfileEncoding")
+      .def_readonly("family", &SortedProfileEncoding::family)
+      .def_property_readonly("params", [](const SortedProfileEncoding& e) { return py::make_tuple(e.params.loc, e.params.scale); })
+      .def_readonly("n", &SortedProfileEncoding::n)
+      .def_readonly("bits", &SortedProfileEncoding::bits)
+      .def_property_readonly("codebook", [](const SortedProfileEncoding& e) { return codebook_name(e.codebook); })
+      .def_readonly("ks_max", &SortedProfileEncoding::ks_max)
+      .def_readonly("ks_statistic", &SortedProfileEncoding::ks_statistic)
+      .def_readonly("p_value", &SortedProfileEncoding::p_value)
+      .def_property_readonly("path", [](const SortedProfileEncoding& e) { return tail_path_name(e.path); })
+      .def_property_readonly("fallback", &SortedProfileEncoding::fallback)
+      .def_property_readonly("why", &SortedProfileEncoding::why)
+      .def_property_readonly("head_indices", [](const SortedProfileEncoding& e) { return VectorToNumpy(e.head_indices); })
+      .def_property_readonly("head_values", [](const SortedProfileEncoding& e) { return VectorToNumpy(e.head_values); })
+      .def_property_readonly("size_bytes", &SortedProfileEncoding::size_bytes)
+      .def("decode",
+           [](const SortedProfileEncoding& e) {
+             Tensor out = Tensor::Uninitialized({e.n}, DType::F32);
+             {
+               py::gil_scoped_release release;
+               decode_into(e, {out.data_as<float>(), static_cast<size_t>(e.n)});
+             }
+             return ToNumpy(std::move(out));
+           })
+      .def("serialize",
+           [](const SortedProfileEncoding& e) {
+             const std::vector<uint8_t> b = serialize(e);
+             return py::bytes(reinterpret_cast<const char*>(b.data()), b.size());
+           })
+      .def_static("deserialize", [](const py::bytes& b) {
+        const std::string_view s = b;
+        return deserialize_sorted_profile({reinterpret_cast<const uint8_t*>(s.data()), s.size()});
+      });
+
+  m.def("fit_sorted_profile", [](const py::array& x, const std::string& dtype, const Estimator& family, int top_k,
+                                 int bits, const std::string& codebook, double ks_max) {
+    const TensorView v = FloatView(x, dtype, "values");
+    SortedProfileOptions o;
+    o.top_k = top_k;
+    o.bits = bits;
+    o.codebook = parse_codebook(codebook, "codebook");
+    o.ks_max = ks_max;
+    py::gil_scoped_release release;
+    return fit_sorted_profile(v, family, o);
+  });
+
+  // ---- E2 ---------------------------------------------------------------------
+  py::class_<ClusterBank>(m, "ClusterBank")
+      .def(py::init([](int n_head, int d_head, int max_clusters, double birth_distance, double merge_distance,
+                       int outlier_top_k, double ridge) {
+             ClusterBankOptions o;
+             o.max_clusters = max_clusters;
+             o.birth_distance = birth_distance;
+             o.merge_distance = merge_distance;
+             o.outlier_top_k = outlier_top_k;
+             o.ridge = ridge;
+             return ClusterBank(n_head, d_head, o);
+           }),
+           py::arg("n_head"), py::arg("d_head"), py::arg("max_clusters"), py::arg("birth_distance"),
+           py::arg("merge_distance"), py::arg("outlier_top_k"), py::arg("ridge"))
+      .def("birth_and_merge",
+           [](ClusterBank& b, const py::array& k, const std::string& kd, const py::array& v, const std::string& vd) {
+             const TensorView kv = FloatView(k, kd, "chunk_k"), vv = FloatView(v, vd, "chunk_v");
+             BirthMergeReceipt r;
+             {
+               py::gil_scoped_release release;
+               r = b.birth_and_merge(kv, vv);
+             }
+             return ReceiptToPython(std::move(r));
+           })
+      .def_property_readonly("n_head", &ClusterBank::n_head)
+      .def_property_readonly("d_head", &ClusterBank::d_head)
+      .def_property_readonly("num_clusters", &ClusterBank::num_clusters)
+      .def_property_readonly("cluster_ids", &ClusterBank::cluster_ids)
+      .def_property_readonly("total_births", &ClusterBank::total_births)
+      .def_property_readonly("total_merges", &ClusterBank::total_merges)
+      .def("cluster_count", &ClusterBank::cluster_count)
+      .def("fit", [](const ClusterBank& b, int id, int head) { return FitToPython(b.fit(id, head), b.d_head()); });
+
+  m.def("default_cluster_bank_options", [] {
+    const ClusterBankOptions o;
+    py::dict d;
+    d["max_clusters"] = o.max_clusters;
+    d["birth_distance"] = o.birth_distance;
+    d["merge_distance"] = o.merge_distance;
+    d["outlier_top_k"] = o.outlier_top_k;
+    d["ridge"] = o.ridge;
+    return d;
+  });
+  m.attr("DEFAULT_KS_MAX") = kDefaultKsMax;
+
+  // per_cluster: {id: (k, k_dtype, v, v_dtype, indices int64)} normalised by the
+  // Python layer. Returns {id: dict of parts}.
+  m.def("quantize_cluster_outliers", [](const py::dict& per_cluster, const py::array& k, const std::string& kd,
+                                        const py::array& v, const std::string& vd, const std::string& mode,
+                                        const Estimator& family, int tail_top_k, const py::object& membership) {
+    const TensorView kv = FloatView(k, kd, "flat_k"), vv = FloatView(v, vd, "flat_v");
+    const QuantMode qm = parse_quant_mode(mode, "mode");
+    OutlierTokens tokens;
+    for (const auto& [key, val] : per_cluster) {
+      const int id = key.cast<int>();
+      const py::tuple t = val.cast<py::tuple>();
+      const std::string arg_k = "per_cluster_outlier_tokens[" + std::to_string(id) + "].k";
+      const std::string arg_v = "per_cluster_outlier_tokens[" + std::to_string(id) + "].v";
+      const std::string arg_i = "per_cluster_outlier_tokens[" + std::to_string(id) + "].indices";
+      OutlierTokenSet s;
+      s.k = Tensor::FromView(FloatView(t[0].cast<py::array>(), t[1].cast<std::string>(), arg_k.c_str()));
+      s.v = Tensor::FromView(FloatView(t[2].cast<py::array>(), t[3].cast<std::string>(), arg_v.c_str()));
+      const TensorView iv = ViewOf(t[4].cast<py::array>(), DType::I64, arg_i.c_str());
+      KVQ_CHECK_ARG(iv.rank() == 1, arg_i, ": expected a 1-D array, got shape ", shape_str(iv.shape()));
+      s.indices.assign(iv.data_as<int64_t>(), iv.data_as<int64_t>() + iv.numel());
+      tokens.emplace(id, std::move(s));
+    }
+    std::vector<int> member;
+    if (!membership.is_none()) {
+      const TensorView mv = ViewOf(membership.cast<py::array>(), DType::I32, "membership");
+      KVQ_CHECK_ARG(mv.rank() == 1, "membership: expected a 1-D array, got shape ", shape_str(mv.shape()));
+      member.assign(mv.data_as<int32_t>(), mv.data_as<int32_t>() + mv.numel());
+    }
+    std::map<int, QuantizedClusterOutliers> q;
+    {
+      py::gil_scoped_release release;
+      q = quantize_cluster_outliers(tokens, kv, vv, qm, family, tail_top_k,
+                                    membership.is_none() ? std::nullopt
+                                                         : std::optional<std::span<const int>>(member));
+    }
+    py::dict out;
+    for (auto& [id, c] : q) {
+      py::dict d;
+      d["size_bytes"] = c.size_bytes();  // before the parts are moved out
+      d["cluster_id"] = c.cluster_id;
+      d["n_head"] = c.n_head;
+      d["d_head"] = c.d_head;
+      d["outlier_k"] = c.outlier_k ? py::object(AffineToPython(std::move(*c.outlier_k))) : py::none();
+      d["outlier_v"] = c.outlier_v ? py::object(AffineToPython(std::move(*c.outlier_v))) : py::none();
+      d["outlier_indices"] = c.outlier_indices.empty() ? py::object(py::none()) : VectorToNumpy(c.outlier_indices);
+      d["tail_tokens"] = c.tail_tokens;
+      d["tail_k"] = c.tail_k ? py::cast(std::move(*c.tail_k)) : py::none();
+      d["tail_v"] = c.tail_v ? py::cast(std::move(*c.tail_v)) : py::none();
+      out[py::int_(id)] = d;
+    }
+    return out;
+  });
+
+  m.def("spearman", [](const py::array& a, const py::array& b) {
+    const TensorView av = ViewOf(a, DType::F32, "a"), bv = ViewOf(b, DType::F32, "b");
+    return spearman({av.data_as<float>(), static_cast<size_t>(av.numel())},
+                    {bv.data_as<float>(), static_cast<size_t>(bv.numel())});
+  });
+}

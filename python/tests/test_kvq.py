@@ -1,0 +1,318 @@
+"""pytest suite of the kvq Python module (run by ctest as python_test)."""
+
+import os
+
+import numpy as np
+import pytest
+
+import kvq
+
+
+def _torch_or_skip():
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        if os.environ.get("CI") == "true" or os.environ.get("KVQ_REQUIRE_DATA") == "1":
+            pytest.fail("torch (python3-torch) is required in CI: scripts/install_deps.sh installs it "
+                        "when KVQ_WITH_TORCH=1")
+        pytest.skip("torch is not installed (apt install python3-torch)")
+    return torch
+
+
+def note_int8(x):
+    """The seed note's formula in plain numpy (float32 throughout)."""
+    x = np.asarray(x, dtype=np.float32)
+    scale = np.float32(np.abs(x).max()) / np.float32(127)
+    if scale == 0:
+        return np.zeros(x.shape, np.int8), np.float32(0)
+    codes = np.clip(np.round(x / scale), -127, 127).astype(np.int8)  # np.round: half to even
+    return codes, scale
+
+
+def e4m3_table():
+    """All 256 E4M3FN codes decoded in numpy (NaN for S.1111.111)."""
+    c = np.arange(256)
+    s = np.where(c >> 7, -1.0, 1.0)
+    e = (c >> 3) & 15
+    m = c & 7
+    v = np.where(e == 0, m / 8.0 * 2.0 ** -6, (1 + m / 8.0) * 2.0 ** (e - 7.0))
+    v = s * v
+    v[(e == 15) & (m == 7)] = np.nan
+    return v
+
+
+# ---- I2 part 1 ----------------------------------------------------------------
+
+def test_int8_matches_the_notes_formula_including_ties():
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((64, 4, 32)) * 3).astype(np.float32)
+    x[0, 0, 0] = 17.25
+    q = kvq.quantize_kv_cache(x)
+    codes, scale = note_int8(x)
+    assert q.mode == "int8" and q.codes.dtype == np.int8 and q.codes.shape == x.shape
+    assert np.float32(q.scale) == scale
+    np.testing.assert_array_equal(q.codes, codes)
+    # Exact ties at scale 1: half to even, both signs.
+    t = np.array([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5], np.float32)
+    qt = kvq.quantize_kv_cache(t)
+    assert qt.scale == 1.0
+    np.testing.assert_array_equal(qt.codes, [127, 0, 2, 2, 0, -2, -2, 126, -126])
+    np.testing.assert_array_equal(qt.codes, note_int8(t)[0])
+
+
+def test_int8_round_trip_bound_and_float16_input():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((33, 7)).astype(np.float16)
+    q = kvq.quantize_kv_cache(x)
+    back = kvq.dequantize_kv_cache(q)
+    assert back.dtype == np.float32 and back.shape == x.shape
+    assert np.abs(back - x.astype(np.float32)).max() <= q.scale / 2 * (1 + 1e-6)
+    np.testing.assert_array_equal(back, q.codes.astype(np.float32) * np.float32(q.scale))
+
+
+def test_zero_and_empty_inputs():
+    z = kvq.quantize_kv_cache(np.zeros((3, 4), np.float32))
+    assert z.scale == 0.0 and not z.codes.any()
+    assert not np.isnan(kvq.dequantize_kv_cache(z)).any()
+    e = kvq.quantize_kv_cache(np.zeros((0, 4), np.float32))
+    assert kvq.dequantize_kv_cache(e).shape == (0, 4)
+
+
+def test_fp8_codes_are_uint8_and_round_to_the_nearest_e4m3_value():
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal(4096) * np.exp(rng.uniform(-8, 6, 4096))).astype(np.float32)
+    q = kvq.quantize_kv_cache(x, mode="fp8")
+    assert q.mode == "fp8" and q.codes.dtype == np.uint8 and q.scale == 1.0
+    table = e4m3_table()
+    dec = table[q.codes]
+    np.testing.assert_array_equal(kvq.dequantize_kv_cache(q), dec.astype(np.float32))
+    finite = np.sort(table[np.isfinite(table)])
+    clipped = np.clip(x.astype(np.float64), -448, 448)
+    best = np.abs(finite[None, :] - clipped[:, None]).min(axis=1)
+    np.testing.assert_array_equal(np.abs(dec - clipped), best)  # nearest representable (ties: equal distance)
+
+
+def test_quantization_error_per_token():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((10, 2, 8)).astype(np.float32)
+    for mode in ("int8", "fp8"):
+        err = kvq.quantization_error_per_token(x, mode=mode)
+        back = kvq.dequantize_kv_cache(kvq.quantize_kv_cache(x, mode=mode))
+        np.testing.assert_allclose(err, np.abs(back - x).reshape(10, -1).mean(axis=1), rtol=1e-6)
+
+
+def test_array_likes_and_non_contiguous_inputs():
+    x = np.arange(48, dtype=np.float64).reshape(6, 8)
+    q_list = kvq.quantize_kv_cache(x.tolist())
+    q_t = kvq.quantize_kv_cache(x.T)  # non-contiguous: copied
+    np.testing.assert_array_equal(q_t.codes, note_int8(x.T)[0])
+    np.testing.assert_array_equal(q_list.codes, note_int8(x)[0])
+    q_i = kvq.quantize_kv_cache(np.arange(10))  # integers are converted to float32
+    assert q_i.codes[-1] == 127
+
+
+# ---- G4 -----------------------------------------------------------------------
+
+def test_fit_sorted_profile_gaussian_tail_and_head():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal(20000).astype(np.float32)
+    x[123] = 40.0
+    enc = kvq.fit_sorted_profile(x, kvq.GaussianEstimator(), top_k=4)
+    assert enc.family == "gaussian" and enc.n == x.size and not enc.fallback and enc.path == "parametric"
+    assert enc.ks_statistic < 0.01 and 0 <= enc.p_value <= 1
+    assert 123 in enc.head_indices and 40.0 in enc.head_values
+    back = enc.decode()
+    assert back.shape == x.shape and back[123] == 40.0
+    mse = float(np.mean((back - x) ** 2))
+    assert mse < 0.012  # 4-bit Lloyd-Max on N(0,1): 0.0095
+    blob = enc.serialize()
+    assert len(blob) == enc.size_bytes
+    again = kvq.SortedProfileEncoding.from_bytes(blob)
+    np.testing.assert_array_equal(again.decode(), back)
+    with pytest.raises(ValueError, match="truncated"):
+        kvq.SortedProfileEncoding.from_bytes(blob[:-1])
+    with pytest.raises(ValueError):
+        kvq.SortedProfileEncoding.from_bytes(blob[:30] + bytes([blob[30] ^ 1]) + blob[31:])
+
+
+def test_fit_sorted_profile_falls_back_on_a_misfit():
+    x = np.random.default_rng(5).uniform(-1, 1, 50000).astype(np.float32)
+    enc = kvq.fit_sorted_profile(x)  # default family: Gaussian
+    assert enc.fallback and enc.path == "dense" and "ks gate" in enc.why
+    assert enc.ks_statistic > kvq.DEFAULT_KS_MAX
+    lap = kvq.fit_sorted_profile(np.random.default_rng(6).laplace(size=50000), kvq.LaplaceEstimator(),
+                                 bits=3, codebook="quantile")
+    assert not lap.fallback and lap.family == "laplace" and lap.bits == 3 and lap.codebook == "quantile"
+    assert kvq.GaussianEstimator().name == "gaussian"
+    loc, scale = kvq.GaussianEstimator().fit(np.array([1, 3], np.float32))
+    assert (loc, scale) == (2.0, 1.0)
+
+
+# ---- E2 and I2 part 2 -----------------------------------------------------------
+
+def planted(T=1200, H=2, D=4, C=2, seed=7):
+    rng = np.random.default_rng(seed)
+    mu_k = rng.standard_normal((C, H, D)) * 8
+    mu_v = rng.standard_normal((C, H, D))
+    A = rng.standard_normal((C, H, D, D)) / np.sqrt(D)
+    label = rng.integers(0, C, T)
+    k = mu_k[label] + rng.standard_normal((T, H, D))
+    v = mu_v[label] + np.einsum("thij,thj->thi", A[label], k - mu_k[label]) + 0.01 * rng.standard_normal((T, H, D))
+    anomalies = [int(np.flatnonzero(label == c)[10]) for c in range(C)]
+    v[anomalies] += 6.0
+    return k.astype(np.float32), v.astype(np.float32), label, A, anomalies
+
+
+def test_cluster_bank_finds_planted_clusters_and_flags_anomalies():
+    k, v, label, A, anomalies = planted()
+    bank = kvq.ClusterBank(2, 4, birth_distance=0.5, merge_distance=0.1, outlier_top_k=2, ridge=1e-3)
+    r = bank.birth_and_merge(k, v)
+    assert set(r) >= {"assignments", "per_token_residual", "per_cluster_misfit", "births", "merges",
+                      "per_cluster_outlier_tokens"}
+    assert r["births"] == 2 and r["merges"] == 0 and bank.num_clusters == 2
+    a = r["assignments"]
+    assert a.shape == (1200,) and r["per_token_residual"].shape == (1200,)
+    for c in range(2):
+        assert len(set(a[label == c])) == 1
+    flagged = {int(i) for s in r["per_cluster_outlier_tokens"].values() for i in s["indices"]}
+    assert set(anomalies) <= flagged
+    for cid, s in r["per_cluster_outlier_tokens"].items():
+        assert s["k"].shape == (len(s["indices"]), 2, 4)
+        np.testing.assert_array_equal(s["k"], k[s["indices"]])
+    c0 = int(a[label == 0][0])
+    fit = bank.fit(c0, 1)
+    assert fit["A"].shape == (4, 4)
+    np.testing.assert_allclose(fit["A"], A[0, 1], atol=0.01)
+    # A (b, t, H, D) chunk is flattened to b*t tokens.
+    r2 = kvq.ClusterBank(2, 4).birth_and_merge(k.reshape(4, 300, 2, 4), v.reshape(4, 300, 2, 4))
+    assert r2["assignments"].shape == (1200,)
+
+
+def test_quantize_cluster_outliers_round_trip_and_the_seeds_dict_shapes():
+    k, v, label, _, _ = planted()
+    bank = kvq.ClusterBank(2, 4, birth_distance=0.5, outlier_top_k=3)
+    r = bank.birth_and_merge(k, v)
+    q = kvq.quantize_cluster_outliers(r["per_cluster_outlier_tokens"], k, v)
+    assert set(q) == set(r["per_cluster_outlier_tokens"])
+    for cid, c in q.items():
+        assert isinstance(c, kvq.QuantizedClusterOutliers) and c.cluster_id == cid
+        s = r["per_cluster_outlier_tokens"][cid]
+        np.testing.assert_array_equal(c.outlier_indices, s["indices"])
+        d = kvq.dequantize_cluster_outliers(c)
+        assert set(d) == {"outlier_k", "outlier_v", "tail_k", "tail_v"}
+        assert np.abs(d["outlier_k"] - s["k"]).max() <= c.outlier_k.scale / 2 * (1 + 1e-6)
+        keep = np.setdiff1d(np.arange(1200), s["indices"])
+        assert d["tail_k"].shape == (len(keep), 2, 4)
+        np.testing.assert_array_equal(d["tail_k"].reshape(-1), kvq.fit_sorted_profile(k[keep]).decode())
+        assert c.size_bytes == (c.outlier_k.size_bytes + c.outlier_v.size_bytes + 4 * len(s["indices"])
+                                + c.tail_k.size_bytes + c.tail_v.size_bytes)
+    # The note's dict, written by hand with lists; fp8 outliers; membership.
+    hand = {5: {"k": k[[1, 2]].tolist(), "v": v[[1, 2]], "indices": [1, 2]},
+            9: {"k": np.zeros((0, 2, 4), np.float32), "v": np.zeros((0, 2, 4), np.float32), "indices": []}}
+    member = np.where(np.arange(1200) < 600, 5, 9)
+    member[[1, 2]] = 5
+    qh = kvq.quantize_cluster_outliers(hand, k, v, mode="fp8", tail_family=kvq.LaplaceEstimator(), tail_top_k=2,
+                                       membership=member)
+    assert qh[5].outlier_k.codes.dtype == np.uint8 and qh[5].tail_tokens == 598
+    assert qh[9].outlier_k is None and qh[9].outlier_indices is None and qh[9].tail_tokens == 600
+    assert qh[9].tail_k.family == "laplace" and len(qh[9].tail_k.head_indices) == 2
+    d9 = kvq.dequantize_cluster_outliers(qh[9])
+    assert d9["outlier_k"] is None and d9["tail_v"].shape == (600, 2, 4)
+
+
+# ---- torch -------------------------------------------------------------------------
+
+def test_torch_in_torch_out():
+    torch = _torch_or_skip()
+    x = torch.randn(16, 2, 8)
+    q = kvq.quantize_kv_cache(x)
+    assert isinstance(q.codes, torch.Tensor) and q.codes.dtype == torch.int8
+    np.testing.assert_array_equal(q.codes.numpy(), kvq.quantize_kv_cache(x.numpy()).codes)
+    back = kvq.dequantize_kv_cache(q)
+    assert isinstance(back, torch.Tensor) and back.dtype == torch.float32 and back.shape == x.shape
+    f = kvq.quantize_kv_cache(x, mode="fp8")
+    assert f.codes.dtype == torch.uint8
+    assert isinstance(kvq.quantization_error_per_token(x), torch.Tensor)
+    bf = x.to(torch.bfloat16)
+    qb = kvq.quantize_kv_cache(bf)
+    np.testing.assert_array_equal(qb.codes.numpy(), note_int8(bf.to(torch.float32).numpy())[0])
+    assert isinstance(qb.codes, torch.Tensor)
+    h = kvq.quantize_kv_cache(x.half().t() if x.dim() == 2 else x.half().transpose(0, 1))  # non-contiguous fp16
+    assert h.codes.shape == (2, 16, 8)
+    enc = kvq.fit_sorted_profile(torch.randn(5000), top_k=3)
+    assert isinstance(enc.decode(), torch.Tensor) and isinstance(enc.head_indices, torch.Tensor)
+    k, v, _, _, _ = planted()
+    r = kvq.ClusterBank(2, 4, birth_distance=0.5).birth_and_merge(torch.from_numpy(k), torch.from_numpy(v))
+    assert isinstance(r["assignments"], torch.Tensor)
+    for s in r["per_cluster_outlier_tokens"].values():
+        assert isinstance(s["k"], torch.Tensor) and isinstance(s["indices"], torch.Tensor)
+    q = kvq.quantize_cluster_outliers(r["per_cluster_outlier_tokens"], torch.from_numpy(k), torch.from_numpy(v))
+    c = next(iter(q.values()))
+    assert isinstance(c.outlier_k.codes, torch.Tensor) and isinstance(c.outlier_indices, torch.Tensor)
+    d = kvq.dequantize_cluster_outliers(c)
+    assert isinstance(d["outlier_k"], torch.Tensor) and isinstance(d["tail_k"], torch.Tensor)
+    with pytest.raises(ValueError, match="finite"):
+        kvq.quantize_kv_cache(torch.tensor([1.0, float("inf")]))
+
+
+# ---- errors ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: kvq.quantize_kv_cache(np.array([1.0, np.nan, 2.0])), "x: expected finite values.*index 1"),
+    (lambda: kvq.quantize_kv_cache(np.ones(3), mode="int4"), "mode: expected 'int8' or 'fp8'"),
+    (lambda: kvq.quantize_kv_cache(np.ones(3, complex)), "expected a real-valued array"),
+    (lambda: kvq.quantize_kv_cache("abc"), "expected a real-valued array"),
+    (lambda: kvq.quantize_kv_cache(np.float32(3.0)), "rank"),
+    (lambda: kvq.dequantize_kv_cache(kvq.AffineQuantized(np.zeros(3, np.uint8), 1.0, "int8")), "q.codes: expected int8"),
+    (lambda: kvq.dequantize_kv_cache(kvq.AffineQuantized(np.zeros(3, np.int8), float("nan"), "int8")), "q.scale"),
+    (lambda: kvq.dequantize_kv_cache(kvq.AffineQuantized(np.zeros(3, np.uint8), 2.0, "fp8")), "q.scale"),
+    (lambda: kvq.dequantize_kv_cache("not quantized"), "q: expected an AffineQuantized"),
+    (lambda: kvq.AffineQuantized(np.zeros(3, np.int8), 1.0, "int3"), "mode"),
+    (lambda: kvq.fit_sorted_profile(np.ones(10), bits=9), "bits"),
+    (lambda: kvq.fit_sorted_profile(np.ones(10), top_k=-1), "top_k"),
+    (lambda: kvq.fit_sorted_profile(np.ones(10), codebook="best"), "codebook"),
+    (lambda: kvq.fit_sorted_profile(np.ones(10), ks_max=2.0), "ks_max"),
+    (lambda: kvq.fit_sorted_profile(np.ones(10), family="gaussian"), "family"),
+    (lambda: kvq.fit_sorted_profile(np.array([0.0, np.inf])), "finite"),
+    (lambda: kvq.ClusterBank(0, 4), "n_head"),
+    (lambda: kvq.ClusterBank(2, 4, max_clusters=0), "max_clusters"),
+    (lambda: kvq.ClusterBank(2, 4, ridge=-1.0), "ridge"),
+    (lambda: kvq.ClusterBank(2, 4, outlier_top_k=1.5), "outlier_top_k: expected an integer"),
+    (lambda: kvq.ClusterBank(2, 4).birth_and_merge(np.ones((5, 2, 3)), np.ones((5, 2, 3))), "chunk_k: expected shape"),
+    (lambda: kvq.ClusterBank(2, 4).birth_and_merge(np.ones((5, 2, 4)), np.ones((4, 2, 4))), "chunk_v"),
+    (lambda: kvq.ClusterBank(2, 4).birth_and_merge(np.ones((0, 2, 4)), np.ones((0, 2, 4))), "T >= 1"),
+    (lambda: kvq.ClusterBank(2, 4).fit(3, 0), "no live cluster 3"),
+    (lambda: kvq.quantize_cluster_outliers([], np.ones((4, 2, 4)), np.ones((4, 2, 4))), "expected a dict"),
+    (lambda: kvq.quantize_cluster_outliers({0: {"k": np.ones((1, 2, 4))}}, np.ones((4, 2, 4)), np.ones((4, 2, 4))),
+     "expected a dict with 'k', 'v' and 'indices'"),
+    (lambda: kvq.quantize_cluster_outliers({0: {"k": np.ones((1, 2, 4)), "v": np.ones((1, 2, 4)), "indices": [7]}},
+                                           np.ones((4, 2, 4)), np.ones((4, 2, 4))), r"indices: expected positions in \[0, 4\)"),
+    (lambda: kvq.quantize_cluster_outliers({0: {"k": np.ones((1, 2, 4)), "v": np.ones((1, 2, 4)), "indices": [0.5]}},
+                                           np.ones((4, 2, 4)), np.ones((4, 2, 4))), "integer token positions"),
+    (lambda: kvq.quantize_cluster_outliers({0: {"k": np.ones((2, 2, 4)), "v": np.ones((2, 2, 4)), "indices": [0]}},
+                                           np.ones((4, 2, 4)), np.ones((4, 2, 4))), r"\[0\].k: expected shape \(1, 2, 4\)"),
+    (lambda: kvq.quantize_cluster_outliers({}, np.ones((4, 2, 4)), np.ones((4, 2, 4)), membership=[0.5] * 4),
+     "membership: expected integer"),
+    (lambda: kvq.quantize_cluster_outliers({}, np.ones((4, 2, 4)), np.ones((4, 2, 4)), membership=[0] * 3),
+     "membership: expected 4 cluster ids"),
+    (lambda: kvq.quantize_cluster_outliers({}, np.ones((4, 2, 4)), np.ones((4, 2, 4)), tail_top_k=-2), "tail_top_k"),
+    (lambda: kvq.dequantize_cluster_outliers({}), "q: expected a QuantizedClusterOutliers"),
+    (lambda: kvq.spearman([1, 2, 3], [1, 2]), "b: expected 3 values"),
+])
+def test_bad_input_raises_value_error(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+    assert issubclass(kvq.Error, ValueError)
+
+
+def test_help_is_useful():
+    assert "quantize_kv_cache" in kvq.__doc__
+    for name in kvq.__all__:
+        obj = getattr(kvq, name)
+        if callable(obj):
+            assert obj.__doc__ and len(obj.__doc__.strip()) > 20, name
+
+
+def test_spearman():
+    assert kvq.spearman([1, 2, 2, 3], [1, 3, 2, 4]) == pytest.approx(4.5 / np.sqrt(22.5))
+    assert np.isnan(kvq.spearman([1, 2, 3], [5, 5, 5]))
