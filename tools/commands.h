@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <string>
 
+#include "kvq/cluster_bank.h"
+
 namespace CLI {
 class App;
 }
@@ -20,18 +22,21 @@ struct DemoOptions {
 void AddDemoCommand(CLI::App& app, DemoOptions& opts);
 int RunDemo(const DemoOptions& opts);
 
-struct EvalCliOptions {
-  std::string model, tokenizer, text, kv = "all", json;
+// Options of the commands that run the model over the evaluation text.
+struct ModelTextOptions {
+  std::string model, tokenizer, text, json;  // empty paths: the $KVQ_SHARED defaults
   int ctx = 0, max_windows = 0, threads = 0;
+};
+
+struct EvalCliOptions : ModelTextOptions {
+  std::string kv = "all";
 };
 void AddEvalCommand(CLI::App& app, EvalCliOptions& opts);
 int RunEval(const EvalCliOptions& opts);
 
-struct ReceiptsCliOptions {
-  std::string model, tokenizer, text, json;
-  int ctx = 0, max_windows = 0, threads = 0, chunk = 128;
-  int max_clusters = -1, outlier_top_k = -1;  // -1: ClusterBankOptions defaults
-  double birth_distance = -1, merge_distance = -1, ridge = -1;
+struct ReceiptsCliOptions : ModelTextOptions {
+  int chunk = 128;
+  ClusterBankOptions bank;
 };
 void AddReceiptsCommand(CLI::App& app, ReceiptsCliOptions& opts);
 int RunReceipts(const ReceiptsCliOptions& opts);

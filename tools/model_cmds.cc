@@ -47,16 +47,31 @@ void WriteJson(const std::string& path, const nlohmann::json& j) {
   std::filesystem::rename(tmp, path);
 }
 
-void AddEvalCommand(CLI::App& app, EvalCliOptions& o) {
-  CLI::App* c = app.add_subcommand("eval", "Perplexity, KL and top-1 of each KV scheme against fp32 on a real model");
+void AddModelTextOptions(CLI::App* c, ModelTextOptions& o) {
   c->add_option("--model", o.model, "llama2.c checkpoint (default: $KVQ_SHARED/models/stories260K/stories260K.bin)");
   c->add_option("--tokenizer", o.tokenizer, "llama2.c tokenizer.bin (default: .../tok512.bin)");
   c->add_option("--text", o.text, "evaluation text, stories separated by <|endoftext|>");
-  c->add_option("--kv", o.kv, "comma-separated KV schemes or 'all'")->default_val("all");
   c->add_option("--ctx", o.ctx, "context length (default: the model's seq_len)");
-  c->add_option("--max-windows", o.max_windows, "evaluate at most N windows (0: all)");
+  c->add_option("--max-windows", o.max_windows, "at most N windows of ctx + 1 tokens (0: all)");
   c->add_option("--json", o.json, "also write the results as JSON to FILE");
   c->add_option("--threads", o.threads, "threads (0: OpenMP default)");
+}
+
+// The JSON fields every model-text command reports first.
+nlohmann::json RunJson(const std::string& model, const std::string& text, int ctx, int windows, int threads) {
+  nlohmann::json j;
+  j["model"] = model;
+  j["text"] = text;
+  j["ctx"] = ctx;
+  j["windows"] = windows;
+  j["threads"] = threads;
+  return j;
+}
+
+void AddEvalCommand(CLI::App& app, EvalCliOptions& o) {
+  CLI::App* c = app.add_subcommand("eval", "Perplexity, KL and top-1 of each KV scheme against fp32 on a real model");
+  AddModelTextOptions(c, o);
+  c->add_option("--kv", o.kv, "comma-separated KV schemes or 'all'")->default_val("all");
 }
 
 int RunEval(const EvalCliOptions& o) {
@@ -73,13 +88,8 @@ int RunEval(const EvalCliOptions& o) {
   const model::EvalReport r = model::run_eval(e);
   std::fputs(model::format_report(r).c_str(), stdout);
   if (!o.json.empty()) {
-    nlohmann::json j;
-    j["model"] = r.model_path;
-    j["text"] = r.text_path;
+    nlohmann::json j = RunJson(r.model_path, r.text_path, r.ctx, r.windows, r.threads);
     j["tokens"] = r.tokens;
-    j["ctx"] = r.ctx;
-    j["windows"] = r.windows;
-    j["threads"] = r.threads;
     j["results"] = nlohmann::json::array();
     for (const auto& s : r.results) {
       j["results"].push_back({{"scheme", kv_scheme_name(s.scheme)},
@@ -102,19 +112,13 @@ int RunEval(const EvalCliOptions& o) {
 void AddReceiptsCommand(CLI::App& app, ReceiptsCliOptions& o) {
   CLI::App* c = app.add_subcommand(
       "receipts", "E2 ClusterBank on the model's real K/V: clusters, outliers, Spearman of its residual vs int8/fp8 error");
-  c->add_option("--model", o.model, "llama2.c checkpoint (default: $KVQ_SHARED/models/stories260K/stories260K.bin)");
-  c->add_option("--tokenizer", o.tokenizer, "llama2.c tokenizer.bin (default: .../tok512.bin)");
-  c->add_option("--text", o.text, "evaluation text, stories separated by <|endoftext|>");
-  c->add_option("--ctx", o.ctx, "context length (default: the model's seq_len)");
-  c->add_option("--max-windows", o.max_windows, "at most N windows (0: all)");
-  c->add_option("--chunk", o.chunk, "tokens per birth_and_merge chunk")->default_val(128);
-  c->add_option("--max-clusters", o.max_clusters, "ClusterBankOptions::max_clusters (default 16)");
-  c->add_option("--birth-distance", o.birth_distance, "ClusterBankOptions::birth_distance (default 2)");
-  c->add_option("--merge-distance", o.merge_distance, "ClusterBankOptions::merge_distance (default 0.25)");
-  c->add_option("--outlier-top-k", o.outlier_top_k, "ClusterBankOptions::outlier_top_k (default 4)");
-  c->add_option("--ridge", o.ridge, "ClusterBankOptions::ridge (default 0.01)");
-  c->add_option("--json", o.json, "also write the results as JSON to FILE");
-  c->add_option("--threads", o.threads, "threads (0: OpenMP default)");
+  AddModelTextOptions(c, o);
+  c->add_option("--chunk", o.chunk, "tokens per birth_and_merge chunk")->capture_default_str();
+  c->add_option("--max-clusters", o.bank.max_clusters, "ClusterBankOptions::max_clusters")->capture_default_str();
+  c->add_option("--birth-distance", o.bank.birth_distance, "ClusterBankOptions::birth_distance")->capture_default_str();
+  c->add_option("--merge-distance", o.bank.merge_distance, "ClusterBankOptions::merge_distance")->capture_default_str();
+  c->add_option("--outlier-top-k", o.bank.outlier_top_k, "ClusterBankOptions::outlier_top_k")->capture_default_str();
+  c->add_option("--ridge", o.bank.ridge, "ClusterBankOptions::ridge")->capture_default_str();
 }
 
 int RunReceipts(const ReceiptsCliOptions& o) {
@@ -127,22 +131,13 @@ int RunReceipts(const ReceiptsCliOptions& o) {
   r.chunk = o.chunk;
   r.threads = o.threads;
   r.progress = true;
-  if (o.max_clusters != -1) r.bank.max_clusters = o.max_clusters;
-  if (o.outlier_top_k != -1) r.bank.outlier_top_k = o.outlier_top_k;
-  if (o.birth_distance != -1) r.bank.birth_distance = o.birth_distance;
-  if (o.merge_distance != -1) r.bank.merge_distance = o.merge_distance;
-  if (o.ridge != -1) r.bank.ridge = o.ridge;
+  r.bank = o.bank;
   CheckJsonPath(o.json);
   const model::ReceiptReport rep = model::run_receipts(r);
   std::fputs(model::format_receipts(rep).c_str(), stdout);
   if (!o.json.empty()) {
-    nlohmann::json j;
-    j["model"] = rep.model_path;
-    j["text"] = rep.text_path;
-    j["ctx"] = rep.ctx;
-    j["windows"] = rep.windows;
+    nlohmann::json j = RunJson(rep.model_path, rep.text_path, rep.ctx, rep.windows, rep.threads);
     j["chunk"] = rep.chunk;
-    j["threads"] = rep.threads;
     j["bank"] = {{"max_clusters", rep.bank.max_clusters},   {"birth_distance", rep.bank.birth_distance},
                  {"merge_distance", rep.bank.merge_distance}, {"outlier_top_k", rep.bank.outlier_top_k},
                  {"ridge", rep.bank.ridge}};
