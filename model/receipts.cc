@@ -33,15 +33,15 @@ void Append(std::vector<float>& to, const Tensor& t) {
 
 WindowLayer RunLayer(const KvRowsView& rows, int ctx, const ReceiptOptions& o) {
   const int H = rows.n_kv_heads, D = rows.head_dim;
-  const size_t row_bytes = static_cast<size_t>(H) * static_cast<size_t>(D) * sizeof(float);
+  const size_t row_bytes = static_cast<size_t>(H) * static_cast<size_t>(D) * sizeof(float);  // fp32 rows
   ClusterBank bank(H, D, o.bank);
   WindowLayer w;
   for (int c0 = 0; c0 < ctx; c0 += o.chunk) {
     const int T = std::min(o.chunk, ctx - c0);
     Tensor k({T, H, D}, DType::F32), v({T, H, D}, DType::F32);
     for (int t = 0; t < T; ++t) {
-      std::memcpy(k.data_as<uint8_t>() + t * row_bytes, rows.k + static_cast<size_t>(c0 + t) * rows.stride, row_bytes);
-      std::memcpy(v.data_as<uint8_t>() + t * row_bytes, rows.v + static_cast<size_t>(c0 + t) * rows.stride, row_bytes);
+      rows.gather_row(0, c0 + t, k.data_as<uint8_t>() + t * row_bytes);
+      rows.gather_row(1, c0 + t, v.data_as<uint8_t>() + t * row_bytes);
     }
     const BirthMergeReceipt r = bank.birth_and_merge(k, v);
     w.residual.insert(w.residual.end(), r.per_token_residual.begin(), r.per_token_residual.end());

@@ -34,9 +34,13 @@ struct Item {
 struct Call {
   KvScheme scheme;
   int n_kv, hd;
-  const uint8_t* k;
+  const uint8_t* k;  // KvRowsView's payload pointers and geometry
   const uint8_t* v;
-  size_t stride;
+  size_t slice_bytes, slice_stride;
+  int heads_per_slice;
+  const uint8_t* k_header;
+  const uint8_t* v_header;
+  size_t header_bytes;
   const Item* items;
   int64_t n_items;
   int threads;
@@ -47,15 +51,6 @@ inline float LoadF32(const uint8_t* p) {
   std::memcpy(&f, p, 4);
   return f;
 }
-// Offset of the codes within a row, for the non-block layouts.
-inline size_t CodesOffset(KvScheme s, int n_kv) {
-  switch (s) {
-    case KvScheme::Int8:
-    case KvScheme::Fp8E4M3Scaled: return 4;
-    case KvScheme::Int8Head: return 4 * static_cast<size_t>(n_kv);
-    default: return 0;
-  }
-}
 
 }  // namespace kvq::attn
 #endif  // KVQ_ATTENTION_SHARED_
@@ -64,7 +59,6 @@ inline size_t CodesOffset(KvScheme s, int n_kv) {
 #define HWY_TARGET_INCLUDE "src/attention.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
-#include "hwy/cache_control.h"
 #include "hwy/contrib/math/math-inl.h"
 #include "src/fp8-inl.h"
 
@@ -98,13 +92,22 @@ HWY_INLINE float BlockScale(const uint8_t* blk) {
 template <KvScheme S>
 constexpr float kFp8Fold = (kF16C && (S == KvScheme::Fp8E4M3 || S == KvScheme::Fp8E4M3Scaled)) ? 256.0f : 1.0f;
 
-// Scale folded into a row's score / softmax weight (per row or per head).
+// Scale folded into a row's score / softmax weight (per row or per head),
+// read from the row's header.
 template <KvScheme S>
-HWY_INLINE float RowScale(const uint8_t* row, int g) {
-  if constexpr (S == KvScheme::Int8) return attn::LoadF32(row);
-  if constexpr (S == KvScheme::Fp8E4M3Scaled) return attn::LoadF32(row) * kFp8Fold<S>;
-  if constexpr (S == KvScheme::Int8Head) return attn::LoadF32(row + 4 * g);
+HWY_INLINE float RowScale(const uint8_t* header, int g) {
+  if constexpr (S == KvScheme::Int8) return attn::LoadF32(header);
+  if constexpr (S == KvScheme::Fp8E4M3Scaled) return attn::LoadF32(header) * kFp8Fold<S>;
+  if constexpr (S == KvScheme::Int8Head) return attn::LoadF32(header + 4 * g);
   return kFp8Fold<S>;
+}
+// RowScale of token t, given the headers array (touched only by schemes with headers).
+template <KvScheme S>
+HWY_INLINE float RowScaleAt(const uint8_t* headers, size_t header_bytes, int64_t t, int g) {
+  if constexpr (S == KvScheme::Int8 || S == KvScheme::Int8Head || S == KvScheme::Fp8E4M3Scaled) {
+    return RowScale<S>(headers + static_cast<size_t>(t) * header_bytes, g);
+  }
+  return RowScale<S>(nullptr, g);
 }
 
 template <class D>
@@ -113,11 +116,12 @@ HWY_INLINE hn::Vec<D> HalvesToFloat(D d, hn::Vec<hn::Rebind<uint16_t, D>> h16) {
   return hn::PromoteTo(d, hn::BitCast(dh, h16));
 }
 
-// Values of row elements [x, x + Lanes(d)) before the folded row scale.
-// `codes` = row + CodesOffset. x is a multiple of Lanes(d), which divides 16,
-// so a vector never straddles a ggml block or a q4_0 half-block.
+// Values of payload elements [x, x + Lanes(d)) before the folded row scale.
+// x is a multiple of Lanes(d), which divides 16, so a vector never straddles
+// a ggml block or a q4_0 half-block.
 template <KvScheme S, class D>
-HWY_INLINE hn::Vec<D> LoadVals(D d, const uint8_t* row, const uint8_t* codes, size_t x) {
+HWY_INLINE hn::Vec<D> LoadVals(D d, const uint8_t* row, size_t x) {
+  const uint8_t* codes = row;
   const hn::RebindToSigned<D> di;
   if constexpr (S == KvScheme::Fp32) {
     return hn::LoadU(d, reinterpret_cast<const float*>(row) + x);
@@ -202,12 +206,12 @@ HWY_INLINE void LoadBlock(D d, const uint8_t* blk, hn::Vec<D> (&v)[kC]) {
 // kC vectors of row elements [x, x + kC * N): a whole block on the block
 // path, else one vector.
 template <KvScheme S, bool kBlocks, class D, size_t kC>
-HWY_INLINE void LoadGroup(D d, const uint8_t* row, const uint8_t* codes, size_t x, hn::Vec<D> (&v)[kC]) {
+HWY_INLINE void LoadGroup(D d, const uint8_t* row, size_t x, hn::Vec<D> (&v)[kC]) {
   if constexpr (kBlocks) {
     constexpr size_t kBlockBytes = S == KvScheme::Q8_0 ? sizeof(ggml::BlockQ8_0) : sizeof(ggml::BlockQ4_0);
     LoadBlock<S>(d, row + kBlockBytes * (x / ggml::kBlock), v);
   } else {
-    v[0] = LoadVals<S>(d, row, codes, x);
+    v[0] = LoadVals<S>(d, row, x);
   }
 }
 
@@ -246,26 +250,57 @@ HWY_INLINE void SumLanes(D d, const hn::Vec<D> (&a)[kG], float* HWY_RESTRICT out
   for (int h = 0; h < kG; ++h) out[h] = hn::GetLane(hn::SumOfLanes(d, a[h]));
 }
 
-// Bytes of a row that head elements [x, x + n) live in: {offset, length}.
-// Rows are strided by the K|V interleave (> 2 KiB at head_dim 128), beyond
-// what hardware stride prefetchers follow, so the kernel prefetches them.
-template <KvScheme S>
-HWY_INLINE void SliceBytes(int n_kv, size_t x, size_t n, size_t& off, size_t& len) {
-  if constexpr (S == KvScheme::Q8_0 || S == KvScheme::Q4_0) {
-    constexpr size_t kB = S == KvScheme::Q8_0 ? sizeof(ggml::BlockQ8_0) : sizeof(ggml::BlockQ4_0);
-    off = kB * (x / ggml::kBlock);
-    len = kB * ((x + n + ggml::kBlock - 1) / ggml::kBlock) - off;
-  } else {
-    constexpr size_t kElem = S == KvScheme::Fp32 ? 4 : (S == KvScheme::Fp16 || S == KvScheme::Bf16) ? 2 : 1;
-    off = attn::CodesOffset(S, n_kv) + kElem * x;
-    len = kElem * n;
+// Scores of kT consecutive tokens for kG query heads: each loaded query
+// vector feeds kT FMAs, and the kT * kG accumulator chains are independent.
+template <KvScheme S, bool kBlocks, int kG, int kT, class D>
+HWY_INLINE void ScoreTokens(D d, const uint8_t* row0, size_t sb, size_t xbase, size_t hd,
+                            const float* HWY_RESTRICT q, float* HWY_RESTRICT dots) {
+  constexpr size_t N = hn::MaxLanes(D());
+  constexpr size_t kC = kBlocks ? ggml::kBlock / N : 1;  // vectors per element group
+  constexpr size_t kEG = kC * N;
+  hn::Vec<D> a[kT * kG];
+  for (int i = 0; i < kT * kG; ++i) a[i] = hn::Zero(d);
+#pragma GCC unroll 4
+  for (size_t e = 0; e < hd; e += kEG) {
+    hn::Vec<D> kv[kT][kC];
+    for (int t = 0; t < kT; ++t) LoadGroup<S, kBlocks>(d, row0 + static_cast<size_t>(t) * sb, xbase + e, kv[t]);
+    for (size_t j = 0; j < kC; ++j) {
+      for (int h = 0; h < kG; ++h) {
+        const auto qv = hn::LoadU(d, q + h * hd + e + j * N);
+        for (int t = 0; t < kT; ++t) a[t * kG + h] = hn::MulAdd(qv, kv[t][j], a[t * kG + h]);
+      }
+    }
   }
+  SumLanes<kT * kG>(d, a, dots);  // dots[t * kG + h]
 }
 
-HWY_INLINE void PrefetchSlice(const uint8_t* row, size_t off, size_t len, bool with_row_start) {
-  if (with_row_start) hwy::Prefetch(row);
-  for (size_t i = 0; i < len; i += 64) hwy::Prefetch(row + off + i);
-  hwy::Prefetch(row + off + len - 1);
+// acc[h][x, x + kVG * kEG) += sum_b w[h][b] * V_b[x, ...) for one block of
+// tokens: kVG element groups per pass, so kG * kVG * kC accumulator chains
+// stay in registers and each loaded V vector feeds kG FMAs.
+template <KvScheme S, bool kBlocks, int kG, size_t kVG, class D>
+HWY_INLINE void AccumulateV(D d, const uint8_t* row0, size_t sb, int nb, size_t x, size_t hd,
+                            const float (*HWY_RESTRICT w)[kBlockTokens], float* HWY_RESTRICT acc, size_t e) {
+  constexpr size_t N = hn::MaxLanes(D());
+  constexpr size_t kC = kBlocks ? ggml::kBlock / N : 1;
+  constexpr size_t kEG = kC * N;
+  hn::Vec<D> a[kG][kVG * kC];
+  for (int h = 0; h < kG; ++h) {
+    for (size_t j = 0; j < kVG * kC; ++j) a[h][j] = hn::LoadU(d, acc + h * hd + e + j * N);
+  }
+  for (int b = 0; b < nb; ++b) {
+    const uint8_t* row = row0 + static_cast<size_t>(b) * sb;
+    hn::Vec<D> vv[kVG][kC];
+    for (size_t g = 0; g < kVG; ++g) LoadGroup<S, kBlocks>(d, row, x + g * kEG, vv[g]);
+    for (int h = 0; h < kG; ++h) {
+      const auto wv = hn::Set(d, w[h][b]);
+      for (size_t g = 0; g < kVG; ++g) {
+        for (size_t j = 0; j < kC; ++j) a[h][g * kC + j] = hn::MulAdd(wv, vv[g][j], a[h][g * kC + j]);
+      }
+    }
+  }
+  for (int h = 0; h < kG; ++h) {
+    for (size_t j = 0; j < kVG * kC; ++j) hn::StoreU(a[h][j], d, acc + h * hd + e + j * N);
+  }
 }
 
 // kG query heads of one KV head over the item's tokens, in blocks of 32:
@@ -276,42 +311,40 @@ HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, int h0) {
   constexpr size_t N = hn::MaxLanes(D());
   constexpr size_t kC = kBlocks ? ggml::kBlock / N : 1;  // vectors per element group
   constexpr size_t kEG = kC * N;
+  // Element groups per V pass: about 16 accumulators (plus kG weights and
+  // the loaded V vectors) fit the 32 vector registers.
+  constexpr size_t kVG = std::max<size_t>(1, std::min<size_t>(8, 16 / (kG * kC)));
   const size_t hd = static_cast<size_t>(c.hd);
-  const size_t xbase = static_cast<size_t>(it.g) * hd;
-  const size_t coff = attn::CodesOffset(S, c.n_kv);
+  // The item's head: its payload slice, and its elements' offset in it.
+  const size_t slice = static_cast<size_t>(it.g / c.heads_per_slice);
+  const size_t xbase = static_cast<size_t>(it.g % c.heads_per_slice) * hd;
+  const uint8_t* kbase = c.k + slice * c.slice_stride;
+  const uint8_t* vbase = c.v + slice * c.slice_stride;
+  const size_t sb = c.slice_bytes, hb = c.header_bytes;
   const float* q = it.q + static_cast<size_t>(h0) * hd;
   float* acc = it.acc + static_cast<size_t>(h0) * hd;
   float* m = it.m + h0;
   float* l = it.l + h0;
   HWY_ALIGN float s[kG][kBlockTokens];
   float vscale[kBlockTokens];
-  size_t pf_off, pf_len;
-  SliceBytes<S>(c.n_kv, xbase, hd, pf_off, pf_len);
-  constexpr bool kRowScale = S == KvScheme::Int8 || S == KvScheme::Int8Head || S == KvScheme::Fp8E4M3Scaled;
 
   for (int64_t t0 = it.t0; t0 < it.t1; t0 += kBlockTokens) {
     const int nb = static_cast<int>(std::min<int64_t>(kBlockTokens, it.t1 - t0));
-    for (int b = 0; b < nb; ++b) {
-      const uint8_t* row = c.k + static_cast<size_t>(t0 + b) * c.stride;
-      // K of the next block, V of this one (read after the scores).
-      if (t0 + b + kBlockTokens < it.t1) PrefetchSlice(row + kBlockTokens * c.stride, pf_off, pf_len, kRowScale);
-      PrefetchSlice(c.v + static_cast<size_t>(t0 + b) * c.stride, pf_off, pf_len, kRowScale);
-      hn::Vec<D> a[kG];
-      for (int h = 0; h < kG; ++h) a[h] = hn::Zero(d);
-#pragma GCC unroll 8
-      for (size_t e = 0; e < hd; e += kEG) {
-        hn::Vec<D> kv[kC];
-        LoadGroup<S, kBlocks>(d, row, row + coff, xbase + e, kv);
-        for (size_t j = 0; j < kC; ++j) {
-          for (int h = 0; h < kG; ++h) a[h] = hn::MulAdd(hn::LoadU(d, q + h * hd + e + j * N), kv[j], a[h]);
-        }
-      }
-      const float rs = RowScale<S>(row, it.g);
+    int b = 0;
+    for (; b + 2 <= nb; b += 2) {
+      float dots[2 * kG];
+      ScoreTokens<S, kBlocks, kG, 2>(d, kbase + static_cast<size_t>(t0 + b) * sb, sb, xbase, hd, q, dots);
+      const float rs0 = RowScaleAt<S>(c.k_header, hb, t0 + b, it.g);
+      const float rs1 = RowScaleAt<S>(c.k_header, hb, t0 + b + 1, it.g);
+      for (int h = 0; h < kG; ++h) s[h][b] = dots[h] * rs0, s[h][b + 1] = dots[kG + h] * rs1;
+    }
+    if (b < nb) {
       float dots[kG];
-      SumLanes<kG>(d, a, dots);
+      ScoreTokens<S, kBlocks, kG, 1>(d, kbase + static_cast<size_t>(t0 + b) * sb, sb, xbase, hd, q, dots);
+      const float rs = RowScaleAt<S>(c.k_header, hb, t0 + b, it.g);
       for (int h = 0; h < kG; ++h) s[h][b] = dots[h] * rs;
     }
-    for (int b = 0; b < nb; ++b) vscale[b] = RowScale<S>(c.v + static_cast<size_t>(t0 + b) * c.stride, it.g);
+    for (int bb = 0; bb < nb; ++bb) vscale[bb] = RowScaleAt<S>(c.v_header, hb, t0 + bb, it.g);
 
     for (int h = 0; h < kG; ++h) {
       float bm = s[h][0];
@@ -339,25 +372,12 @@ HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, int h0) {
       l[h] += sum;
     }
 
-    for (size_t e = 0; e < hd; e += kEG) {
-      hn::Vec<D> a[kG][kC];
-      for (int h = 0; h < kG; ++h) {
-        for (size_t j = 0; j < kC; ++j) a[h][j] = hn::LoadU(d, acc + h * hd + e + j * N);
-      }
-#pragma GCC unroll 2
-      for (int b = 0; b < nb; ++b) {
-        const uint8_t* row = c.v + static_cast<size_t>(t0 + b) * c.stride;
-        hn::Vec<D> vv[kC];
-        LoadGroup<S, kBlocks>(d, row, row + coff, xbase + e, vv);
-        for (int h = 0; h < kG; ++h) {
-          const auto w = hn::Set(d, s[h][b]);
-          for (size_t j = 0; j < kC; ++j) a[h][j] = hn::MulAdd(w, vv[j], a[h][j]);
-        }
-      }
-      for (int h = 0; h < kG; ++h) {
-        for (size_t j = 0; j < kC; ++j) hn::StoreU(a[h][j], d, acc + h * hd + e + j * N);
-      }
+    const uint8_t* vrow0 = vbase + static_cast<size_t>(t0) * sb;
+    size_t e = 0;
+    for (; e + kVG * kEG <= hd; e += kVG * kEG) {
+      AccumulateV<S, kBlocks, kG, kVG>(d, vrow0, sb, nb, xbase + e, hd, s, acc, e);
     }
+    for (; e < hd; e += kEG) AccumulateV<S, kBlocks, kG, 1>(d, vrow0, sb, nb, xbase + e, hd, s, acc, e);
   }
 }
 
@@ -448,10 +468,22 @@ Validated Validate(std::span<const float> q, int n_heads, const KvRowsView& kv,
   Validated r;
   r.T = opts.length < 0 ? kv.tokens : opts.length;
   KVQ_CHECK_ARG(r.T > 0, "kv: expected at least one token to attend to, got 0");
-  KVQ_CHECK_ARG(kv.k != nullptr && kv.v != nullptr, "kv.k, kv.v: expected non-null row pointers");
+  KVQ_CHECK_ARG(kv.k != nullptr && kv.v != nullptr, "kv.k, kv.v: expected non-null payload pointers");
+  KVQ_CHECK_ARG(kv.header_bytes == codec.header_bytes(), "kv.header_bytes: expected ", codec.header_bytes(),
+                " for scheme ", kv_scheme_name(kv.scheme), ", got ", kv.header_bytes);
+  KVQ_CHECK_ARG(kv.header_bytes == 0 || (kv.k_header != nullptr && kv.v_header != nullptr),
+                "kv.k_header, kv.v_header: expected non-null header pointers for scheme ", kv_scheme_name(kv.scheme));
+  KVQ_CHECK_ARG(kv.slices == 1 || kv.slices == kv.n_kv_heads, "kv.slices: expected 1 or kv.n_kv_heads = ",
+                kv.n_kv_heads, ", got ", kv.slices);
+  KVQ_CHECK_ARG(kv.slices == codec.slices() || kv.slices == 1, "kv.slices: scheme ", kv_scheme_name(kv.scheme),
+                " with head_dim ", kv.head_dim, " cannot be split per head");
+  KVQ_CHECK_ARG(kv.slice_bytes * static_cast<size_t>(kv.slices) + kv.header_bytes == codec.row_bytes(),
+                "kv.slice_bytes: expected (row size ", codec.row_bytes(), " - header ", kv.header_bytes, ") / ",
+                kv.slices, " slices, got ", kv.slice_bytes);
+  KVQ_CHECK_ARG(kv.slices == 1 || kv.slice_stride >= static_cast<size_t>(kv.tokens) * kv.slice_bytes,
+                "kv.slice_stride: expected >= kv.tokens * kv.slice_bytes = ",
+                static_cast<size_t>(kv.tokens) * kv.slice_bytes, ", got ", kv.slice_stride);
   r.row_bytes = codec.row_bytes();
-  KVQ_CHECK_ARG(kv.stride >= r.row_bytes, "kv.stride: expected >= the row size ", r.row_bytes,
-                " bytes of scheme ", kv_scheme_name(kv.scheme), ", got ", kv.stride);
   KVQ_CHECK_ARG(opts.threads >= 0, "threads: expected >= 0, got ", opts.threads);
   KVQ_CHECK_ARG(std::isfinite(opts.scale), "scale: expected a finite value, got ", opts.scale);
   r.scale = opts.scale != 0.0f ? opts.scale : 1.0f / std::sqrt(static_cast<float>(kv.head_dim));
@@ -500,8 +532,11 @@ void decode_attention(std::span<const float> q, int n_heads, const KvRowsView& k
                                                st, st + G, st + 2 * G, g, v.G,
                                                v.T * sgi / segs, v.T * (sgi + 1) / segs};
   }
-  const attn::Call call{kv.scheme, kv.n_kv_heads, kv.head_dim, kv.k, kv.v, kv.stride,
-                        items.data(), n_items, threads};
+  const attn::Call call{kv.scheme,     kv.n_kv_heads,   kv.head_dim,
+                        kv.k,          kv.v,            kv.slice_bytes,
+                        kv.slice_stride, kv.n_kv_heads / kv.slices, kv.k_header,
+                        kv.v_header,   kv.header_bytes, items.data(),
+                        n_items,       threads};
   HWY_DYNAMIC_DISPATCH(DecodeAttentionKernel)(call);
 
   // Merge the segments of each KV head: rescale to the common max, sum, divide.
@@ -546,9 +581,12 @@ void decode_attention_ref(std::span<const float> q, int n_heads, const KvRowsVie
   const KvRowCodec codec(kv.scheme, row_len, kv.head_dim);
   const size_t hd = static_cast<size_t>(kv.head_dim), T = static_cast<size_t>(v.T);
   std::vector<float> K(T * static_cast<size_t>(row_len)), V(K.size());
+  std::vector<uint8_t> row(codec.row_bytes());
   for (size_t t = 0; t < T; ++t) {
-    codec.decode(kv.k + t * kv.stride, K.data() + t * static_cast<size_t>(row_len));
-    codec.decode(kv.v + t * kv.stride, V.data() + t * static_cast<size_t>(row_len));
+    kv.gather_row(0, static_cast<int64_t>(t), row.data());
+    codec.decode(row.data(), K.data() + t * static_cast<size_t>(row_len));
+    kv.gather_row(1, static_cast<int64_t>(t), row.data());
+    codec.decode(row.data(), V.data() + t * static_cast<size_t>(row_len));
   }
   std::vector<double> sc(T), o(hd);
   for (int h = 0; h < n_heads; ++h) {

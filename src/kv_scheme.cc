@@ -13,6 +13,9 @@
 #include "kvq/half.h"
 
 namespace kvq {
+namespace {
+size_t RoundUp64(size_t n) { return (n + 63) / 64 * 64; }
+}  // namespace
 
 namespace {
 struct SchemeName {
@@ -103,6 +106,15 @@ KvRowCodec::KvRowCodec(KvScheme scheme, int row_len, int head_dim)
     default:
       Fail("scheme: unknown KV scheme value ", static_cast<int>(scheme));
   }
+  switch (scheme) {
+    case KvScheme::Int8:
+    case KvScheme::Fp8E4M3Scaled: header_bytes_ = 4; break;
+    case KvScheme::Int8Head: header_bytes_ = 4 * (n / static_cast<size_t>(head_dim)); break;
+    default: header_bytes_ = 0; break;
+  }
+  // Payloads split per head unless a ggml block would straddle two heads.
+  const bool blocks = scheme == KvScheme::Q8_0 || scheme == KvScheme::Q4_0;
+  slices_ = blocks && head_dim % ggml::kBlock != 0 ? 1 : row_len / head_dim;
 }
 
 void KvRowCodec::encode(const float* row, uint8_t* dst) const {
@@ -195,19 +207,44 @@ KvCache::KvCache(KvScheme scheme, int n_layers, int max_seq, int n_kv_heads, int
   KVQ_CHECK_ARG(n_layers > 0, "n_layers: expected > 0, got ", n_layers);
   KVQ_CHECK_ARG(max_seq > 0, "max_seq: expected > 0, got ", max_seq);
   KVQ_CHECK_ARG(n_kv_heads > 0, "n_kv_heads: expected > 0, got ", n_kv_heads);
-  data_.assign(bytes(static_cast<int64_t>(max_seq)), 0);
+  const size_t seq = static_cast<size_t>(max_seq);
+  header_region_ = RoundUp64(seq * codec_.header_bytes());
+  slice_stride_ = RoundUp64(seq * codec_.slice_bytes());
+  part_bytes_ = header_region_ + static_cast<size_t>(codec_.slices()) * slice_stride_;
+  data_ = Tensor({static_cast<int64_t>(2 * static_cast<size_t>(n_layers) * part_bytes_)}, DType::U8);
+}
+
+size_t KvCache::PartOffset(int layer, int kv) const {
+  return (2 * static_cast<size_t>(layer) + static_cast<size_t>(kv)) * part_bytes_;
 }
 
 KvRowsView KvCache::view(int layer, int64_t tokens) const {
   KVQ_CHECK_ARG(layer >= 0 && layer < n_layers_, "layer: expected 0..", n_layers_ - 1, ", got ", layer);
   KVQ_CHECK_ARG(tokens >= 0 && tokens <= max_seq_, "tokens: expected 0..", max_seq_, ", got ", tokens);
-  return KvRowsView{scheme(), n_kv_heads_, head_dim_, data_.data() + RowOffset(layer, 0, 0),
-                    data_.data() + RowOffset(layer, 0, 1), 2 * codec_.row_bytes(), tokens};
+  KvRowsView v;
+  v.scheme = scheme();
+  v.n_kv_heads = n_kv_heads_;
+  v.head_dim = head_dim_;
+  v.k_header = data_.data_as<uint8_t>() + PartOffset(layer, 0);
+  v.v_header = data_.data_as<uint8_t>() + PartOffset(layer, 1);
+  v.header_bytes = codec_.header_bytes();
+  v.k = v.k_header + header_region_;
+  v.v = v.v_header + header_region_;
+  v.slices = codec_.slices();
+  v.slice_bytes = codec_.slice_bytes();
+  v.slice_stride = slice_stride_;
+  v.tokens = tokens;
+  return v;
 }
 
-size_t KvCache::RowOffset(int layer, int pos, int kv) const {
-  return ((static_cast<size_t>(layer) * static_cast<size_t>(max_seq_) + static_cast<size_t>(pos)) * 2 +
-          static_cast<size_t>(kv)) * codec_.row_bytes();
+void KvRowsView::gather_row(int which, int64_t t, uint8_t* row) const {
+  const uint8_t* header = (which == 0 ? k_header : v_header) + static_cast<size_t>(t) * header_bytes;
+  const uint8_t* payload = (which == 0 ? k : v) + static_cast<size_t>(t) * slice_bytes;
+  if (header_bytes) std::memcpy(row, header, header_bytes);
+  for (int s = 0; s < slices; ++s) {
+    std::memcpy(row + header_bytes + static_cast<size_t>(s) * slice_bytes,
+                payload + static_cast<size_t>(s) * slice_stride, slice_bytes);
+  }
 }
 
 void KvCache::write(int layer, int pos, std::span<const float> k, std::span<const float> v) {
@@ -219,22 +256,29 @@ void KvCache::write(int layer, int pos, std::span<const float> k, std::span<cons
   const int64_t bk = first_non_finite(k), bv = first_non_finite(v);
   KVQ_CHECK_ARG(bk < 0 && bv < 0, "k, v: expected finite values, found a non-finite value at ",
                 bk >= 0 ? "k[" : "v[", bk >= 0 ? bk : bv, "] (layer ", layer, ", pos ", pos, ")");
-  uint8_t* kb = data_.data() + RowOffset(layer, pos, 0);
-  uint8_t* vb = data_.data() + RowOffset(layer, pos, 1);
-  codec_.encode(k.data(), kb);
-  codec_.encode(v.data(), vb);
+  // Encode the codec row, then scatter its header and its head slices.
+  thread_local std::vector<uint8_t> row;
+  row.resize(codec_.row_bytes());
+  const size_t hb = codec_.header_bytes(), sb = codec_.slice_bytes();
+  for (int kv = 0; kv < 2; ++kv) {
+    codec_.encode(kv == 0 ? k.data() : v.data(), row.data());
+    uint8_t* part = data_.data_as<uint8_t>() + PartOffset(layer, kv);
+    if (hb) std::memcpy(part + static_cast<size_t>(pos) * hb, row.data(), hb);
+    for (int s = 0; s < codec_.slices(); ++s) {
+      std::memcpy(part + header_region_ + static_cast<size_t>(s) * slice_stride_ + static_cast<size_t>(pos) * sb,
+                  row.data() + hb + static_cast<size_t>(s) * sb, sb);
+    }
+  }
 }
 
-void KvCache::read_k(int layer, int pos, std::span<float> out) const {
-  KVQ_CHECK_ARG(layer >= 0 && layer < n_layers_ && pos >= 0 && pos < max_seq_, "layer/pos: out of range");
+void KvCache::read(int layer, int pos, int kv, std::span<float> out) const {
+  KVQ_CHECK_ARG(layer >= 0 && layer < n_layers_ && pos >= 0 && pos < max_seq_, "layer/pos: expected 0..",
+                n_layers_ - 1, " / 0..", max_seq_ - 1, ", got ", layer, " / ", pos);
   KVQ_CHECK_ARG(out.size() == static_cast<size_t>(codec_.row_len()), "out: expected ", codec_.row_len(), " values");
-  codec_.decode(data_.data() + RowOffset(layer, pos, 0), out.data());
-}
-
-void KvCache::read_v(int layer, int pos, std::span<float> out) const {
-  KVQ_CHECK_ARG(layer >= 0 && layer < n_layers_ && pos >= 0 && pos < max_seq_, "layer/pos: out of range");
-  KVQ_CHECK_ARG(out.size() == static_cast<size_t>(codec_.row_len()), "out: expected ", codec_.row_len(), " values");
-  codec_.decode(data_.data() + RowOffset(layer, pos, 1), out.data());
+  thread_local std::vector<uint8_t> row;
+  row.resize(codec_.row_bytes());
+  view(layer, max_seq_).gather_row(kv, pos, row.data());
+  codec_.decode(row.data(), out.data());
 }
 
 }  // namespace kvq

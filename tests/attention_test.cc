@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -190,6 +191,43 @@ TEST(DecodeAttention, LengthAndScaleOptions) {
   EXPECT_EQ(std::memcmp(ot.data(), a.data(), 256 * 4), 0);
 }
 
+// A caller's own layout: whole token-major rows (one slice) and a separate
+// header array. The kernel gives the same result as on KvCache's head-major
+// slices (same per-lane arithmetic), for every scheme.
+TEST(DecodeAttention, WholeRowLayoutMatchesHeadMajorSlices) {
+  Rng rng(12);
+  for (KvScheme s : all_kv_schemes()) {
+    SCOPED_TRACE(kv_scheme_name(s));
+    const Case c{s, 4, 2, 64, 77};
+    const KvCache cache = MakeCache(c, rng);
+    const KvRowsView hm = cache.view(0, c.T);
+    const KvRowCodec& codec = cache.codec();
+    const size_t rb = codec.row_bytes(), hb = codec.header_bytes();
+    std::vector<uint8_t> rows_k(c.T * rb), rows_v(c.T * rb), head_k(c.T * hb + 1), head_v(c.T * hb + 1);
+    std::vector<uint8_t> row(rb);
+    for (int64_t t = 0; t < c.T; ++t) {
+      for (int which = 0; which < 2; ++which) {
+        hm.gather_row(which, t, row.data());
+        std::memcpy((which ? head_v : head_k).data() + t * hb, row.data(), hb);
+        std::memcpy((which ? rows_v : rows_k).data() + t * (rb - hb), row.data() + hb, rb - hb);
+      }
+    }
+    KvRowsView whole = hm;
+    whole.k = rows_k.data();
+    whole.v = rows_v.data();
+    whole.slices = 1;
+    whole.slice_bytes = rb - hb;
+    whole.slice_stride = 0;
+    whole.k_header = head_k.data();
+    whole.v_header = head_v.data();
+    std::vector<float> q(8 * 64), a(q.size()), b(q.size());
+    for (auto& x : q) x = static_cast<float>(rng.Gaussian());
+    decode_attention(q, 8, hm, a, {});
+    decode_attention(q, 8, whole, b, {});
+    EXPECT_EQ(a, b);
+  }
+}
+
 TEST(DecodeAttention, BadArgumentsAreClearErrors) {
   Rng rng(6);
   const KvCache cache = MakeCache({KvScheme::Q8_0, 2, 2, 64, 10}, rng);
@@ -212,8 +250,17 @@ TEST(DecodeAttention, BadArgumentsAreClearErrors) {
   bad.head_dim = 12;
   EXPECT_NE(err(bad).find("kv.head_dim"), std::string::npos);
   bad = good;
-  bad.stride = 10;
-  EXPECT_NE(err(bad).find("kv.stride"), std::string::npos);
+  bad.slice_bytes = 10;
+  EXPECT_NE(err(bad).find("kv.slice_bytes"), std::string::npos);
+  bad = good;
+  bad.slice_stride = 10;
+  EXPECT_NE(err(bad).find("kv.slice_stride"), std::string::npos);
+  bad = good;
+  bad.slices = 3;
+  EXPECT_NE(err(bad).find("kv.slices"), std::string::npos);
+  bad = good;
+  bad.header_bytes = 4;
+  EXPECT_NE(err(bad).find("kv.header_bytes"), std::string::npos);
   bad = good;
   bad.k = nullptr;
   EXPECT_NE(err(bad).find("non-null"), std::string::npos);

@@ -192,6 +192,20 @@ TEST(KvScheme, BytesAndBitsPerElementAreExact) {
   EXPECT_THROW(KvRowCodec(static_cast<KvScheme>(77), 32, 8), Error);
 }
 
+TEST(KvCache, StoresHeadMajorSlicesWhereTheSchemeAllows) {
+  // head_dim 16: every scheme splits per head except the ggml blocks (32).
+  for (KvScheme s : all_kv_schemes()) {
+    const KvRowCodec c16(s, 64, 16), c32(s, 64, 32);
+    const bool blocks = s == KvScheme::Q8_0 || s == KvScheme::Q4_0;
+    EXPECT_EQ(c16.slices(), blocks ? 1 : 4) << kv_scheme_name(s);
+    EXPECT_EQ(c32.slices(), 2) << kv_scheme_name(s);
+    const size_t want_header = s == KvScheme::Int8 || s == KvScheme::Fp8E4M3Scaled ? 4
+                               : s == KvScheme::Int8Head                          ? 16
+                                                                                  : 0;
+    EXPECT_EQ(c16.header_bytes(), want_header) << kv_scheme_name(s);
+  }
+}
+
 TEST(KvCache, WritesRowsAndReadsThemBack) {
   test::Rng rng(5);
   for (KvScheme s : all_kv_schemes()) {
@@ -205,17 +219,31 @@ TEST(KvCache, WritesRowsAndReadsThemBack) {
       const KvRowsView view = cache.view(1, pos + 1);
       ASSERT_EQ(view.tokens, pos + 1);
       ASSERT_EQ(view.scheme, s);
-      ASSERT_EQ(view.stride, 2 * cache.codec().row_bytes());
-      cache.codec().encode(k.data(), enc.data());
-      ASSERT_EQ(0, std::memcmp(view.k + pos * view.stride, enc.data(), enc.size()));
-      cache.codec().decode(enc.data(), want.data());
-      cache.read_k(1, pos, out);
-      ASSERT_EQ(out, want);
-      cache.codec().encode(v.data(), enc.data());
-      ASSERT_EQ(0, std::memcmp(view.v + pos * view.stride, enc.data(), enc.size()));
-      cache.codec().decode(enc.data(), want.data());
-      cache.read_v(1, pos, out);
-      ASSERT_EQ(out, want);
+      const KvRowCodec& codec = cache.codec();
+      ASSERT_EQ(view.header_bytes, codec.header_bytes());
+      ASSERT_EQ(view.slices, codec.slices());
+      ASSERT_EQ(view.slice_bytes * view.slices + view.header_bytes, codec.row_bytes());
+      std::vector<uint8_t> got(enc.size());
+      for (int which = 0; which < 2; ++which) {
+        codec.encode(which == 0 ? k.data() : v.data(), enc.data());
+        // The layout itself: the header at [pos], head slice s at s * slice_stride + pos * slice_bytes.
+        const uint8_t* header = (which == 0 ? view.k_header : view.v_header) + pos * view.header_bytes;
+        if (view.header_bytes) ASSERT_EQ(0, std::memcmp(header, enc.data(), view.header_bytes));
+        for (int sl = 0; sl < view.slices; ++sl) {
+          const uint8_t* piece = (which == 0 ? view.k : view.v) + sl * view.slice_stride + pos * view.slice_bytes;
+          ASSERT_EQ(0, std::memcmp(piece, enc.data() + view.header_bytes + sl * view.slice_bytes, view.slice_bytes));
+          ASSERT_EQ(reinterpret_cast<uintptr_t>((which == 0 ? view.k : view.v) + sl * view.slice_stride) % 64, 0u);
+        }
+        view.gather_row(which, pos, got.data());
+        ASSERT_EQ(got, enc);
+        codec.decode(enc.data(), want.data());
+        if (which == 0) {
+          cache.read_k(1, pos, out);
+        } else {
+          cache.read_v(1, pos, out);
+        }
+        ASSERT_EQ(out, want);
+      }
       if (s == KvScheme::Fp32) {
         ASSERT_EQ(0, std::memcmp(out.data(), v.data(), 128));
       }

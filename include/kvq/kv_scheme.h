@@ -11,6 +11,17 @@
 //   fp8-e4m3-scaled f32 scale (amax / 448) | row_len * u8 E4M3FN of x / scale
 //   fp8-e5m2        row_len * u8 E5M2 (saturating)
 //   q8_0 / q4_0     row_len / 32 ggml blocks (see ggml_quants.h)
+// A row is its header (the f32 scales, when the scheme has any) followed by
+// its payload (codes, or ggml blocks).
+//
+// KvCache layout, per layer and for K and V separately: the headers of all
+// positions in one array, then the payload cut into `slices` pieces, one per
+// KV head (head-major: one head's codes of consecutive positions are
+// contiguous, so attention streams them), except q8_0/q4_0 with head_dim not
+// a multiple of 32, whose blocks straddle heads and stay whole rows (1 slice).
+//
+//   [K headers: max_seq * header_bytes][K slice 0: max_seq * slice_bytes]...
+//   [V headers ...][V slice 0 ...]...        (each region 64-byte aligned)
 #pragma once
 
 #include <cstddef>
@@ -18,6 +29,8 @@
 #include <span>
 #include <string>
 #include <vector>
+
+#include "kvq/tensor.h"
 
 namespace kvq {
 
@@ -51,6 +64,11 @@ class KvRowCodec {
   KvScheme scheme() const { return scheme_; }
   int row_len() const { return row_len_; }
   size_t row_bytes() const { return row_bytes_; }
+  // Bytes of the row's scales in front of its payload (0: none).
+  size_t header_bytes() const { return header_bytes_; }
+  // The payload in independent equal pieces: n_kv_heads (one per head), or 1.
+  int slices() const { return slices_; }
+  size_t slice_bytes() const { return (row_bytes_ - header_bytes_) / static_cast<size_t>(slices_); }
   // Bits per stored value, everything counted (codes, scales).
   double bits_per_element() const { return 8.0 * static_cast<double>(row_bytes_) / row_len_; }
 
@@ -64,23 +82,37 @@ class KvRowCodec {
   int row_len_;
   int head_dim_;
   size_t row_bytes_;
+  size_t header_bytes_ = 0;
+  int slices_ = 1;
 };
 
-// Read-only view of the stored K and V rows of one layer (the input of the
-// fused attention kernel, attention.h).
+// Read-only view of the stored K and V of one layer (the input of the fused
+// attention kernel, attention.h), in KvCache's layout: token t's header at
+// k_header + t * header_bytes; its payload piece s at
+// k + s * slice_stride + t * slice_bytes (likewise for V).
 struct KvRowsView {
   KvScheme scheme = KvScheme::Fp32;
   int n_kv_heads = 0;
   int head_dim = 0;
-  const uint8_t* k = nullptr;  // K row t starts at k + t * stride
-  const uint8_t* v = nullptr;  // V row t starts at v + t * stride
-  size_t stride = 0;           // bytes between consecutive rows, >= the row's bytes
-  int64_t tokens = 0;          // rows available
+  const uint8_t* k = nullptr;  // payload of slice 0, token 0
+  const uint8_t* v = nullptr;
+  size_t slice_bytes = 0;      // payload bytes of one token in one slice
+  size_t slice_stride = 0;     // bytes between slices, >= tokens * slice_bytes
+  int slices = 1;              // n_kv_heads (head-major) or 1 (whole rows)
+  const uint8_t* k_header = nullptr;  // may be null when header_bytes == 0
+  const uint8_t* v_header = nullptr;
+  size_t header_bytes = 0;
+  int64_t tokens = 0;          // positions available
+
+  // Assembles token t's codec row (header | payload) of K (which = 0) or
+  // V (1) into row[0, row_bytes). No validation (a kernel).
+  void gather_row(int which, int64_t t, uint8_t* row) const;
 };
 
 // K and V rows of n_layers layers for positions [0, max_seq), stored in one
-// scheme: the stored bytes are the only copy (attention reads the codes
-// through view()). Memory is allocated once, at construction.
+// scheme and in the layout above: the stored bytes are the only copy
+// (attention reads the codes through view()). Memory is allocated once, at
+// construction, 64-byte aligned.
 class KvCache {
  public:
   KvCache(KvScheme scheme, int n_layers, int max_seq, int n_kv_heads, int head_dim);
@@ -95,8 +127,8 @@ class KvCache {
   // The first `tokens` stored rows of `layer`.
   KvRowsView view(int layer, int64_t tokens) const;
   // Decode one stored row from its bytes.
-  void read_k(int layer, int pos, std::span<float> out) const;
-  void read_v(int layer, int pos, std::span<float> out) const;
+  void read_k(int layer, int pos, std::span<float> out) const { read(layer, pos, 0, out); }
+  void read_v(int layer, int pos, std::span<float> out) const { read(layer, pos, 1, out); }
 
   // Exact stored bytes for one token (K and V, all layers) and for `tokens`.
   size_t bytes_per_token() const { return 2 * codec_.row_bytes() * static_cast<size_t>(n_layers_); }
@@ -104,13 +136,15 @@ class KvCache {
   double bits_per_element() const { return codec_.bits_per_element(); }
 
  private:
-  size_t RowOffset(int layer, int pos, int kv) const;  // byte offset in data_
+  void read(int layer, int pos, int kv, std::span<float> out) const;
+  size_t PartOffset(int layer, int kv) const;  // byte offset of (layer, K or V) in data_
   KvRowCodec codec_;
   int n_layers_;
   int max_seq_;
   int n_kv_heads_;
   int head_dim_;
-  std::vector<uint8_t> data_;  // stored bytes: [layer][pos][K row | V row]
+  size_t header_region_ = 0, slice_stride_ = 0, part_bytes_ = 0;
+  Tensor data_;  // U8, [layer][K | V][headers | slices], 64-byte aligned
 };
 
 }  // namespace kvq
