@@ -47,13 +47,14 @@ const kvq::KvCache& CacheFor(kvq::KvScheme scheme, int T) {
   return *cache;
 }
 
-void BM_decode_attention(benchmark::State& state, kvq::KvScheme scheme, int T) {
+void BM_decode_attention(benchmark::State& state, kvq::KvScheme scheme, int T, bool int8_query) {
   const kvq::KvCache& cache = CacheFor(scheme, T);
   const kvq::KvRowsView view = cache.view(0, T);
   std::vector<float> q(kHeads * kHeadDim), out(q.size());
   for (size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.37f * static_cast<float>(i));
   kvq::DecodeAttentionOptions o;
   o.threads = kThreads;
+  o.int8_query = int8_query;
   for (auto _ : state) {
     kvq::decode_attention(q, kHeads, view, out, o);
     benchmark::DoNotOptimize(out.data());
@@ -61,6 +62,11 @@ void BM_decode_attention(benchmark::State& state, kvq::KvScheme scheme, int T) {
   const double bytes = 2.0 * static_cast<double>(T) * static_cast<double>(cache.codec().row_bytes());
   state.SetBytesProcessed(static_cast<int64_t>(bytes * static_cast<double>(state.iterations())));
   state.counters["bits"] = cache.bits_per_element();
+  // Multiply-adds of exact attention: q.k and p.v, head_dim each, for every
+  // query head and token; as a rate, comparable across schemes.
+  const double macs = 2.0 * kHeads * kHeadDim * static_cast<double>(T);
+  state.counters["MAC/s"] = benchmark::Counter(macs * static_cast<double>(state.iterations()),
+                                               benchmark::Counter::kIsRate);
 }
 
 const int kRegistered = [] {
@@ -69,9 +75,16 @@ const int kRegistered = [] {
                      KvScheme::Fp8E4M3, KvScheme::Fp8E5M2, KvScheme::Q8_0, KvScheme::Q4_0}) {
     for (int T : {1024, 4096, 16384, 65536}) {
       const std::string name = std::string("BM_decode_attention/") + kvq::kv_scheme_name(s) + "/" + std::to_string(T);
-      benchmark::RegisterBenchmark(name.c_str(), BM_decode_attention, s, T)
+      benchmark::RegisterBenchmark(name.c_str(), BM_decode_attention, s, T, false)
           ->Unit(benchmark::kMicrosecond)
           ->UseRealTime();
+      // The opt-in integer-score path (DecodeAttentionOptions::int8_query).
+      if (s == KvScheme::Int8 || s == KvScheme::Int8Head) {
+        const std::string iq = std::string("BM_decode_attention_int8q/") + kvq::kv_scheme_name(s) + "/" + std::to_string(T);
+        benchmark::RegisterBenchmark(iq.c_str(), BM_decode_attention, s, T, true)
+            ->Unit(benchmark::kMicrosecond)
+            ->UseRealTime();
+      }
     }
   }
   return 0;

@@ -1,4 +1,8 @@
 // Fused decode attention over a quantized KV cache (SPEC §8).
+// AVX3_DL (AVX-512 VNNI) is compiled too: int8_query uses vpdpbusd.
+#ifndef HWY_WANT_AVX3_DL
+#define HWY_WANT_AVX3_DL
+#endif
 #include "kvq/attention.h"
 
 #include <omp.h>
@@ -23,6 +27,8 @@ namespace kvq::attn {
 // unnormalised output, head-major).
 struct Item {
   const float* q;  // G * hd pre-scaled query values
+  const uint8_t* qu8;    // G * hd: int8-rounded query + 128 (int8_query), else null
+  const float* qscale;   // G: the rounding scale of each query head
   float* m;        // G
   float* l;        // G
   float* acc;      // G * hd
@@ -44,6 +50,7 @@ struct Call {
   const Item* items;
   int64_t n_items;
   int threads;
+  bool int8_query;  // items carry qu8 / qscale
 };
 
 inline float LoadF32(const uint8_t* p) {
@@ -221,7 +228,7 @@ constexpr int kBlockTokens = 32;
 // share one reduction tree: two interleave levels leave [a0 a1 a2 a3]
 // partials in every 128-bit block, then the blocks are added.
 template <int kG, class D>
-HWY_INLINE void SumLanes(D d, const hn::Vec<D> (&a)[kG], float* HWY_RESTRICT out) {
+HWY_INLINE void SumLanes(D d, const hn::Vec<D> (&a)[kG], hn::TFromD<D>* HWY_RESTRICT out) {
 #if HWY_TARGET != HWY_SCALAR
   constexpr size_t N = hn::MaxLanes(D());
   if constexpr (kG % 4 == 0 && N >= 4) {
@@ -274,6 +281,46 @@ HWY_INLINE void ScoreTokens(D d, const uint8_t* row0, size_t sb, size_t xbase, s
   SumLanes<kT * kG>(d, a, dots);  // dots[t * kG + h]
 }
 
+#if HWY_TARGET == HWY_AVX3_DL
+// Highway 1.0.3's AVX3_DL target string lacks avx512vnni (every AVX3_DL CPU
+// has it); the functions that use vpdpbusd add it.
+#define KVQ_VNNI_ATTR __attribute__((target("avx512vnni")))
+constexpr bool kVnni = true;
+// Integer scores of kT tokens for kG heads (int8_query): with qu = q + 128,
+// sum_e qu_e k_e = sum_e q_e k_e + 128 sum_e k_e, so one extra dot product
+// with ones per token removes the offset. Exact in int32 (|sum| < 2^24).
+template <int kG, int kT, class D>
+KVQ_VNNI_ATTR HWY_INLINE void ScoreTokensInt8(D d, const uint8_t* row0, size_t sb, size_t xbase, size_t hd,
+                                const uint8_t* HWY_RESTRICT qu, int32_t* HWY_RESTRICT dots) {
+  const hn::RebindToSigned<D> di;
+  const hn::Repartition<uint8_t, D> du8;
+  constexpr size_t kBytes = hn::MaxLanes(du8);
+  hn::Vec<decltype(di)> a[kT * kG], ksum[kT];
+  for (int i = 0; i < kT * kG; ++i) a[i] = hn::Zero(di);
+  for (int t = 0; t < kT; ++t) ksum[t] = hn::Zero(di);
+  const auto ones = hn::Set(du8, 1);
+  for (size_t e = 0; e < hd; e += kBytes) {
+    hn::Vec<decltype(du8)> k[kT];
+    for (int t = 0; t < kT; ++t) {
+      k[t] = hn::LoadU(du8, row0 + static_cast<size_t>(t) * sb + xbase + e);
+      ksum[t].raw = _mm512_dpbusd_epi32(ksum[t].raw, ones.raw, k[t].raw);
+    }
+    for (int h = 0; h < kG; ++h) {
+      const auto qv = hn::LoadU(du8, qu + h * hd + e);
+      for (int t = 0; t < kT; ++t) a[t * kG + h].raw = _mm512_dpbusd_epi32(a[t * kG + h].raw, qv.raw, k[t].raw);
+    }
+  }
+  for (int t = 0; t < kT; ++t) {
+    const auto off = hn::ShiftLeft<7>(ksum[t]);  // 128 * sum k, per lane
+    for (int h = 0; h < kG; ++h) a[t * kG + h] = hn::Sub(a[t * kG + h], off);
+  }
+  SumLanes<kT * kG>(di, a, dots);
+}
+#else
+#define KVQ_VNNI_ATTR
+constexpr bool kVnni = false;
+#endif
+
 // acc[h][x, x + kVG * kEG) += sum_b w[h][b] * V_b[x, ...) for one block of
 // tokens: kVG element groups per pass, so kG * kVG * kC accumulator chains
 // stay in registers and each loaded V vector feeds kG FMAs.
@@ -306,8 +353,8 @@ HWY_INLINE void AccumulateV(D d, const uint8_t* row0, size_t sb, int nb, size_t 
 // kG query heads of one KV head over the item's tokens, in blocks of 32:
 // scores from the K codes, an online-softmax update, then V accumulated from
 // the codes with every head's weight applied to the same loaded vector.
-template <KvScheme S, bool kBlocks, int kG, class D>
-HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, int h0) {
+template <KvScheme S, bool kBlocks, int kG, bool kIQ, class D>
+KVQ_VNNI_ATTR HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, int h0) {
   constexpr size_t N = hn::MaxLanes(D());
   constexpr size_t kC = kBlocks ? ggml::kBlock / N : 1;  // vectors per element group
   constexpr size_t kEG = kC * N;
@@ -325,31 +372,62 @@ HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, int h0) {
   float* acc = it.acc + static_cast<size_t>(h0) * hd;
   float* m = it.m + h0;
   float* l = it.l + h0;
-  HWY_ALIGN float s[kG][kBlockTokens];
-  float vscale[kBlockTokens];
+  HWY_ALIGN float s[kG][kBlockTokens] = {};
+  HWY_ALIGN float ks[kBlockTokens], vs[kBlockTokens];
 
   for (int64_t t0 = it.t0; t0 < it.t1; t0 += kBlockTokens) {
     const int nb = static_cast<int>(std::min<int64_t>(kBlockTokens, it.t1 - t0));
+    // Raw scores (before the row scale) into s[h][b].
     int b = 0;
+#if HWY_TARGET == HWY_AVX3_DL
+    if constexpr (kIQ) {
+      const uint8_t* qu = it.qu8 + static_cast<size_t>(h0) * hd;
+      for (; b + 2 <= nb; b += 2) {
+        int32_t dots[2 * kG];
+        ScoreTokensInt8<kG, 2>(d, kbase + static_cast<size_t>(t0 + b) * sb, sb, xbase, hd, qu, dots);
+        for (int h = 0; h < kG; ++h) {
+          s[h][b] = static_cast<float>(dots[h]);
+          s[h][b + 1] = static_cast<float>(dots[kG + h]);
+        }
+      }
+      if (b < nb) {
+        int32_t dots[kG];
+        ScoreTokensInt8<kG, 1>(d, kbase + static_cast<size_t>(t0 + b) * sb, sb, xbase, hd, qu, dots);
+        for (int h = 0; h < kG; ++h) s[h][b] = static_cast<float>(dots[h]);
+      }
+      b = nb;
+    }
+#endif
     for (; b + 2 <= nb; b += 2) {
       float dots[2 * kG];
       ScoreTokens<S, kBlocks, kG, 2>(d, kbase + static_cast<size_t>(t0 + b) * sb, sb, xbase, hd, q, dots);
-      const float rs0 = RowScaleAt<S>(c.k_header, hb, t0 + b, it.g);
-      const float rs1 = RowScaleAt<S>(c.k_header, hb, t0 + b + 1, it.g);
-      for (int h = 0; h < kG; ++h) s[h][b] = dots[h] * rs0, s[h][b + 1] = dots[kG + h] * rs1;
+      for (int h = 0; h < kG; ++h) s[h][b] = dots[h], s[h][b + 1] = dots[kG + h];
     }
     if (b < nb) {
       float dots[kG];
       ScoreTokens<S, kBlocks, kG, 1>(d, kbase + static_cast<size_t>(t0 + b) * sb, sb, xbase, hd, q, dots);
-      const float rs = RowScaleAt<S>(c.k_header, hb, t0 + b, it.g);
-      for (int h = 0; h < kG; ++h) s[h][b] = dots[h] * rs;
+      for (int h = 0; h < kG; ++h) s[h][b] = dots[h];
     }
-    for (int bb = 0; bb < nb; ++bb) vscale[bb] = RowScaleAt<S>(c.v_header, hb, t0 + bb, it.g);
+    for (int bb = 0; bb < kBlockTokens; ++bb) {
+      ks[bb] = bb < nb ? RowScaleAt<S>(c.k_header, hb, t0 + bb, it.g) : 0.0f;
+      vs[bb] = bb < nb ? RowScaleAt<S>(c.v_header, hb, t0 + bb, it.g) : 0.0f;
+    }
 
+    // Online softmax, vectorised over the block; padding lanes (b >= nb)
+    // become the lowest float, whose weight is exp(lowest - max) = 0.
+    const auto lowest = hn::Set(d, -std::numeric_limits<float>::max());
     for (int h = 0; h < kG; ++h) {
-      float bm = s[h][0];
-      for (int b = 1; b < nb; ++b) bm = std::max(bm, s[h][b]);
-      const float mn = std::max(m[h], bm);
+      float qf = 1.0f;
+      if constexpr (kIQ) qf = it.qscale[h0 + h];
+      const auto vqf = hn::Set(d, qf);
+      auto vmax = lowest;
+      for (int b0 = 0; b0 < kBlockTokens; b0 += static_cast<int>(N)) {
+        auto v = hn::Mul(hn::Load(d, s[h] + b0), hn::Mul(hn::Load(d, ks + b0), vqf));
+        v = hn::IfThenElse(hn::FirstN(d, static_cast<size_t>(std::max(0, nb - b0))), v, lowest);
+        hn::Store(v, d, s[h] + b0);
+        vmax = hn::Max(vmax, v);
+      }
+      const float mn = std::max(m[h], hn::GetLane(hn::MaxOfLanes(d, vmax)));
       const float corr = std::exp(m[h] - mn);  // 0 on the first block (m = -inf)
       if (corr != 1.0f) {
         l[h] *= corr;
@@ -359,17 +437,14 @@ HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, int h0) {
         }
       }
       m[h] = mn;
-      for (int b = nb; b < kBlockTokens; ++b) s[h][b] = mn;  // padding, weight zeroed below
       const auto vm = hn::Set(d, mn);
-      for (int b = 0; b < kBlockTokens; b += static_cast<int>(N)) {
-        hn::Store(hn::Exp(d, hn::Sub(hn::Load(d, s[h] + b), vm)), d, s[h] + b);
+      auto vsum = hn::Zero(d);
+      for (int b0 = 0; b0 < kBlockTokens; b0 += static_cast<int>(N)) {
+        const auto w = hn::Exp(d, hn::Sub(hn::Load(d, s[h] + b0), vm));
+        vsum = hn::Add(vsum, w);
+        hn::Store(hn::Mul(w, hn::Load(d, vs + b0)), d, s[h] + b0);  // the weight of V row b's codes
       }
-      float sum = 0.0f;
-      for (int b = 0; b < nb; ++b) {
-        sum += s[h][b];
-        s[h][b] *= vscale[b];  // now the weight of V row b's codes
-      }
-      l[h] += sum;
+      l[h] += hn::GetLane(hn::SumOfLanes(d, vsum));
     }
 
     const uint8_t* vrow0 = vbase + static_cast<size_t>(t0) * sb;
@@ -381,8 +456,8 @@ HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, int h0) {
   }
 }
 
-template <KvScheme S, bool kBlocks, class D>
-void AttendScheme(D d, const Call& c) {
+template <KvScheme S, bool kBlocks, bool kIQ, class D>
+void AttendSchemeWith(D d, const Call& c) {
   const int64_t n = c.n_items;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(c.threads) if (c.threads > 1 && n > 1)
   for (int64_t i = 0; i < n; ++i) {
@@ -391,16 +466,24 @@ void AttendScheme(D d, const Call& c) {
     while (h < it.G) {  // the group in sub-groups of 8, 4, 2, 1 heads
       const int rem = it.G - h;
       if (rem >= 8) {
-        AttendGroup<S, kBlocks, 8>(d, c, it, h), h += 8;
+        AttendGroup<S, kBlocks, 8, kIQ>(d, c, it, h), h += 8;
       } else if (rem >= 4) {
-        AttendGroup<S, kBlocks, 4>(d, c, it, h), h += 4;
+        AttendGroup<S, kBlocks, 4, kIQ>(d, c, it, h), h += 4;
       } else if (rem >= 2) {
-        AttendGroup<S, kBlocks, 2>(d, c, it, h), h += 2;
+        AttendGroup<S, kBlocks, 2, kIQ>(d, c, it, h), h += 2;
       } else {
-        AttendGroup<S, kBlocks, 1>(d, c, it, h), h += 1;
+        AttendGroup<S, kBlocks, 1, kIQ>(d, c, it, h), h += 1;
       }
     }
   }
+}
+
+template <KvScheme S, bool kBlocks, class D>
+void AttendScheme(D d, const Call& c) {
+  if constexpr (kVnni && (S == KvScheme::Int8 || S == KvScheme::Int8Head) && hn::MaxLanes(D()) == 16) {
+    if (c.int8_query) return AttendSchemeWith<S, kBlocks, true>(d, c);
+  }
+  AttendSchemeWith<S, kBlocks, false>(d, c);
 }
 
 template <class D>
@@ -434,6 +517,7 @@ void DecodeAttentionKernel(const Call& c) {
   }
 }
 
+#undef KVQ_VNNI_ATTR
 }  // namespace HWY_NAMESPACE
 }  // namespace kvq
 HWY_AFTER_NAMESPACE();
@@ -516,10 +600,27 @@ void decode_attention(std::span<const float> q, int n_heads, const KvRowsView& k
   }
   const int64_t n_items = kv.n_kv_heads * segs;
 
-  thread_local std::vector<float> qs, state;
+  thread_local std::vector<float> qs, state, qscale;
+  thread_local std::vector<uint8_t> qu8;
   thread_local std::vector<attn::Item> items;
   qs.resize(q.size());
   for (size_t i = 0; i < q.size(); ++i) qs[i] = q[i] * v.scale;
+  // int8_query: each scaled query head rounded to int8 by the seed's int8 rule
+  // (scale max|q_h| / 127), stored offset by 128 as the kernel's u8 operand.
+  const bool int8_query = opts.int8_query && (kv.scheme == KvScheme::Int8 || kv.scheme == KvScheme::Int8Head) &&
+                          hd % 64 == 0 && hd <= 512;
+  if (int8_query) {
+    qu8.resize(q.size());
+    qscale.resize(static_cast<size_t>(n_heads));
+    std::vector<int8_t> codes(hd);
+    for (int h = 0; h < n_heads; ++h) {
+      const std::span<const float> qh(qs.data() + static_cast<size_t>(h) * hd, hd);
+      const float sc = int8_scale(max_abs(qh));
+      quantize_int8(qh, sc, codes);
+      qscale[static_cast<size_t>(h)] = sc;
+      for (size_t e = 0; e < hd; ++e) qu8[static_cast<size_t>(h) * hd + e] = static_cast<uint8_t>(codes[e] + 128);
+    }
+  }
   const size_t per_item = G * (hd + 2);
   state.assign(static_cast<size_t>(n_items) * per_item, 0.0f);
   items.resize(static_cast<size_t>(n_items));
@@ -529,6 +630,8 @@ void decode_attention(std::span<const float> q, int n_heads, const KvRowsView& k
     float* st = state.data() + static_cast<size_t>(i) * per_item;
     std::fill(st, st + G, -std::numeric_limits<float>::infinity());
     items[static_cast<size_t>(i)] = attn::Item{qs.data() + static_cast<size_t>(g) * G * hd,
+                                               int8_query ? qu8.data() + static_cast<size_t>(g) * G * hd : nullptr,
+                                               int8_query ? qscale.data() + static_cast<size_t>(g) * G : nullptr,
                                                st, st + G, st + 2 * G, g, v.G,
                                                v.T * sgi / segs, v.T * (sgi + 1) / segs};
   }
@@ -536,7 +639,7 @@ void decode_attention(std::span<const float> q, int n_heads, const KvRowsView& k
                         kv.k,          kv.v,            kv.slice_bytes,
                         kv.slice_stride, kv.n_kv_heads / kv.slices, kv.k_header,
                         kv.v_header,   kv.header_bytes, items.data(),
-                        n_items,       threads};
+                        n_items,       threads,         int8_query};
   HWY_DYNAMIC_DISPATCH(DecodeAttentionKernel)(call);
 
   // Merge the segments of each KV head: rescale to the common max, sum, divide.

@@ -27,6 +27,14 @@ struct DecodeAttentionOptions {
   int64_t length = -1;  // attend to rows [0, length) (causal length); -1 = all tokens
   float scale = 0.0f;   // score scale; 0 = 1 / sqrt(head_dim)
   int threads = 0;      // OpenMP threads; 0 = omp_get_max_threads(); 1 = the caller's only
+  // Opt-in, inexact (what ggml does when K is quantized): for int8 and
+  // int8-head caches with head_dim a multiple of 64 (up to 512), each scaled
+  // query head is rounded to int8 (scale max|q_h| / 127) and the K scores
+  // become integer dot products (AVX-512 VNNI vpdpbusd: 64 multiply-adds per
+  // instruction instead of 16). The score error is at most
+  // row_scale * (max|q_h| / 254) * sum_e |code_e| plus float rounding. On
+  // CPUs without VNNI, and for other schemes, the exact kernel runs.
+  bool int8_query = false;
 };
 
 // q: n_heads * head_dim floats (head-major); out: the same size. n_heads must
