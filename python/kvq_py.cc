@@ -99,6 +99,13 @@ AffineQuantized AffineFromPython(const py::array& codes, float scale, const std:
   return q;
 }
 
+// Runs fn with the GIL released (fn must not touch Python objects).
+template <typename Fn>
+auto WithoutGil(Fn&& fn) {
+  py::gil_scoped_release release;
+  return fn();
+}
+
 py::dict ReceiptToPython(BirthMergeReceipt r) {
   py::dict d;
   d["assignments"] = VectorToNumpy(std::vector<int64_t>(r.assignments.begin(), r.assignments.end()));
@@ -152,31 +159,16 @@ PYBIND11_MODULE(_kvq, m) {
   m.def("quantize_kv_cache", [](const py::array& x, const std::string& dtype, const std::string& mode) {
     const TensorView v = FloatView(x, dtype, "x");
     const QuantMode qm = parse_quant_mode(mode, "mode");
-    AffineQuantized q;
-    {
-      py::gil_scoped_release release;
-      q = quantize_kv_cache(v, qm);
-    }
-    return AffineToPython(std::move(q));
+    return AffineToPython(WithoutGil([&] { return quantize_kv_cache(v, qm); }));
   });
   m.def("dequantize_kv_cache", [](const py::array& codes, float scale, const std::string& mode) {
     const AffineQuantized q = AffineFromPython(codes, scale, mode);
-    Tensor out;
-    {
-      py::gil_scoped_release release;
-      out = dequantize_kv_cache(q);
-    }
-    return ToNumpy(std::move(out));
+    return ToNumpy(WithoutGil([&] { return dequantize_kv_cache(q); }));
   });
   m.def("quantization_error_per_token", [](const py::array& x, const std::string& dtype, const std::string& mode) {
     const TensorView v = FloatView(x, dtype, "x");
     const QuantMode qm = parse_quant_mode(mode, "mode");
-    Tensor out;
-    {
-      py::gil_scoped_release release;
-      out = quantization_error_per_token(v, qm);
-    }
-    return ToNumpy(std::move(out));
+    return ToNumpy(WithoutGil([&] { return quantization_error_per_token(v, qm); }));
   });
 
   // ---- G4 ---------------------------------------------------------------------
@@ -216,12 +208,11 @@ PYBIND11_MODULE(_kvq, m) {
       .def_property_readonly("size_bytes", &SortedProfileEncoding::size_bytes)
       .def("decode",
            [](const SortedProfileEncoding& e) {
-             Tensor out = Tensor::Uninitialized({e.n}, DType::F32);
-             {
-               py::gil_scoped_release release;
+             return ToNumpy(WithoutGil([&] {
+               Tensor out = Tensor::Uninitialized({e.n}, DType::F32);
                decode_into(e, {out.data_as<float>(), static_cast<size_t>(e.n)});
-             }
-             return ToNumpy(std::move(out));
+               return out;
+             }));
            })
       .def("serialize",
            [](const SortedProfileEncoding& e) {
@@ -262,12 +253,7 @@ PYBIND11_MODULE(_kvq, m) {
       .def("birth_and_merge",
            [](ClusterBank& b, const py::array& k, const std::string& kd, const py::array& v, const std::string& vd) {
              const TensorView kv = FloatView(k, kd, "chunk_k"), vv = FloatView(v, vd, "chunk_v");
-             BirthMergeReceipt r;
-             {
-               py::gil_scoped_release release;
-               r = b.birth_and_merge(kv, vv);
-             }
-             return ReceiptToPython(std::move(r));
+             return ReceiptToPython(WithoutGil([&] { return b.birth_and_merge(kv, vv); }));
            })
       .def_property_readonly("n_head", &ClusterBank::n_head)
       .def_property_readonly("d_head", &ClusterBank::d_head)
@@ -318,13 +304,11 @@ PYBIND11_MODULE(_kvq, m) {
       KVQ_CHECK_ARG(mv.rank() == 1, "membership: expected a 1-D array, got shape ", shape_str(mv.shape()));
       member.assign(mv.data_as<int32_t>(), mv.data_as<int32_t>() + mv.numel());
     }
-    std::map<int, QuantizedClusterOutliers> q;
-    {
-      py::gil_scoped_release release;
-      q = quantize_cluster_outliers(tokens, kv, vv, qm, family, tail_top_k,
-                                    membership.is_none() ? std::nullopt
-                                                         : std::optional<std::span<const int>>(member));
-    }
+    std::map<int, QuantizedClusterOutliers> q = WithoutGil([&] {
+      return quantize_cluster_outliers(
+          tokens, kv, vv, qm, family, tail_top_k,
+          membership.is_none() ? std::nullopt : std::optional<std::span<const int>>(member));
+    });
     py::dict out;
     for (auto& [id, c] : q) {
       py::dict d;
