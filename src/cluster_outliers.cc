@@ -2,7 +2,11 @@
 #include "kvq/cluster_outliers.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <limits>
+
+#include "src/container.h"
 
 namespace kvq {
 namespace {
@@ -22,13 +26,115 @@ void CheckFinite(const Tensor& x, const char* arg, int id) {
 
 }  // namespace
 
+namespace {
+constexpr char kMagic[4] = {'K', 'V', 'Q', 'C'};
+constexpr uint16_t kVersion = 1;
+constexpr const char* kWhat = "cluster outliers";
+}  // namespace
+
 size_t QuantizedClusterOutliers::size_bytes() const {
-  size_t s = outlier_indices.size() * sizeof(uint32_t);
-  if (outlier_k) s += outlier_k->size_bytes();
-  if (outlier_v) s += outlier_v->size_bytes();
-  if (tail_k) s += tail_k->size_bytes();
-  if (tail_v) s += tail_v->size_bytes();
+  size_t s = detail::kContainerHeaderBytes + 4 + 4 + 4 + 8 + 1;
+  if (outlier_k) s += 1 + 4 + 4 + 4 + outlier_indices.size() * sizeof(uint32_t) + outlier_k->codes.nbytes() +
+                      (outlier_v ? outlier_v->codes.nbytes() : 0);
+  if (tail_k) s += 8 + tail_k->size_bytes();
+  if (tail_v) s += 8 + tail_v->size_bytes();
   return s;
+}
+
+std::vector<uint8_t> serialize(const QuantizedClusterOutliers& q) {
+  const int64_t W = static_cast<int64_t>(q.n_head) * q.d_head;
+  KVQ_CHECK_ARG(q.n_head >= 1 && q.d_head >= 1, "q: expected n_head, d_head >= 1, got ", q.n_head, ", ", q.d_head);
+  KVQ_CHECK_ARG(q.outlier_k.has_value() == q.outlier_v.has_value(),
+                "q.outlier_k, q.outlier_v: expected both or neither");
+  const int64_t n_out = static_cast<int64_t>(q.outlier_indices.size());
+  if (q.outlier_k) {
+    const Shape want{n_out, q.n_head, q.d_head};
+    KVQ_CHECK_ARG(q.outlier_k->shape() == want && q.outlier_v->shape() == want && q.outlier_k->mode == q.outlier_v->mode,
+                  "q.outlier_k, q.outlier_v: expected shape ", shape_str(want), " and one mode");
+    KVQ_CHECK_ARG(n_out > 0, "q.outlier_indices: expected at least one index with outlier codes");
+  } else {
+    KVQ_CHECK_ARG(n_out == 0, "q.outlier_indices: expected none without outlier codes");
+  }
+  for (const auto* t : {&q.tail_k, &q.tail_v}) {
+    KVQ_CHECK_ARG(!*t || (*t)->n == q.tail_tokens * W, "q.tail_k / q.tail_v: expected ", q.tail_tokens * W,
+                  " values (tail_tokens * n_head * d_head), got ", (*t)->n);
+  }
+  detail::ByteWriter w;
+  w.put<int32_t>(q.cluster_id);
+  w.put<int32_t>(q.n_head);
+  w.put<int32_t>(q.d_head);
+  w.put<int64_t>(q.tail_tokens);
+  w.put<uint8_t>(static_cast<uint8_t>((q.outlier_k ? 1 : 0) | (q.tail_k ? 2 : 0) | (q.tail_v ? 4 : 0)));
+  if (q.outlier_k) {
+    w.put<uint8_t>(static_cast<uint8_t>(q.outlier_k->mode));
+    w.put<float>(q.outlier_k->scale);
+    w.put<float>(q.outlier_v->scale);
+    w.put<uint32_t>(static_cast<uint32_t>(n_out));
+    for (int64_t i : q.outlier_indices) {
+      KVQ_CHECK_ARG(i >= 0 && i <= std::numeric_limits<uint32_t>::max(), "q.outlier_indices: ", i,
+                    " does not fit u32");
+      w.put<uint32_t>(static_cast<uint32_t>(i));
+    }
+    for (const auto* a : {&*q.outlier_k, &*q.outlier_v}) {
+      w.put_array(std::span<const uint8_t>(static_cast<const uint8_t*>(a->codes.data()), a->codes.nbytes()));
+    }
+  }
+  for (const auto* t : {&q.tail_k, &q.tail_v}) {
+    if (!*t) continue;
+    const std::vector<uint8_t> b = serialize(**t);
+    w.put<uint64_t>(b.size());
+    w.put_array(std::span<const uint8_t>(b));
+  }
+  return detail::WrapContainer(kMagic, kVersion, w.bytes());
+}
+
+QuantizedClusterOutliers deserialize_cluster_outliers(std::span<const uint8_t> bytes) {
+  detail::ByteReader r(detail::OpenContainer(bytes, kMagic, kVersion, kWhat), kWhat);
+  QuantizedClusterOutliers q;
+  q.cluster_id = r.get<int32_t>();
+  q.n_head = r.get<int32_t>();
+  q.d_head = r.get<int32_t>();
+  q.tail_tokens = r.get<int64_t>();
+  const uint8_t flags = r.get<uint8_t>();
+  if (q.n_head < 1 || q.d_head < 1) r.corrupt(detail::Concat("n_head ", q.n_head, ", d_head ", q.d_head));
+  if (q.tail_tokens < 0) r.corrupt(detail::Concat("tail_tokens ", q.tail_tokens));
+  if (flags > 7) r.corrupt(detail::Concat("flags ", int{flags}));
+  const int64_t W = static_cast<int64_t>(q.n_head) * q.d_head;
+  if (flags & 1) {
+    const uint8_t mode = r.get<uint8_t>();
+    if (mode > 1) r.corrupt(detail::Concat("mode ", int{mode}));
+    const float sk = r.get<float>(), sv = r.get<float>();
+    const uint32_t n_out = r.get<uint32_t>();
+    if (n_out == 0) r.corrupt("outlier flag with no outliers");
+    const auto idx = r.get_array<uint32_t>(n_out);
+    for (size_t i = 0; i < idx.size(); ++i) {
+      if (i > 0 && idx[i] <= idx[i - 1]) r.corrupt("outlier indices are not ascending and unique");
+    }
+    q.outlier_indices.assign(idx.begin(), idx.end());
+    // Each code array needs n_out * W bytes; get_array checks before allocating.
+    const uint64_t count = static_cast<uint64_t>(n_out) * static_cast<uint64_t>(W);
+    const Shape shape{static_cast<int64_t>(n_out), q.n_head, q.d_head};
+    for (auto [part, scale] : {std::pair{&q.outlier_k, sk}, std::pair{&q.outlier_v, sv}}) {
+      if (!std::isfinite(scale) || scale < 0) r.corrupt(detail::Concat("outlier scale ", scale));
+      const auto codes = r.get_array<uint8_t>(count);
+      AffineQuantized a;
+      a.mode = static_cast<QuantMode>(mode);
+      a.scale = scale;
+      a.codes = Tensor(shape, a.mode == QuantMode::Int8 ? DType::I8 : DType::F8_E4M3);
+      std::memcpy(a.codes.data(), codes.data(), codes.size());
+      *part = std::move(a);
+    }
+  }
+  for (auto [tail, bit] : {std::pair{&q.tail_k, 2}, std::pair{&q.tail_v, 4}}) {
+    if (!(flags & bit)) continue;
+    const uint64_t len = r.get<uint64_t>();
+    const auto b = r.get_array<uint8_t>(len);
+    *tail = deserialize_sorted_profile(b);
+    if ((*tail)->n != q.tail_tokens * W) r.corrupt(detail::Concat("tail of ", (*tail)->n, " values for ", q.tail_tokens, " tokens"));
+  }
+  if (!(flags & 6) && q.tail_tokens != 0) r.corrupt("tail_tokens without tails");
+  r.expect_end();
+  return q;
 }
 
 size_t total_size_bytes(const std::map<int, QuantizedClusterOutliers>& q) {

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <set>
 
 #include "kvq/cluster_bank.h"
@@ -404,8 +405,7 @@ TEST(ClusterOutliers, RoundTripFollowsTheSeedNote) {
       EXPECT_TRUE(std::equal(gk.begin(), gk.end(), d.tail_k->data_as<float>()));
       EXPECT_TRUE(std::equal(gv.begin(), gv.end(), d.tail_v->data_as<float>()));
       tails += c.tail_tokens;
-      EXPECT_EQ(c.size_bytes(), c.outlier_k->size_bytes() + c.outlier_v->size_bytes() + 4 * c.outlier_indices.size() +
-                                    c.tail_k->size_bytes() + c.tail_v->size_bytes());
+      EXPECT_EQ(c.size_bytes(), serialize(c).size());
     }
     int64_t n_out = 0;
     for (const auto& [id, set] : r.per_cluster_outlier_tokens) n_out += static_cast<int64_t>(set.indices.size());
@@ -451,6 +451,60 @@ TEST(ClusterOutliers, Fp8ModeEmptyPartsAndTailTopK) {
   const auto d7 = dequantize_cluster_outliers(c7);
   EXPECT_FALSE(d7.tail_k || d7.tail_v);
   EXPECT_EQ(total_size_bytes(q), c3.size_bytes() + c7.size_bytes());
+}
+
+void ExpectSameDecode(const QuantizedClusterOutliers& a, const QuantizedClusterOutliers& b) {
+  EXPECT_EQ(a.cluster_id, b.cluster_id);
+  EXPECT_EQ(a.n_head, b.n_head);
+  EXPECT_EQ(a.d_head, b.d_head);
+  EXPECT_EQ(a.tail_tokens, b.tail_tokens);
+  EXPECT_EQ(a.outlier_indices, b.outlier_indices);
+  const auto da = dequantize_cluster_outliers(a), db = dequantize_cluster_outliers(b);
+  for (const auto& [x, y] : {std::pair{&da.outlier_k, &db.outlier_k}, std::pair{&da.outlier_v, &db.outlier_v},
+                             std::pair{&da.tail_k, &db.tail_k}, std::pair{&da.tail_v, &db.tail_v}}) {
+    ASSERT_EQ(x->has_value(), y->has_value());
+    if (!*x) continue;
+    ASSERT_EQ((*x)->shape(), (*y)->shape());
+    EXPECT_EQ(0, std::memcmp((*x)->data(), (*y)->data(), (*x)->nbytes()));
+  }
+}
+
+TEST(ClusterOutliers, SerialisesAndRejectsTruncatedOrCorruptedBytes) {
+  const Planted p(2, 2, 8, 400, 31);
+  ClusterBank bank(p.H, p.D, PlantedOptions());
+  const auto r = bank.birth_and_merge(p.kv(0, p.T, false), p.kv(0, p.T, true));
+  for (QuantMode mode : {QuantMode::Int8, QuantMode::Fp8}) {
+    const auto q = quantize_cluster_outliers(r.per_cluster_outlier_tokens, p.kv(0, p.T, false), p.kv(0, p.T, true),
+                                             mode, GaussianEstimator(), 0, std::span<const int>(r.assignments));
+    for (const auto& [id, c] : q) {
+      const std::vector<uint8_t> b = serialize(c);
+      EXPECT_EQ(b.size(), c.size_bytes());
+      ExpectSameDecode(deserialize_cluster_outliers(b), c);
+      for (size_t n = 0; n < b.size(); ++n) {
+        EXPECT_THROW(deserialize_cluster_outliers({b.data(), n}), Error) << "truncated to " << n;
+      }
+      for (size_t i = 0; i < b.size(); i += 7) {
+        std::vector<uint8_t> bad = b;
+        bad[i] ^= 0x20;
+        EXPECT_THROW(deserialize_cluster_outliers(bad), Error) << "byte " << i;
+      }
+      std::vector<uint8_t> v2 = b;
+      v2[4] = 2;
+      EXPECT_NE(ErrorOf([&] { deserialize_cluster_outliers(v2); }).find("unsupported format version 2"),
+                std::string::npos);
+    }
+  }
+  // Empty parts round-trip too.
+  QuantizedClusterOutliers empty;
+  empty.cluster_id = 7;
+  empty.n_head = 2;
+  empty.d_head = 8;
+  ExpectSameDecode(deserialize_cluster_outliers(serialize(empty)), empty);
+  EXPECT_EQ(serialize(empty).size(), empty.size_bytes());
+  QuantizedClusterOutliers broken = std::move(empty);
+  broken.tail_tokens = 3;
+  broken.tail_k = fit_sorted_profile(std::span<const float>(p.k.data(), 16), GaussianEstimator());
+  EXPECT_NE(ErrorOf([&] { serialize(broken); }).find("expected 48 values"), std::string::npos);
 }
 
 TEST(ClusterOutliers, BadInputIsAClearError) {

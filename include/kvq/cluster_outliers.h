@@ -35,9 +35,7 @@ struct QuantizedClusterOutliers {
   std::optional<SortedProfileEncoding> tail_v;
   int64_t tail_tokens = 0;
 
-  // Bytes stored: each affine part's codes and scale, 4 bytes per outlier
-  // index (chunk positions are stored as u32), and each tail's exact
-  // serialised size.
+  // Exact size of serialize(*this) in bytes.
   size_t size_bytes() const;
 };
 
@@ -60,5 +58,17 @@ DequantizedClusterOutliers dequantize_cluster_outliers(const QuantizedClusterOut
 
 // Sum of size_bytes() over a result.
 size_t total_size_bytes(const std::map<int, QuantizedClusterOutliers>& q);
+
+// Versioned container (magic "KVQC", CRC32C payload, SPEC §9). Payload,
+// little-endian:
+//   i32 cluster_id, i32 n_head, i32 d_head, i64 tail_tokens, u8 flags
+//   (bit 0 outliers, bit 1 tail_k, bit 2 tail_v);
+//   outliers: u8 mode, f32 scale_k, f32 scale_v, u32 n_out,
+//             u32 indices[n_out], codes_k[n_out * n_head * d_head],
+//             codes_v[...] (int8, or E4M3 bytes);
+//   each tail: u64 length, then serialize(SortedProfileEncoding).
+std::vector<uint8_t> serialize(const QuantizedClusterOutliers& q);
+// Throws kvq::Error on truncated, corrupted, wrong-version or inconsistent input.
+QuantizedClusterOutliers deserialize_cluster_outliers(std::span<const uint8_t> bytes);
 
 }  // namespace kvq
