@@ -204,8 +204,11 @@ def test_quantize_cluster_outliers_round_trip_and_the_seeds_dict_shapes():
         keep = np.setdiff1d(np.arange(1200), s["indices"])
         assert d["tail_k"].shape == (len(keep), 2, 4)
         np.testing.assert_array_equal(d["tail_k"].reshape(-1), kvq.fit_sorted_profile(k[keep]).decode())
-        assert c.size_bytes == (c.outlier_k.size_bytes + c.outlier_v.size_bytes + 4 * len(s["indices"])
-                                + c.tail_k.size_bytes + c.tail_v.size_bytes)
+        # The serialised KVQC container: 20-byte header, 21-byte geometry, the
+        # outliers (13 bytes + u32 indices + codes) and two length-prefixed tails.
+        codes = c.outlier_k.size_bytes - 4 + c.outlier_v.size_bytes - 4
+        assert c.size_bytes == (20 + 21 + 13 + 4 * len(s["indices"]) + codes
+                                + 8 + c.tail_k.size_bytes + 8 + c.tail_v.size_bytes)
     # The note's dict, written by hand with lists; fp8 outliers; membership.
     hand = {5: {"k": k[[1, 2]].tolist(), "v": v[[1, 2]], "indices": [1, 2]},
             9: {"k": np.zeros((0, 2, 4), np.float32), "v": np.zeros((0, 2, 4), np.float32), "indices": []}}
