@@ -1,8 +1,9 @@
 // Fused decode attention over a quantized KV cache (SPEC §8).
 //
 // One new query position attends over T cached tokens whose K and V rows are
-// stored in a KvScheme (kv_scheme.h row layouts). The kernel reads the codes
-// directly: each K/V vector is dequantized in registers (per-row and
+// stored in a KvScheme (kv_scheme.h row layouts), laid out as a KvRowsView
+// describes (KvCache: head-major payload slices, scales apart). The kernel
+// reads the codes directly, streaming each KV head's slice: each K/V vector is dequantized in registers (per-row and
 // per-head scales are folded into the score and the softmax weight, ggml
 // block scales are applied per 32-value block), scores go through an online
 // softmax in blocks of 32 tokens (no T-sized buffer), and every query head
