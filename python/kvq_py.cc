@@ -262,7 +262,16 @@ PYBIND11_MODULE(_kvq, m) {
       .def_property_readonly("total_births", &ClusterBank::total_births)
       .def_property_readonly("total_merges", &ClusterBank::total_merges)
       .def("cluster_count", &ClusterBank::cluster_count)
-      .def("fit", [](const ClusterBank& b, int id, int head) { return FitToPython(b.fit(id, head), b.d_head()); });
+      .def("fit", [](const ClusterBank& b, int id, int head) { return FitToPython(b.fit(id, head), b.d_head()); })
+      .def("far_field", [](const ClusterBank& b, const py::array& q, int n_q_heads, float scale) {
+        const TensorView qv = ViewOf(q, DType::F32, "q");
+        const AttentionPart p = b.far_field({qv.data_as<float>(), static_cast<size_t>(qv.numel())}, n_q_heads, scale);
+        py::dict o;
+        o["log_mass"] = VectorToNumpy(p.log_mass);
+        py::array v = VectorToNumpy(p.value);
+        o["value"] = v.reshape({n_q_heads, b.d_head()});
+        return o;
+      });
 
   m.def("default_cluster_bank_options", [] {
     const ClusterBankOptions o;

@@ -133,6 +133,80 @@ ClusterHeadFit ClusterBank::fit(int id, int head) const {
   return c.fits[static_cast<size_t>(head)];
 }
 
+AttentionPart merge_attention_parts(const std::vector<AttentionPart>& parts) {
+  KVQ_CHECK_ARG(!parts.empty(), "merge_attention_parts: parts: expected at least one part");
+  const size_t H = parts[0].log_mass.size(), n = parts[0].value.size();
+  KVQ_CHECK_ARG(H > 0 && n % H == 0, "merge_attention_parts: parts[0]: value size ", n, " is not a multiple of ",
+                H, " heads");
+  for (size_t i = 1; i < parts.size(); ++i) {
+    KVQ_CHECK_ARG(parts[i].log_mass.size() == H && parts[i].value.size() == n, "merge_attention_parts: parts[", i,
+                  "]: expected ", H, " heads and ", n, " values like parts[0]");
+  }
+  const size_t d = n / H;
+  AttentionPart out{std::vector<double>(H, -std::numeric_limits<double>::infinity()), std::vector<float>(n, 0.0f)};
+  for (size_t h = 0; h < H; ++h) {
+    double m = -std::numeric_limits<double>::infinity();
+    for (const auto& p : parts) m = std::max(m, p.log_mass[h]);
+    if (m == -std::numeric_limits<double>::infinity()) continue;
+    double total = 0.0;
+    std::vector<double> acc(d, 0.0);
+    for (const auto& p : parts) {
+      const double w = std::exp(p.log_mass[h] - m);
+      total += w;
+      for (size_t e = 0; e < d; ++e) acc[e] += w * p.value[h * d + e];
+    }
+    out.log_mass[h] = m + std::log(total);
+    for (size_t e = 0; e < d; ++e) out.value[h * d + e] = static_cast<float>(acc[e] / total);
+  }
+  return out;
+}
+
+AttentionPart ClusterBank::far_field(std::span<const float> q, int n_q_heads, float scale) const {
+  KVQ_CHECK_ARG(n_q_heads > 0 && n_q_heads % n_head_ == 0, "far_field: n_q_heads: expected a positive multiple of ",
+                "n_head = ", n_head_, ", got ", n_q_heads);
+  const size_t d = static_cast<size_t>(d_head_);
+  KVQ_CHECK_ARG(q.size() == static_cast<size_t>(n_q_heads) * d, "far_field: q: expected n_q_heads * d_head = ",
+                static_cast<size_t>(n_q_heads) * d, " values, got ", q.size());
+  const int64_t bad = first_non_finite(q);
+  KVQ_CHECK_ARG(bad < 0, "far_field: q: expected finite values, element ", bad, " is ", bad >= 0 ? q[bad] : 0.0f);
+  KVQ_CHECK_ARG(std::isfinite(scale), "far_field: scale: expected a finite value, got ", scale);
+  const double s = scale != 0.0f ? scale : 1.0 / std::sqrt(static_cast<double>(d));
+  const int G = n_q_heads / n_head_;
+  std::vector<AttentionPart> parts;
+  parts.reserve(clusters_.size());
+  VecD qh(d), sq(d);
+  for (const auto& [id, c] : clusters_) {
+    AttentionPart part{std::vector<double>(static_cast<size_t>(n_q_heads)),
+                       std::vector<float>(static_cast<size_t>(n_q_heads) * d)};
+    for (int hk = 0; hk < n_head_; ++hk) {
+      const ClusterMoments& m = c.heads[static_cast<size_t>(hk)];
+      const ClusterHeadFit& f = c.fits[static_cast<size_t>(hk)];
+      const double inv_n = 1.0 / m.count;
+      const Eigen::Map<const VecD> sk(m.sum_k.data(), static_cast<Eigen::Index>(d));
+      const Eigen::Map<const MatD> skk(m.sum_kk.data(), static_cast<Eigen::Index>(d), static_cast<Eigen::Index>(d));
+      const VecD mu = sk * inv_n;
+      const MatD sigma = skk * inv_n - mu * mu.transpose();  // population covariance
+      for (int g = 0; g < G; ++g) {
+        const int h = hk * G + g;
+        for (size_t e = 0; e < d; ++e) qh[static_cast<Eigen::Index>(e)] = q[static_cast<size_t>(h) * d + e];
+        sq = sigma * qh;
+        part.log_mass[static_cast<size_t>(h)] = std::log(m.count) + s * qh.dot(mu) + 0.5 * s * s * qh.dot(sq);
+        for (size_t i = 0; i < d; ++i) {
+          double v = f.mean_v[i];
+          for (size_t j = 0; j < d; ++j) v += s * f.a[i * d + j] * sq[static_cast<Eigen::Index>(j)];
+          part.value[static_cast<size_t>(h) * d + i] = static_cast<float>(v);
+        }
+      }
+    }
+    parts.push_back(std::move(part));
+  }
+  if (parts.empty()) {
+    return AttentionPart{std::vector<double>(static_cast<size_t>(n_q_heads), -std::numeric_limits<double>::infinity()),
+                         std::vector<float>(static_cast<size_t>(n_q_heads) * d, 0.0f)};
+  }
+  return merge_attention_parts(parts);
+}
+
 void ClusterBank::Refit(Cluster& c) const {
   const int d = d_head_;
   c.fits.resize(static_cast<size_t>(n_head_));

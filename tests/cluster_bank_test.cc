@@ -354,6 +354,111 @@ TEST(ClusterBank, BadInputIsAClearErrorAndLeavesTheBankUnchanged) {
   EXPECT_NE(ErrorOf([] { ClusterBank b(2, 0); }).find("d_head: expected >= 1"), std::string::npos);
 }
 
+// ---- far-field attention (moment closure) ----------------------------------
+
+// Exact attention of one query head over tokens [t0, t1) of (T, H, D) arrays,
+// as an AttentionPart with one head: log sum_t exp(s q.k_t) and the softmax
+// mean of v_t.
+AttentionPart BruteForce(const std::vector<float>& k, const std::vector<float>& v, int H, int D, int head,
+                         const float* q, double s, int64_t t0, int64_t t1) {
+  std::vector<double> sc;
+  double m = -INFINITY;
+  for (int64_t t = t0; t < t1; ++t) {
+    double x = 0;
+    for (int e = 0; e < D; ++e) x += double(q[e]) * k[(t * H + head) * D + e];
+    sc.push_back(s * x);
+    m = std::max(m, s * x);
+  }
+  double l = 0;
+  std::vector<double> acc(D, 0.0);
+  for (int64_t t = t0; t < t1; ++t) {
+    const double w = std::exp(sc[t - t0] - m);
+    l += w;
+    for (int e = 0; e < D; ++e) acc[e] += w * v[(t * H + head) * D + e];
+  }
+  AttentionPart p{{m + std::log(l)}, std::vector<float>(D)};
+  for (int e = 0; e < D; ++e) p.value[e] = static_cast<float>(acc[e] / l);
+  return p;
+}
+
+TEST(FarField, ExactForClustersOfIdenticalKeysAndMergesWithANearField) {
+  // Two key points, each repeated; V arbitrary. Sigma = 0 and A = 0, so the
+  // closure is exact: mass n exp(s q.k), value mean(v).
+  const int H = 1, D = 4;
+  Rng rng(41);
+  std::vector<float> k(200 * D), v(200 * D);
+  for (int t = 0; t < 200; ++t)
+    for (int e = 0; e < D; ++e) {
+      k[t * D + e] = t < 120 ? 1.0f + e : -2.0f * e;
+      v[t * D + e] = static_cast<float>(rng.Gaussian());
+    }
+  ClusterBankOptions o;
+  o.outlier_top_k = 0;
+  ClusterBank bank(H, D, o);
+  bank.birth_and_merge(TensorView(k.data(), {200, H, D}, DType::F32), TensorView(v.data(), {200, H, D}, DType::F32));
+  ASSERT_EQ(bank.num_clusters(), 2);
+  const float q[D] = {0.3f, -0.2f, 0.5f, 0.1f};
+  const AttentionPart far = bank.far_field(q, 1);
+  const AttentionPart want = BruteForce(k, v, H, D, 0, q, 0.5, 0, 200);
+  EXPECT_NEAR(far.log_mass[0], want.log_mass[0], 1e-9);
+  for (int e = 0; e < D; ++e) EXPECT_NEAR(far.value[e], want.value[e], 1e-5);
+  // A near field (exact attention over extra tokens) merged by log-sum-exp
+  // equals attention over the union.
+  std::vector<float> k2(k), v2(v);
+  for (int t = 0; t < 30; ++t)
+    for (int e = 0; e < D; ++e) {
+      k2.push_back(static_cast<float>(rng.Gaussian()));
+      v2.push_back(static_cast<float>(rng.Gaussian()));
+    }
+  const AttentionPart near = BruteForce(k2, v2, H, D, 0, q, 0.5, 200, 230);
+  const AttentionPart all = merge_attention_parts({far, near});
+  const AttentionPart union_ = BruteForce(k2, v2, H, D, 0, q, 0.5, 0, 230);
+  EXPECT_NEAR(all.log_mass[0], union_.log_mass[0], 1e-9);
+  for (int e = 0; e < D; ++e) EXPECT_NEAR(all.value[e], union_.value[e], 1e-5);
+}
+
+TEST(FarField, MatchesExactAttentionOnGaussianClustersWithAffineValues) {
+  // Keys ~ N(mu, I), V = mu_v + A (k - mu_k) exactly: the closure's error is
+  // the sample's departure from Gaussian moments (tilted by exp(s q.k)),
+  // about sqrt(e^{s^2 |q|^2} / n) in the mass.
+  const Planted p(2, 2, 4, 40000, 51, 6.0f);
+  std::vector<float> v = p.v;
+  for (int64_t a : p.anomalies)  // remove the planted anomalies
+    for (int j = 0; j < 8; ++j) v[a * 8 + j] -= 6.0f;
+  ClusterBankOptions o = PlantedOptions();
+  o.outlier_top_k = 0;
+  ClusterBank bank(2, 4, o);
+  bank.birth_and_merge(p.kv(0, p.T, false), TensorView(v.data(), {p.T, 2, 4}, DType::F32));
+  ASSERT_EQ(bank.num_clusters(), 2);
+  Rng rng(52);
+  std::vector<float> q(4 * 4);  // 4 query heads over 2 bank heads (GQA 2)
+  for (auto& x : q) x = static_cast<float>(0.5 * rng.Gaussian());
+  const AttentionPart far = bank.far_field(q, 4);
+  for (int h = 0; h < 4; ++h) {
+    const AttentionPart want = BruteForce(p.k, v, 2, 4, h / 2, q.data() + h * 4, 0.5, 0, p.T);
+    EXPECT_NEAR(far.log_mass[h], want.log_mass[0], 0.02) << "head " << h;
+    for (int e = 0; e < 4; ++e) EXPECT_NEAR(far.value[h * 4 + e], want.value[e], 0.05) << "head " << h;
+  }
+}
+
+TEST(FarField, EmptyBankAndBadArguments) {
+  ClusterBank bank(2, 4);
+  const std::vector<float> q(8, 0.1f);
+  const AttentionPart e = bank.far_field(q, 2);
+  EXPECT_TRUE(std::isinf(e.log_mass[0]) && e.log_mass[0] < 0);
+  EXPECT_EQ(e.value, std::vector<float>(8, 0.0f));
+  EXPECT_NE(ErrorOf([&] { bank.far_field(q, 3); }).find("n_q_heads: expected a positive multiple"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf([&] { bank.far_field(std::vector<float>(7), 2); }).find("q: expected n_q_heads * d_head = 8"),
+            std::string::npos);
+  std::vector<float> bad(q);
+  bad[3] = NAN;
+  EXPECT_NE(ErrorOf([&] { bank.far_field(bad, 2); }).find("q: expected finite values, element 3"), std::string::npos);
+  EXPECT_NE(ErrorOf([&] { merge_attention_parts({}); }).find("at least one part"), std::string::npos);
+  AttentionPart a{{0.0}, {1, 2}}, b{{0.0, 1.0}, {1, 2}};
+  EXPECT_NE(ErrorOf([&] { merge_attention_parts({a, b}); }).find("parts[1]"), std::string::npos);
+}
+
 // ---- I2 part 2 --------------------------------------------------------------
 
 std::vector<float> Population(const Planted& p, const std::vector<int64_t>& excluded, const std::vector<int>* membership,

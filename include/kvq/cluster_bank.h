@@ -27,6 +27,14 @@
 //     cluster's moments and reported; the cluster is refitted, and the
 //     receipt's residuals are those of the final fit.
 //
+//
+// Far-field attention (moment closure): for a query q (scale s), a cluster of
+// n tokens with key mean mu and covariance Sigma = S_kk / n contributes
+// log-mass log n + s q.mu + 1/2 s^2 q'Sigma q and value mu_v + s A Sigma q
+// (the mean of its affine V map under the exponentially tilted Gaussian);
+// clusters combine by log-sum-exp. It is exact for a cluster of identical
+// keys, and for Gaussian keys in expectation.
+//
 // Moments are kept as sums in double (count, sum k, sum k k^T, sum v,
 // sum v k^T per head), so an update or a merge equals the moments of the
 // union up to double rounding. State persists across chunks.
@@ -34,6 +42,7 @@
 
 #include <cstdint>
 #include <map>
+#include <span>
 #include <utility>
 #include <vector>
 
@@ -99,6 +108,17 @@ struct ClusterHeadFit {
   std::vector<float> a;       // (d, d) row-major: v_hat = mean_v + a (k - mean_k)
 };
 
+// One part of an attention result: log of the softmax mass it carries and
+// its normalised value, per query head (value: n_heads * d, head-major).
+struct AttentionPart {
+  std::vector<double> log_mass;  // -inf for an empty part
+  std::vector<float> value;
+};
+// Log-sum-exp combination of parts with the same geometry (e.g. an exact
+// near-field window and the bank's far field). Throws kvq::Error on a
+// geometry mismatch.
+AttentionPart merge_attention_parts(const std::vector<AttentionPart>& parts);
+
 class ClusterBank {
  public:
   // Throws kvq::Error on n_head/d_head < 1 or out-of-range options.
@@ -116,6 +136,11 @@ class ClusterBank {
   int64_t cluster_count(int id) const;   // tokens in the cluster's moments
   const ClusterMoments& moments(int id, int head) const;
   ClusterHeadFit fit(int id, int head) const;
+  // Far-field attention of n_q_heads query heads (a positive multiple of
+  // n_head, grouped like decode_attention: query head h reads bank head
+  // h / (n_q_heads / n_head)); q: n_q_heads * d_head finite floats; scale 0
+  // means 1 / sqrt(d_head). An empty bank gives log_mass -inf, value 0.
+  AttentionPart far_field(std::span<const float> q, int n_q_heads, float scale = 0.0f) const;
   int64_t total_births() const { return total_births_; }
   int64_t total_merges() const { return total_merges_; }
   // The normaliser var_chunk of the last chunk (0 before the first).

@@ -322,6 +322,23 @@ class ClusterBank:
         """{"count", "mean_k", "mean_v", "A"}: v_hat = mean_v + A @ (k - mean_k) for one head."""
         return self._bank.fit(_int(cluster_id, "cluster_id"), _int(head, "head"))
 
+    def far_field(self, q, scale=0.0):
+        """Moment-closure attention of queries q (n_q_heads, d_head) over the bank's clusters.
+
+        n_q_heads must be a multiple of n_head (GQA). A cluster of n tokens with
+        key mean mu and covariance Sigma carries log-mass log n + s q.mu +
+        s^2 q'Sigma q / 2 and value mu_v + s A Sigma q; clusters combine by
+        log-sum-exp. Returns {"log_mass": (n_q_heads,), "value": (n_q_heads, d_head)}
+        (log_mass -inf and value 0 for an empty bank). scale 0 means 1/sqrt(d_head).
+        """
+        a, dt, as_torch = _input(q, "q")
+        if dt != "float32":
+            a = a.astype(_np.float32)
+        if a.ndim != 2:
+            raise ValueError(f"q: expected shape (n_q_heads, {self.d_head}), got {tuple(a.shape)}")
+        r = self._bank.far_field(_contiguous(a), int(a.shape[0]), float(scale))
+        return {k: _output(v, as_torch) for k, v in r.items()}
+
     def birth_and_merge(self, chunk_k, chunk_v):
         """Assign, birth, merge, fit and flag outliers for one chunk; returns the receipt dict."""
         k, kd, as_torch = _input(chunk_k, "chunk_k")

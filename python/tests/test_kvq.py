@@ -188,6 +188,23 @@ def test_cluster_bank_finds_planted_clusters_and_flags_anomalies():
     assert r2["assignments"].shape == (1200,)
 
 
+def test_far_field_matches_exact_attention_for_identical_keys():
+    k = np.zeros((100, 1, 4), np.float32)
+    k[:60] = [1, 2, 3, 4]
+    k[60:] = [-1, 0, 1, 0]
+    v = np.random.default_rng(9).standard_normal((100, 1, 4)).astype(np.float32)
+    bank = kvq.ClusterBank(1, 4, outlier_top_k=0)
+    bank.birth_and_merge(k, v)
+    q = np.array([[0.2, -0.1, 0.3, 0.05]], np.float32)
+    r = bank.far_field(q)
+    s = q[0] @ k[:, 0].T * 0.5
+    w = np.exp(s - s.max())
+    assert r["log_mass"][0] == pytest.approx(s.max() + np.log(w.sum()), abs=1e-6)
+    np.testing.assert_allclose(r["value"][0], (w[:, None] * v[:, 0]).sum(0) / w.sum(), atol=1e-5)
+    with pytest.raises(ValueError, match="n_q_heads"):
+        kvq.ClusterBank(2, 4).far_field(np.zeros((3, 4), np.float32))
+
+
 def test_quantize_cluster_outliers_round_trip_and_the_seeds_dict_shapes():
     k, v, label, _, _ = planted()
     bank = kvq.ClusterBank(2, 4, birth_distance=0.5, outlier_top_k=3)
