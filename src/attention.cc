@@ -580,8 +580,10 @@ Validated Validate(std::span<const float> q, int n_heads, const KvRowsView& kv,
 
 }  // namespace
 
-void decode_attention(std::span<const float> q, int n_heads, const KvRowsView& kv,
-                      std::span<float> out, const DecodeAttentionOptions& opts) {
+namespace {
+// decode_attention, optionally writing each head's log-mass to lse.
+void DecodeAttention(std::span<const float> q, int n_heads, const KvRowsView& kv, std::span<float> out,
+                     double* lse, const DecodeAttentionOptions& opts) {
   const Validated v = Validate(q, n_heads, kv, out, opts);
   const size_t hd = static_cast<size_t>(kv.head_dim);
   const size_t G = static_cast<size_t>(v.G);
@@ -662,8 +664,51 @@ void decode_attention(std::span<const float> q, int n_heads, const KvRowsView& k
       }
       const float inv = 1.0f / lsum;
       for (size_t e = 0; e < hd; ++e) o[e] *= inv;
+      if (lse) lse[static_cast<size_t>(g) * G + h] = static_cast<double>(mmax) + std::log(static_cast<double>(lsum));
     }
   }
+}
+}  // namespace
+
+void decode_attention(std::span<const float> q, int n_heads, const KvRowsView& kv,
+                      std::span<float> out, const DecodeAttentionOptions& opts) {
+  DecodeAttention(q, n_heads, kv, out, nullptr, opts);
+}
+
+AttentionPart decode_attention_part(std::span<const float> q, int n_heads, const KvRowsView& kv,
+                                    const DecodeAttentionOptions& opts) {
+  AttentionPart p{std::vector<double>(static_cast<size_t>(std::max(n_heads, 0))), std::vector<float>(q.size())};
+  DecodeAttention(q, n_heads, kv, p.value, p.log_mass.data(), opts);
+  return p;
+}
+
+AttentionPart merge_attention_parts(const std::vector<AttentionPart>& parts) {
+  KVQ_CHECK_ARG(!parts.empty(), "merge_attention_parts: parts: expected at least one part");
+  const size_t H = parts[0].log_mass.size(), n = parts[0].value.size();
+  KVQ_CHECK_ARG(H > 0 && n % H == 0, "merge_attention_parts: parts[0]: value size ", n, " is not a multiple of ",
+                H, " heads");
+  for (size_t i = 1; i < parts.size(); ++i) {
+    KVQ_CHECK_ARG(parts[i].log_mass.size() == H && parts[i].value.size() == n, "merge_attention_parts: parts[", i,
+                  "]: expected ", H, " heads and ", n, " values like parts[0]");
+  }
+  const size_t d = n / H;
+  AttentionPart out{std::vector<double>(H, -std::numeric_limits<double>::infinity()), std::vector<float>(n, 0.0f)};
+  std::vector<double> acc(d);
+  for (size_t h = 0; h < H; ++h) {
+    double m = -std::numeric_limits<double>::infinity();
+    for (const auto& p : parts) m = std::max(m, p.log_mass[h]);
+    if (m == -std::numeric_limits<double>::infinity()) continue;
+    double total = 0.0;
+    std::fill(acc.begin(), acc.end(), 0.0);
+    for (const auto& p : parts) {
+      const double w = std::exp(p.log_mass[h] - m);
+      total += w;
+      for (size_t e = 0; e < d; ++e) acc[e] += w * p.value[h * d + e];
+    }
+    out.log_mass[h] = m + std::log(total);
+    for (size_t e = 0; e < d; ++e) out.value[h * d + e] = static_cast<float>(acc[e] / total);
+  }
+  return out;
 }
 
 Tensor decode_attention(const TensorView& q, const KvRowsView& kv, const DecodeAttentionOptions& opts) {

@@ -237,6 +237,21 @@ KvRowsView KvCache::view(int layer, int64_t tokens) const {
   return v;
 }
 
+KvRowsView KvRowsView::subview(int64_t t0, int64_t t1) const {
+  KVQ_CHECK_ARG(t0 >= 0 && t0 <= t1 && t1 <= tokens, "subview: expected 0 <= t0 <= t1 <= ", tokens, ", got [", t0,
+                ", ", t1, ")");
+  KvRowsView r = *this;
+  const size_t at = static_cast<size_t>(t0);
+  r.k = k + at * slice_bytes;
+  r.v = v + at * slice_bytes;
+  if (header_bytes) {
+    r.k_header = k_header + at * header_bytes;
+    r.v_header = v_header + at * header_bytes;
+  }
+  r.tokens = t1 - t0;
+  return r;
+}
+
 void KvRowsView::gather_row(int which, int64_t t, uint8_t* row) const {
   const uint8_t* header = (which == 0 ? k_header : v_header) + static_cast<size_t>(t) * header_bytes;
   const uint8_t* payload = (which == 0 ? k : v) + static_cast<size_t>(t) * slice_bytes;

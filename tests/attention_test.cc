@@ -264,6 +264,48 @@ TEST(DecodeAttention, Int8QueryIsWithinItsDerivedBound) {
   }
 }
 
+// decode_attention_part: the log-mass matches a double-precision reference,
+// and parts over disjoint token ranges (subviews) merge into the whole.
+TEST(DecodeAttention, PartsOfSubviewsMergeIntoTheWhole) {
+  Rng rng(33);
+  for (KvScheme s : {KvScheme::Fp32, KvScheme::Int8, KvScheme::Q4_0}) {
+    SCOPED_TRACE(kv_scheme_name(s));
+    const Case c{s, 2, 4, 64, 300};
+    const KvCache cache = MakeCache(c, rng);
+    const KvRowsView all = cache.view(0, c.T);
+    std::vector<float> q(8 * 64);
+    for (auto& x : q) x = static_cast<float>(rng.Gaussian());
+    const AttentionPart whole = decode_attention_part(q, 8, all);
+    // Reference log-mass in double from the decoded rows.
+    std::vector<float> K(c.T * 128);
+    for (int64_t t = 0; t < c.T; ++t) cache.read_k(0, static_cast<int>(t), {K.data() + t * 128, 128});
+    for (int h = 0; h < 8; ++h) {
+      double m = -INFINITY;
+      std::vector<double> sc(c.T);
+      for (int64_t t = 0; t < c.T; ++t) {
+        double x = 0;
+        for (int e = 0; e < 64; ++e) x += double(q[h * 64 + e]) * K[t * 128 + (h / 4) * 64 + e];
+        sc[t] = x / 8.0;
+        m = std::max(m, sc[t]);
+      }
+      double l = 0;
+      for (double x : sc) l += std::exp(x - m);
+      EXPECT_NEAR(whole.log_mass[h], m + std::log(l), 1e-4 * (1 + std::fabs(m)));
+    }
+    std::vector<float> out(q.size());
+    decode_attention(q, 8, all, out);
+    EXPECT_EQ(whole.value, out);
+    const AttentionPart merged = merge_attention_parts(
+        {decode_attention_part(q, 8, all.subview(0, 4)), decode_attention_part(q, 8, all.subview(4, 170)),
+         decode_attention_part(q, 8, all.subview(170, 300))});
+    for (int h = 0; h < 8; ++h) EXPECT_NEAR(merged.log_mass[h], whole.log_mass[h], 1e-5);
+    for (size_t i = 0; i < out.size(); ++i) EXPECT_NEAR(merged.value[i], out[i], 1e-4);
+  }
+  const KvCache cache = MakeCache({KvScheme::Fp32, 1, 1, 8, 10}, rng);
+  EXPECT_NE(ErrorOf([&] { cache.view(0, 10).subview(3, 11); }).find("subview: expected 0 <= t0 <= t1 <= 10"),
+            std::string::npos);
+}
+
 // A caller's own layout: whole token-major rows (one slice) and a separate
 // header array. The kernel gives the same result as on KvCache's head-major
 // slices (same per-lane arithmetic), for every scheme.

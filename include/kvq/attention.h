@@ -18,6 +18,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <vector>
 
 #include "kvq/kv_scheme.h"
 #include "kvq/tensor.h"
@@ -47,6 +48,22 @@ void decode_attention(std::span<const float> q, int n_heads, const KvRowsView& k
 // q: F32 tensor of shape (n_heads, head_dim); returns (n_heads, head_dim).
 Tensor decode_attention(const TensorView& q, const KvRowsView& kv,
                         const DecodeAttentionOptions& opts = {});
+
+// One part of an attention result: log of the softmax mass it carries,
+// log sum_t exp(score_t), and its normalised value, per query head (value:
+// n_heads * head_dim, head-major). Parts over disjoint token sets (a sink
+// window, a recent window, E2's far field) combine exactly by log-sum-exp.
+struct AttentionPart {
+  std::vector<double> log_mass;  // -inf for an empty part
+  std::vector<float> value;
+};
+// Throws kvq::Error on no parts or a geometry mismatch.
+AttentionPart merge_attention_parts(const std::vector<AttentionPart>& parts);
+
+// decode_attention as an AttentionPart (the log-mass comes from the same
+// online-softmax state, scores including the scale).
+AttentionPart decode_attention_part(std::span<const float> q, int n_heads, const KvRowsView& kv,
+                                    const DecodeAttentionOptions& opts = {});
 
 // Reference (validated like decode_attention; slow, for tests).
 void decode_attention_ref(std::span<const float> q, int n_heads, const KvRowsView& kv,

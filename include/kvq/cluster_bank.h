@@ -46,6 +46,7 @@
 #include <utility>
 #include <vector>
 
+#include "kvq/attention.h"
 #include "kvq/tensor.h"
 
 namespace kvq {
@@ -107,17 +108,6 @@ struct ClusterHeadFit {
   std::vector<float> mean_v;  // (d)
   std::vector<float> a;       // (d, d) row-major: v_hat = mean_v + a (k - mean_k)
 };
-
-// One part of an attention result: log of the softmax mass it carries and
-// its normalised value, per query head (value: n_heads * d, head-major).
-struct AttentionPart {
-  std::vector<double> log_mass;  // -inf for an empty part
-  std::vector<float> value;
-};
-// Log-sum-exp combination of parts with the same geometry (e.g. an exact
-// near-field window and the bank's far field). Throws kvq::Error on a
-// geometry mismatch.
-AttentionPart merge_attention_parts(const std::vector<AttentionPart>& parts);
 
 class ClusterBank {
  public:

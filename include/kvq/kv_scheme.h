@@ -107,6 +107,9 @@ struct KvRowsView {
   // Assembles token t's codec row (header | payload) of K (which = 0) or
   // V (1) into row[0, row_bytes). No validation (a kernel).
   void gather_row(int which, int64_t t, uint8_t* row) const;
+  // The view of tokens [t0, t1) (same layout, shifted). Throws kvq::Error
+  // unless 0 <= t0 <= t1 <= tokens.
+  KvRowsView subview(int64_t t0, int64_t t1) const;
 };
 
 // K and V rows of n_layers layers for positions [0, max_seq), stored in one
