@@ -106,20 +106,21 @@ EvalReport run_eval(const EvalOptions& o) {
   rep.threads = threads;
   const bool tty = o.progress && isatty(2);
 
-  for (KvScheme scheme : order) {
-    const bool is_ref = scheme == KvScheme::Fp32;
+  auto run_variant = [&](KvScheme scheme, const WindowPolicy& policy, const std::string& label) {
+    const bool is_ref = scheme == KvScheme::Fp32 && policy.window == 0;
     std::vector<WindowStats> stats(static_cast<size_t>(windows));
     int done = 0;
     const auto t0 = std::chrono::steady_clock::now();
 #pragma omp parallel num_threads(threads)
     {
-      Transformer tf(ckpt, scheme, ctx);
+      Transformer tf(ckpt, scheme, ctx, policy);
       std::vector<float> logp(static_cast<size_t>(V));
 #pragma omp for schedule(dynamic, 1)
       for (int w = 0; w < windows; ++w) {
         const int* win = text.window(w);
         const std::span<const float> logits = tf.forward_window({win, static_cast<size_t>(ctx)});
         WindowStats& st = stats[static_cast<size_t>(w)];
+        st.state_bytes = static_cast<double>(tf.attention_state_bytes());
         for (int t = 0; t < ctx; ++t) {
           const float* lg = logits.data() + static_cast<size_t>(t) * static_cast<size_t>(V);
           const size_t at = static_cast<size_t>(w) * per_window + static_cast<size_t>(t) * static_cast<size_t>(V);
@@ -148,7 +149,7 @@ EvalReport run_eval(const EvalOptions& o) {
 #pragma omp critical(kvq_progress)
           {
             ++done;
-            std::fprintf(stderr, "\r[kvq eval] %-16s window %d/%d", kv_scheme_name(scheme), done, windows);
+            std::fprintf(stderr, "\r[kvq eval] %-24s window %d/%d", label.c_str(), done, windows);
             std::fflush(stderr);
           }
         }
@@ -157,12 +158,13 @@ EvalReport run_eval(const EvalOptions& o) {
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     SchemeResult r;
     r.scheme = scheme;
-    const KvRowCodec codec(scheme, cfg.kv_dim(), cfg.head_size());
-    r.bits_per_element = codec.bits_per_element();
-    r.kv_bytes = 2ull * codec.row_bytes() * static_cast<uint64_t>(cfg.n_layers) * static_cast<uint64_t>(ctx);
+    r.label = label;
+    r.policy = policy;
+    double state = 0;
     double nll = 0, kld = 0;
     int64_t top1 = 0;
     for (const WindowStats& st : stats) {  // fixed order: thread count does not change sums
+      state += st.state_bytes;
       nll += st.nll;
       kld += st.kld;
       top1 += st.top1;
@@ -174,7 +176,34 @@ EvalReport run_eval(const EvalOptions& o) {
     r.kld_mean = kld / n;
     r.top1_pct = 100.0 * static_cast<double>(top1) / n;
     r.tokens_per_s = n / secs;
+    // KV bytes attention holds at ctx (mean over windows); effective bits
+    // per K/V element of the ctx tokens.
+    r.kv_bytes = static_cast<uint64_t>(std::llround(state / windows));
+    r.bits_per_element = 8.0 * static_cast<double>(r.kv_bytes) /
+                         (2.0 * cfg.kv_dim() * static_cast<double>(cfg.n_layers) * static_cast<double>(ctx));
     rep.results.push_back(r);
+    return r;
+  };
+  for (KvScheme scheme : order) run_variant(scheme, WindowPolicy{}, kv_scheme_name(scheme));
+  if (o.window > 0) {
+    // SPEC §7 windowed mode, fp32 cache: a sliding window with sinks, the
+    // E2 bank behind the same window, and a sliding window given the bank's
+    // bytes.
+    WindowPolicy slide;
+    slide.window = o.window;
+    slide.sinks = o.sinks;
+    run_variant(KvScheme::Fp32, slide, "win " + std::to_string(o.window) + "+" + std::to_string(o.sinks));
+    WindowPolicy bank = slide;
+    bank.bank = true;
+    bank.chunk = o.window_chunk;
+    bank.bank_options = o.bank;
+    const SchemeResult b = run_variant(KvScheme::Fp32, bank, "e2 " + std::to_string(o.window) + "+" +
+                                                                 std::to_string(o.sinks) + "+bank");
+    const uint64_t per_token = 2ull * KvRowCodec(KvScheme::Fp32, cfg.kv_dim(), cfg.head_size()).row_bytes() *
+                               static_cast<uint64_t>(cfg.n_layers);
+    WindowPolicy equal = slide;
+    equal.window = std::clamp<int>(static_cast<int>(b.kv_bytes / per_token) - o.sinks, 1, ctx);
+    run_variant(KvScheme::Fp32, equal, "win " + std::to_string(equal.window) + "+" + std::to_string(o.sinks) + " =e2");
   }
   if (tty) std::fprintf(stderr, "\r%60s\r", "");
   const double ref_ppl = rep.results.front().ppl;
@@ -202,7 +231,7 @@ std::string format_report(const EvalReport& r) {
   for (const SchemeResult& s : r.results) {
     std::snprintf(buf, sizeof buf,
                   "| %-15s | %6.3f | %10llu | %8.5f | %+9.5f | %+7.3f%% | %9.3e | %8.2e | %7.3f | %9.0f |\n",
-                  kv_scheme_name(s.scheme), s.bits_per_element, static_cast<unsigned long long>(s.kv_bytes), s.ppl,
+                  s.label.c_str(), s.bits_per_element, static_cast<unsigned long long>(s.kv_bytes), s.ppl,
                   s.delta_ppl, s.delta_ppl_pct, s.kld_mean, s.kld_max, s.top1_pct, s.tokens_per_s);
     os << buf;
   }

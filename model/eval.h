@@ -34,12 +34,22 @@ struct EvalOptions {
   int max_windows = 0;            // 0: all full windows
   int threads = 0;                // 0: OpenMP default
   bool progress = false;          // progress line on stderr
+  // Windowed mode (SPEC §7), when window > 0: extra rows for an fp32 cache
+  // read through a sliding window of `window` recent tokens + `sinks`, the
+  // same window with E2's bank behind it (chunks of window_chunk tokens),
+  // and a sliding window holding as many bytes as the bank run did.
+  int window = 0;
+  int sinks = 4;
+  int window_chunk = 64;
+  ClusterBankOptions bank;
 };
 
 struct SchemeResult {
   KvScheme scheme;
+  std::string label;     // the scheme's name, or the windowed variant
+  WindowPolicy policy;
   double bits_per_element = 0;
-  uint64_t kv_bytes = 0;  // K and V of all layers for ctx tokens
+  uint64_t kv_bytes = 0;  // bytes attention holds at ctx, all layers (mean over windows)
   double mean_nll = 0, ppl = 0, delta_ppl = 0, delta_ppl_pct = 0;
   double kld_mean = 0, kld_max = 0, top1_pct = 0, tokens_per_s = 0;
 };
@@ -62,7 +72,7 @@ std::string format_report(const EvalReport& r);
 // targets tokens[1..ctx]); reduced in window order so thread count does not
 // change the result.
 struct WindowStats {
-  double nll = 0, kld = 0, kld_max = 0;
+  double nll = 0, kld = 0, kld_max = 0, state_bytes = 0;
   int64_t top1 = 0;
 };
 

@@ -255,13 +255,22 @@ void MatMul(float* out, const float* x, const float* w, int T, int n, int d) {
 
 }  // namespace
 
-Transformer::Transformer(const Checkpoint& ckpt, KvScheme scheme, int max_seq)
+Transformer::Transformer(const Checkpoint& ckpt, KvScheme scheme, int max_seq, const WindowPolicy& policy)
     : cfg_(ckpt.config()),
       w_(ckpt.weights()),
       cache_(scheme, ckpt.config().n_layers, max_seq, ckpt.config().n_kv_heads, ckpt.config().head_size()),
-      max_seq_(max_seq) {
+      max_seq_(max_seq),
+      policy_(policy) {
   KVQ_CHECK_ARG(max_seq > 0 && max_seq <= cfg_.seq_len, "max_seq: expected 1..", cfg_.seq_len,
                 " (the model's seq_len), got ", max_seq);
+  KVQ_CHECK_ARG(policy.window >= 0, "window: expected >= 0, got ", policy.window);
+  KVQ_CHECK_ARG(policy.sinks >= 0, "sinks: expected >= 0, got ", policy.sinks);
+  KVQ_CHECK_ARG(policy.chunk >= 1, "window chunk: expected >= 1, got ", policy.chunk);
+  if (policy.bank) {
+    KVQ_CHECK_ARG(policy.window > 0, "bank: expected a window > 0");
+    ClusterBank check(cfg_.n_kv_heads, cfg_.head_size(), policy.bank_options);  // validates the options
+  }
+  banks_.resize(static_cast<size_t>(cfg_.n_layers));
   const int hs = cfg_.head_size();
   rope_cos_.resize(static_cast<size_t>(max_seq) * static_cast<size_t>(hs / 2));
   rope_sin_.resize(rope_cos_.size());
@@ -276,10 +285,85 @@ Transformer::Transformer(const Checkpoint& ckpt, KvScheme scheme, int max_seq)
   logits_.resize(static_cast<size_t>(cfg_.vocab_size));
 }
 
+void Transformer::BankChunk(int layer, int t0, int t1) {
+  LayerBank& lb = banks_[static_cast<size_t>(layer)];
+  const int H = cfg_.n_kv_heads, D = cfg_.head_size(), W = cfg_.kv_dim();
+  Tensor k({t1 - t0, H, D}, DType::F32), v({t1 - t0, H, D}, DType::F32);
+  for (int t = t0; t < t1; ++t) {
+    cache_.read_k(layer, t, {k.data_as<float>() + static_cast<size_t>(t - t0) * W, static_cast<size_t>(W)});
+    cache_.read_v(layer, t, {v.data_as<float>() + static_cast<size_t>(t - t0) * W, static_cast<size_t>(W)});
+  }
+  const BirthMergeReceipt r = lb.bank->birth_and_merge(k, v);
+  for (const auto& [id, set] : r.per_cluster_outlier_tokens) {
+    lb.out_k.insert(lb.out_k.end(), set.k.data_as<float>(), set.k.data_as<float>() + set.k.numel());
+    lb.out_v.insert(lb.out_v.end(), set.v.data_as<float>(), set.v.data_as<float>() + set.v.numel());
+  }
+  lb.banked_end = t1;
+}
+
 void Transformer::attention(int layer, int pos, const float* q, float* out) {
   // Fused decode attention over the stored codes (kvq/attention.h).
   const size_t n = static_cast<size_t>(cfg_.dim);
-  decode_attention({q, n}, cfg_.n_heads, cache_.view(layer, pos + 1), {out, n});
+  const int T = pos + 1;
+  if (layer == 0) tokens_ = T;
+  const KvRowsView all = cache_.view(layer, T);
+  if (policy_.bank && pos == 0) {  // a new sequence: an empty bank
+    LayerBank& lb = banks_[static_cast<size_t>(layer)];
+    lb.bank = std::make_unique<ClusterBank>(cfg_.n_kv_heads, cfg_.head_size(), policy_.bank_options);
+    lb.banked_end = std::min(policy_.sinks, max_seq_);
+    lb.out_k.clear();
+    lb.out_v.clear();
+  }
+  if (policy_.window == 0 || T <= policy_.sinks + policy_.window) {
+    decode_attention({q, n}, cfg_.n_heads, all, {out, n});
+    return;
+  }
+  std::vector<AttentionPart> parts;
+  const std::span<const float> qs(q, n);
+  if (policy_.sinks > 0) parts.push_back(decode_attention_part(qs, cfg_.n_heads, all.subview(0, policy_.sinks)));
+  if (!policy_.bank) {
+    parts.push_back(decode_attention_part(qs, cfg_.n_heads, all.subview(T - policy_.window, T)));
+  } else {
+    LayerBank& lb = banks_[static_cast<size_t>(layer)];
+    while (T - policy_.window - lb.banked_end >= policy_.chunk) BankChunk(layer, lb.banked_end, lb.banked_end + policy_.chunk);
+    parts.push_back(decode_attention_part(qs, cfg_.n_heads, all.subview(lb.banked_end, T)));
+    if (lb.bank->num_clusters() > 0) parts.push_back(lb.bank->far_field(qs, cfg_.n_heads));
+    const int64_t n_out = static_cast<int64_t>(lb.out_k.size()) / cfg_.kv_dim();
+    if (n_out > 0) {
+      KvRowsView ov;  // outlier tokens as whole float32 rows
+      ov.scheme = KvScheme::Fp32;
+      ov.n_kv_heads = cfg_.n_kv_heads;
+      ov.head_dim = cfg_.head_size();
+      ov.k = reinterpret_cast<const uint8_t*>(lb.out_k.data());
+      ov.v = reinterpret_cast<const uint8_t*>(lb.out_v.data());
+      ov.slice_bytes = static_cast<size_t>(cfg_.kv_dim()) * sizeof(float);
+      ov.tokens = n_out;
+      parts.push_back(decode_attention_part(qs, cfg_.n_heads, ov));
+    }
+  }
+  const AttentionPart merged = merge_attention_parts(parts);
+  std::copy(merged.value.begin(), merged.value.end(), out);
+}
+
+uint64_t Transformer::attention_state_bytes() const {
+  const uint64_t row = 2 * cache_.codec().row_bytes();  // K and V of one token, one layer
+  const int T = tokens_;
+  uint64_t total = 0;
+  for (int l = 0; l < cfg_.n_layers; ++l) {
+    if (policy_.window == 0 || T <= policy_.sinks + policy_.window) {
+      total += row * static_cast<uint64_t>(T);
+    } else if (!policy_.bank) {
+      total += row * static_cast<uint64_t>(policy_.sinks + policy_.window);
+    } else {
+      const LayerBank& lb = banks_[static_cast<size_t>(l)];
+      const uint64_t d = static_cast<uint64_t>(cfg_.head_size());
+      total += row * static_cast<uint64_t>(policy_.sinks + (T - lb.banked_end));
+      total += static_cast<uint64_t>(lb.bank->num_clusters()) * static_cast<uint64_t>(cfg_.n_kv_heads) *
+               (2 * d + 2 * d * d + 1) * sizeof(float);
+      total += (lb.out_k.size() + lb.out_v.size()) * sizeof(float);
+    }
+  }
+  return total;
 }
 
 std::span<const float> Transformer::forward(int token, int pos) {

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kvq/attention.h"
+#include "kvq/cluster_bank.h"
 #include "kvq/kv_scheme.h"
 
 namespace kvq::model {
@@ -89,10 +90,24 @@ class Tokenizer {
   std::vector<std::pair<std::string, int>> sorted_;  // piece -> id, sorted
 };
 
+// Which cached tokens attention reads (SPEC §7 windowed mode). window 0:
+// all of them. Otherwise the first `sinks` tokens and the last `window` are
+// attended exactly; the tokens in between are dropped (bank = false, a
+// sliding window with sinks) or, once a whole chunk of `chunk` tokens has
+// left the window, fed to a per-layer E2 ClusterBank and attended through
+// its far field (moment closure) plus its outlier tokens, exactly.
+struct WindowPolicy {
+  int window = 0;
+  int sinks = 4;
+  bool bank = false;
+  int chunk = 64;
+  ClusterBankOptions bank_options;
+};
+
 // Scratch state for one sequence: activations and a KV cache in `scheme`.
 class Transformer {
  public:
-  Transformer(const Checkpoint& ckpt, KvScheme scheme, int max_seq);
+  Transformer(const Checkpoint& ckpt, KvScheme scheme, int max_seq, const WindowPolicy& policy = {});
 
   // One decoding step: token at pos (positions must be fed in order from 0).
   // Returns the vocab logits (valid until the next call).
@@ -103,15 +118,29 @@ class Transformer {
   std::span<const float> forward_window(std::span<const int> tokens);
 
   const KvCache& cache() const { return cache_; }
+  // Bytes attention state holds for the current sequence, all layers: the
+  // cached tokens it still reads (in the cache's scheme), plus with a bank
+  // its clusters (mean key, mean value, key covariance, A, count per head,
+  // float32) and its outlier tokens (float32 K and V).
+  uint64_t attention_state_bytes() const;
   const Config& config() const { return cfg_; }
 
  private:
   std::span<const float> run(std::span<const int> tokens, int pos0, bool batched);
   void attention(int layer, int pos, const float* q, float* out);
+  void BankChunk(int layer, int t0, int t1);
   const Config& cfg_;
   const Weights& w_;
   KvCache cache_;
   int max_seq_;
+  WindowPolicy policy_;
+  int tokens_ = 0;  // tokens of the current sequence
+  struct LayerBank {
+    std::unique_ptr<ClusterBank> bank;
+    int banked_end = 0;                  // tokens [sinks, banked_end) went to the bank
+    std::vector<float> out_k, out_v;     // outlier tokens, float32 rows
+  };
+  std::vector<LayerBank> banks_;
   std::vector<float> x_, xb_, xb2_, hb_, hb2_, q_, k_, v_, logits_;  // (T, width)
   std::vector<float> rope_cos_, rope_sin_;  // (max_seq, head_size / 2)
 };

@@ -47,6 +47,11 @@ assert all(keys<=set(x) for x in r)
 assert r[0][\"delta_ppl\"]==0 and r[2][\"bits_per_element\"]==4.5
 "'
 
+"$KVQ" eval --kv fp32 --ctx 64 --max-windows 2 --window 16 --window-chunk 8 >"$T/out" 2>"$T/err"; rc=$?
+check "eval --window adds the windowed rows" '[ $rc -eq 0 ] && grep -q "| win 16+4 " "$T/out" && grep -q "| e2 16+4+bank " "$T/out" && grep -q "=e2" "$T/out"'
+"$KVQ" eval --kv fp32 --window -3 >/dev/null 2>"$T/err"; rc=$?
+check "eval --window -3 exits 2 naming it" '[ $rc -eq 2 ] && grep -q -- "--window" "$T/err"'
+
 "$KVQ" receipts --ctx 64 --chunk 32 --max-windows 2 --json "$T/r.json" >"$T/out" 2>"$T/err"; rc=$?
 check "receipts succeeds" '[ $rc -eq 0 ]'
 check "receipts prints a table" 'grep -q "| layer | clusters" "$T/out" && grep -q "^| 4 |" "$T/out"'

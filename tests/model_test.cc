@@ -180,6 +180,36 @@ TEST(Model, ReceiptsOnRealKvAreConsistentAndThreadIndependent) {
   EXPECT_NE(test::ErrorOf([&] { run_receipts(o); }).find("ridge"), std::string::npos);
 }
 
+// Windowed mode: plumbing checks that can fail. A bank of singleton clusters
+// (every banked token its own cluster, so Sigma = 0 and the moment closure is
+// exact) must reproduce full attention; a sliding window must cost exactly
+// its tokens' bytes and lose quality; the equal-bytes window is sized from the
+// bank run.
+TEST(Model, WindowedModesAreConsistent) {
+  KVQ_MODEL_FILES();
+  EvalOptions o = DevTextOptions(model_path, tok_path, text_path, {KvScheme::Fp32});
+  o.ctx = 96;
+  o.max_windows = 6;
+  o.window = 16;
+  o.sinks = 4;
+  o.window_chunk = 16;
+  o.bank.max_clusters = 256;
+  o.bank.birth_distance = 1e-12;
+  o.bank.merge_distance = 0;
+  o.bank.outlier_top_k = 0;
+  const EvalReport r = run_eval(o);
+  ASSERT_EQ(r.results.size(), 4u);
+  const SchemeResult &full = r.results[0], &slide = r.results[1], &bank = r.results[2], &equal = r.results[3];
+  EXPECT_EQ(slide.label, "win 16+4");
+  EXPECT_EQ(slide.kv_bytes, 20u * 2 * 128 * 5);  // 20 tokens x K,V x 32 floats x 5 layers
+  EXPECT_GT(slide.kld_mean, 1e-3);
+  EXPECT_LT(bank.kld_mean, 1e-6) << "singleton clusters must reproduce full attention";
+  EXPECT_NEAR(bank.ppl, full.ppl, 1e-4 * full.ppl);
+  EXPECT_GT(bank.kv_bytes, full.kv_bytes);  // a d x d covariance per singleton costs more than the token
+  EXPECT_EQ(equal.policy.window, 96) << "capped at ctx";
+  EXPECT_EQ(equal.kld_mean, 0.0);
+}
+
 TEST(Model, TokenizerEncodesAndDecodes) {
   KVQ_MODEL_FILES();
   const Tokenizer tok(tok_path, 512);

@@ -30,6 +30,8 @@ struct ModelTextOptions {
 
 struct EvalCliOptions : ModelTextOptions {
   std::string kv = "all";
+  int window = 0, sinks = 4, window_chunk = 64;
+  ClusterBankOptions bank;
 };
 void AddEvalCommand(CLI::App& app, EvalCliOptions& opts);
 int RunEval(const EvalCliOptions& opts);

@@ -68,10 +68,25 @@ nlohmann::json RunJson(const std::string& model, const std::string& text, int ct
   return j;
 }
 
+void AddBankOptions(CLI::App* c, ClusterBankOptions& b) {
+  c->add_option("--max-clusters", b.max_clusters, "ClusterBankOptions::max_clusters")->capture_default_str();
+  c->add_option("--birth-distance", b.birth_distance, "ClusterBankOptions::birth_distance")->capture_default_str();
+  c->add_option("--merge-distance", b.merge_distance, "ClusterBankOptions::merge_distance")->capture_default_str();
+  c->add_option("--outlier-top-k", b.outlier_top_k, "ClusterBankOptions::outlier_top_k")->capture_default_str();
+  c->add_option("--ridge", b.ridge, "ClusterBankOptions::ridge")->capture_default_str();
+}
+
 void AddEvalCommand(CLI::App& app, EvalCliOptions& o) {
   CLI::App* c = app.add_subcommand("eval", "Perplexity, KL and top-1 of each KV scheme against fp32 on a real model");
   AddModelTextOptions(c, o);
   c->add_option("--kv", o.kv, "comma-separated KV schemes or 'all'")->default_val("all");
+  c->add_option("--window", o.window,
+                "also evaluate windowed attention (fp32): a sliding window of N recent tokens + sinks, the same "
+                "window with the E2 bank behind it, and a sliding window with the bank's bytes (0: off)");
+  c->add_option("--sinks", o.sinks, "first tokens always attended in windowed mode")->capture_default_str();
+  c->add_option("--window-chunk", o.window_chunk, "tokens per birth_and_merge chunk in windowed mode")
+      ->capture_default_str();
+  AddBankOptions(c, o.bank);
 }
 
 int RunEval(const EvalCliOptions& o) {
@@ -84,6 +99,13 @@ int RunEval(const EvalCliOptions& o) {
   e.max_windows = o.max_windows;
   e.threads = o.threads;
   e.progress = true;
+  e.window = o.window;
+  e.sinks = o.sinks;
+  e.window_chunk = o.window_chunk;
+  e.bank = o.bank;
+  KVQ_CHECK_ARG(o.window >= 0, "--window: expected >= 0, got ", o.window);
+  KVQ_CHECK_ARG(o.sinks >= 0, "--sinks: expected >= 0, got ", o.sinks);
+  KVQ_CHECK_ARG(o.window_chunk >= 1, "--window-chunk: expected >= 1, got ", o.window_chunk);
   CheckJsonPath(o.json);
   const model::EvalReport r = model::run_eval(e);
   std::fputs(model::format_report(r).c_str(), stdout);
@@ -93,6 +115,10 @@ int RunEval(const EvalCliOptions& o) {
     j["results"] = nlohmann::json::array();
     for (const auto& s : r.results) {
       j["results"].push_back({{"scheme", kv_scheme_name(s.scheme)},
+                              {"label", s.label},
+                              {"window", s.policy.window},
+                              {"sinks", s.policy.window ? s.policy.sinks : 0},
+                              {"bank", s.policy.bank},
                               {"bits_per_element", s.bits_per_element},
                               {"kv_bytes", s.kv_bytes},
                               {"ppl", s.ppl},
@@ -114,11 +140,7 @@ void AddReceiptsCommand(CLI::App& app, ReceiptsCliOptions& o) {
       "receipts", "E2 ClusterBank on the model's real K/V: clusters, outliers, Spearman of its residual vs int8/fp8 error");
   AddModelTextOptions(c, o);
   c->add_option("--chunk", o.chunk, "tokens per birth_and_merge chunk")->capture_default_str();
-  c->add_option("--max-clusters", o.bank.max_clusters, "ClusterBankOptions::max_clusters")->capture_default_str();
-  c->add_option("--birth-distance", o.bank.birth_distance, "ClusterBankOptions::birth_distance")->capture_default_str();
-  c->add_option("--merge-distance", o.bank.merge_distance, "ClusterBankOptions::merge_distance")->capture_default_str();
-  c->add_option("--outlier-top-k", o.bank.outlier_top_k, "ClusterBankOptions::outlier_top_k")->capture_default_str();
-  c->add_option("--ridge", o.bank.ridge, "ClusterBankOptions::ridge")->capture_default_str();
+  AddBankOptions(c, o.bank);
 }
 
 int RunReceipts(const ReceiptsCliOptions& o) {
