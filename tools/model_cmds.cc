@@ -57,6 +57,18 @@ void AddModelTextOptions(CLI::App* c, ModelTextOptions& o) {
   c->add_option("--threads", o.threads, "threads (0: OpenMP default)");
 }
 
+// The model/text fields shared by model::EvalOptions and model::ReceiptOptions.
+template <class Opts>
+void FillModelText(const ModelTextOptions& o, Opts& e) {
+  e.model_path = o.model.empty() ? DefaultModel() : o.model;
+  e.tokenizer_path = o.tokenizer.empty() ? DefaultTokenizer() : o.tokenizer;
+  e.text_path = o.text.empty() ? DefaultText() : o.text;
+  e.ctx = o.ctx;
+  e.max_windows = o.max_windows;
+  e.threads = o.threads;
+  e.progress = true;
+}
+
 // The JSON fields every model-text command reports first.
 nlohmann::json RunJson(const std::string& model, const std::string& text, int ctx, int windows, int threads) {
   nlohmann::json j;
@@ -91,14 +103,8 @@ void AddEvalCommand(CLI::App& app, EvalCliOptions& o) {
 
 int RunEval(const EvalCliOptions& o) {
   model::EvalOptions e;
-  e.model_path = o.model.empty() ? DefaultModel() : o.model;
-  e.tokenizer_path = o.tokenizer.empty() ? DefaultTokenizer() : o.tokenizer;
-  e.text_path = o.text.empty() ? DefaultText() : o.text;
+  FillModelText(o, e);
   e.schemes = parse_kv_scheme_list(o.kv, "--kv");
-  e.ctx = o.ctx;
-  e.max_windows = o.max_windows;
-  e.threads = o.threads;
-  e.progress = true;
   e.window = o.window;
   e.sinks = o.sinks;
   e.window_chunk = o.window_chunk;
@@ -145,14 +151,8 @@ void AddReceiptsCommand(CLI::App& app, ReceiptsCliOptions& o) {
 
 int RunReceipts(const ReceiptsCliOptions& o) {
   model::ReceiptOptions r;
-  r.model_path = o.model.empty() ? DefaultModel() : o.model;
-  r.tokenizer_path = o.tokenizer.empty() ? DefaultTokenizer() : o.tokenizer;
-  r.text_path = o.text.empty() ? DefaultText() : o.text;
-  r.ctx = o.ctx;
-  r.max_windows = o.max_windows;
+  FillModelText(o, r);
   r.chunk = o.chunk;
-  r.threads = o.threads;
-  r.progress = true;
   r.bank = o.bank;
   CheckJsonPath(o.json);
   const model::ReceiptReport rep = model::run_receipts(r);
