@@ -350,6 +350,29 @@ HWY_INLINE void AccumulateV(D d, const uint8_t* row0, size_t sb, int nb, size_t 
   }
 }
 
+// Raw scores of tokens [b, b + kT) of a block into s[h][b + t]: float dot
+// products, or integer ones against the int8 query (kIQ, VNNI targets only).
+template <KvScheme S, bool kBlocks, int kG, bool kIQ, int kT, class D>
+KVQ_VNNI_ATTR HWY_INLINE void ScoreBlock(D d, const uint8_t* krow, size_t sb, size_t xbase, size_t hd,
+                                         const float* HWY_RESTRICT q, const uint8_t* HWY_RESTRICT qu, int b,
+                                         float (*HWY_RESTRICT s)[kBlockTokens]) {
+  const uint8_t* row0 = krow + static_cast<size_t>(b) * sb;
+#if HWY_TARGET == HWY_AVX3_DL
+  if constexpr (kIQ) {
+    int32_t dots[kT * kG];
+    ScoreTokensInt8<kG, kT>(d, row0, sb, xbase, hd, qu, dots);
+    for (int t = 0; t < kT; ++t)
+      for (int h = 0; h < kG; ++h) s[h][b + t] = static_cast<float>(dots[t * kG + h]);
+    return;
+  }
+#endif
+  (void)qu;
+  float dots[kT * kG];
+  ScoreTokens<S, kBlocks, kG, kT>(d, row0, sb, xbase, hd, q, dots);
+  for (int t = 0; t < kT; ++t)
+    for (int h = 0; h < kG; ++h) s[h][b + t] = dots[t * kG + h];
+}
+
 // kG query heads of one KV head over the item's tokens, in blocks of 32:
 // scores from the K codes, an online-softmax update, then V accumulated from
 // the codes with every head's weight applied to the same loaded vector.
@@ -369,6 +392,7 @@ KVQ_VNNI_ATTR HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, 
   const uint8_t* vbase = c.v + slice * c.slice_stride;
   const size_t sb = c.slice_bytes, hb = c.header_bytes;
   const float* q = it.q + static_cast<size_t>(h0) * hd;
+  const uint8_t* qu = kIQ ? it.qu8 + static_cast<size_t>(h0) * hd : nullptr;
   float* acc = it.acc + static_cast<size_t>(h0) * hd;
   float* m = it.m + h0;
   float* l = it.l + h0;
@@ -377,37 +401,11 @@ KVQ_VNNI_ATTR HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, 
 
   for (int64_t t0 = it.t0; t0 < it.t1; t0 += kBlockTokens) {
     const int nb = static_cast<int>(std::min<int64_t>(kBlockTokens, it.t1 - t0));
-    // Raw scores (before the row scale) into s[h][b].
+    // Raw scores (before the row scale) into s[h][b], two tokens per pass.
+    const uint8_t* krow = kbase + static_cast<size_t>(t0) * sb;
     int b = 0;
-#if HWY_TARGET == HWY_AVX3_DL
-    if constexpr (kIQ) {
-      const uint8_t* qu = it.qu8 + static_cast<size_t>(h0) * hd;
-      for (; b + 2 <= nb; b += 2) {
-        int32_t dots[2 * kG];
-        ScoreTokensInt8<kG, 2>(d, kbase + static_cast<size_t>(t0 + b) * sb, sb, xbase, hd, qu, dots);
-        for (int h = 0; h < kG; ++h) {
-          s[h][b] = static_cast<float>(dots[h]);
-          s[h][b + 1] = static_cast<float>(dots[kG + h]);
-        }
-      }
-      if (b < nb) {
-        int32_t dots[kG];
-        ScoreTokensInt8<kG, 1>(d, kbase + static_cast<size_t>(t0 + b) * sb, sb, xbase, hd, qu, dots);
-        for (int h = 0; h < kG; ++h) s[h][b] = static_cast<float>(dots[h]);
-      }
-      b = nb;
-    }
-#endif
-    for (; b + 2 <= nb; b += 2) {
-      float dots[2 * kG];
-      ScoreTokens<S, kBlocks, kG, 2>(d, kbase + static_cast<size_t>(t0 + b) * sb, sb, xbase, hd, q, dots);
-      for (int h = 0; h < kG; ++h) s[h][b] = dots[h], s[h][b + 1] = dots[kG + h];
-    }
-    if (b < nb) {
-      float dots[kG];
-      ScoreTokens<S, kBlocks, kG, 1>(d, kbase + static_cast<size_t>(t0 + b) * sb, sb, xbase, hd, q, dots);
-      for (int h = 0; h < kG; ++h) s[h][b] = dots[h];
-    }
+    for (; b + 2 <= nb; b += 2) ScoreBlock<S, kBlocks, kG, kIQ, 2>(d, krow, sb, xbase, hd, q, qu, b, s);
+    if (b < nb) ScoreBlock<S, kBlocks, kG, kIQ, 1>(d, krow, sb, xbase, hd, q, qu, b, s);
     for (int bb = 0; bb < kBlockTokens; ++bb) {
       ks[bb] = bb < nb ? RowScaleAt<S>(c.k_header, hb, t0 + bb, it.g) : 0.0f;
       vs[bb] = bb < nb ? RowScaleAt<S>(c.v_header, hb, t0 + bb, it.g) : 0.0f;
