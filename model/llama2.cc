@@ -305,15 +305,7 @@ void Transformer::attention(int layer, int pos, const float* q, float* out) {
   // Fused decode attention over the stored codes (kvq/attention.h).
   const size_t n = static_cast<size_t>(cfg_.dim);
   const int T = pos + 1;
-  if (layer == 0) tokens_ = T;
   const KvRowsView all = cache_.view(layer, T);
-  if (policy_.bank && pos == 0) {  // a new sequence: an empty bank
-    LayerBank& lb = banks_[static_cast<size_t>(layer)];
-    lb.bank = std::make_unique<ClusterBank>(cfg_.n_kv_heads, cfg_.head_size(), policy_.bank_options);
-    lb.banked_end = std::min(policy_.sinks, max_seq_);
-    lb.out_k.clear();
-    lb.out_v.clear();
-  }
   if (policy_.window == 0 || T <= policy_.sinks + policy_.window) {
     decode_attention({q, n}, cfg_.n_heads, all, {out, n});
     return;
@@ -381,6 +373,15 @@ std::span<const float> Transformer::run(std::span<const int> tokens, int pos0, b
                 " exceed the cache size ", max_seq_);
   for (int t : tokens) {
     KVQ_CHECK_ARG(t >= 0 && t < cfg_.vocab_size, "token: expected 0..", cfg_.vocab_size - 1, ", got ", t);
+  }
+  tokens_ = pos0 + T;
+  if (policy_.bank && pos0 == 0) {  // a new sequence: empty banks
+    for (LayerBank& lb : banks_) {
+      lb.bank = std::make_unique<ClusterBank>(cfg_.n_kv_heads, cfg_.head_size(), policy_.bank_options);
+      lb.banked_end = std::min(policy_.sinks, max_seq_);
+      lb.out_k.clear();
+      lb.out_v.clear();
+    }
   }
   const int dim = cfg_.dim, hid = cfg_.hidden_dim, kv_dim = cfg_.kv_dim(), hs = cfg_.head_size();
   const int vocab = cfg_.vocab_size;

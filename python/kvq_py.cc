@@ -232,8 +232,7 @@ PYBIND11_MODULE(_kvq, m) {
     o.bits = bits;
     o.codebook = parse_codebook(codebook, "codebook");
     o.ks_max = ks_max;
-    py::gil_scoped_release release;
-    return fit_sorted_profile(v, family, o);
+    return WithoutGil([&] { return fit_sorted_profile(v, family, o); });
   });
 
   // ---- E2 ---------------------------------------------------------------------

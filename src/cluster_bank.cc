@@ -341,7 +341,14 @@ BirthMergeReceipt ClusterBank::birth_and_merge(const TensorView& chunk_k, const 
       out[static_cast<size_t>(t)] = static_cast<float>(res);
     }
   };
-  for (auto& [id, c] : clusters_) Refit(c);
+  // Only clusters whose moments changed need a new fit.
+  std::vector<int> touched(assign.begin(), assign.end());
+  for (const auto& [keep, gone] : r.merged) touched.push_back(keep);
+  std::sort(touched.begin(), touched.end());
+  touched.erase(std::unique(touched.begin(), touched.end()), touched.end());
+  for (int id : touched) {
+    if (auto it = clusters_.find(id); it != clusters_.end()) Refit(it->second);
+  }
   std::vector<float> res;
   residuals(res);
 

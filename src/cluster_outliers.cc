@@ -16,20 +16,21 @@ void CheckFloat(const TensorView& x, const char* arg) {
                 "quantize_cluster_outliers: ", arg, ": expected dtype F32, F16 or BF16, got ", dtype_name(x.dtype()));
 }
 
-void CheckFinite(const Tensor& x, const char* arg, int id) {
-  const int64_t bad = first_non_finite({x.data_as<float>(), static_cast<size_t>(x.numel())});
+// F32 data is checked in place; F16/BF16 through a float copy.
+void CheckFinite(const TensorView& x, const char* arg, int id) {
+  const Tensor copy = x.dtype() == DType::F32 ? Tensor() : to_f32(x);
+  const float* p = x.dtype() == DType::F32 ? x.data_as<float>() : copy.data_as<float>();
+  const int64_t bad = first_non_finite({p, static_cast<size_t>(x.numel())});
   if (bad < 0) return;
   if (id < 0) Fail("quantize_cluster_outliers: ", arg, ": expected finite values, element ", bad, " is non-finite");
   Fail("quantize_cluster_outliers: per_cluster_outlier_tokens[", id, "].", arg,
        ": expected finite values, element ", bad, " is non-finite");
 }
 
-}  // namespace
-
-namespace {
 constexpr char kMagic[4] = {'K', 'V', 'Q', 'C'};
 constexpr uint16_t kVersion = 1;
 constexpr const char* kWhat = "cluster outliers";
+
 }  // namespace
 
 size_t QuantizedClusterOutliers::size_bytes() const {
@@ -179,6 +180,8 @@ std::map<int, QuantizedClusterOutliers> quantize_cluster_outliers(const OutlierT
       KVQ_CHECK_ARG(x->shape() == want, "quantize_cluster_outliers: per_cluster_outlier_tokens[", id, "].", arg,
                     ": expected shape ", shape_str(want), " (one row per index), got ", shape_str(x->shape()));
     }
+    CheckFinite(set.k, "k", id);
+    CheckFinite(set.v, "v", id);
     std::vector<int64_t> sorted = set.indices;
     std::sort(sorted.begin(), sorted.end());
     for (size_t i = 0; i < sorted.size(); ++i) {
@@ -205,9 +208,6 @@ std::map<int, QuantizedClusterOutliers> quantize_cluster_outliers(const OutlierT
     q.n_head = n_head;
     q.d_head = d_head;
     if (!set.indices.empty()) {
-      const Tensor k32 = to_f32(set.k), v32 = to_f32(set.v);
-      CheckFinite(k32, "k", id);
-      CheckFinite(v32, "v", id);
       q.outlier_k = quantize_kv_cache(set.k, mode);
       q.outlier_v = quantize_kv_cache(set.v, mode);
       q.outlier_indices = set.indices;

@@ -123,7 +123,7 @@ def _int(v, arg):
 
 
 def _indices(x, arg):
-    a = _numpy(x) if _is_torch(x) else _np.asarray(x)
+    a = _numpy(x)
     if a.size == 0:
         return _np.zeros(0, dtype=_np.int64)
     if a.dtype.kind not in "iu":
@@ -131,7 +131,7 @@ def _indices(x, arg):
     return _np.ascontiguousarray(a.astype(_np.int64))
 
 
-def _flatten_batch(a, arg):
+def _flatten_batch(a):
     """(b, t, n_head, d_head) -> (b*t, n_head, d_head); other ranks unchanged."""
     return a.reshape(-1, a.shape[-2], a.shape[-1]) if a.ndim == 4 else a
 
@@ -343,7 +343,7 @@ class ClusterBank:
         """Assign, birth, merge, fit and flag outliers for one chunk; returns the receipt dict."""
         k, kd, as_torch = _input(chunk_k, "chunk_k")
         v, vd, _ = _input(chunk_v, "chunk_v")
-        r = self._bank.birth_and_merge(_flatten_batch(k, "chunk_k"), kd, _flatten_batch(v, "chunk_v"), vd)
+        r = self._bank.birth_and_merge(_flatten_batch(k), kd, _flatten_batch(v), vd)
         if as_torch:
             for key in ("assignments", "per_token_residual"):
                 r[key] = _output(r[key], True)
@@ -404,7 +404,7 @@ def quantize_cluster_outliers(per_cluster_outlier_tokens, flat_k, flat_v, *, mod
                          f"{type(per_cluster_outlier_tokens).__name__}")
     k, kd, as_torch = _input(flat_k, "flat_k")
     v, vd, _ = _input(flat_v, "flat_v")
-    k, v = _flatten_batch(k, "flat_k"), _flatten_batch(v, "flat_v")
+    k, v = _flatten_batch(k), _flatten_batch(v)
     norm = {}
     for cid, entry in per_cluster_outlier_tokens.items():
         cid = _int(cid, "per_cluster_outlier_tokens key")
@@ -415,7 +415,7 @@ def quantize_cluster_outliers(per_cluster_outlier_tokens, flat_k, flat_v, *, mod
         norm[cid] = (ok, okd, ov, ovd, _indices(entry["indices"], f"per_cluster_outlier_tokens[{cid}].indices"))
     member = None
     if membership is not None:
-        m = _numpy(membership) if _is_torch(membership) else _np.asarray(membership)
+        m = _numpy(membership)
         if m.dtype.kind not in "iu":
             raise ValueError(f"membership: expected integer cluster ids, got dtype {m.dtype}")
         if m.size and (m.min() < -2 ** 31 or m.max() >= 2 ** 31):
