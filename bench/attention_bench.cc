@@ -79,7 +79,7 @@ const int kRegistered = [] {
           ->Unit(benchmark::kMicrosecond)
           ->UseRealTime();
       // The opt-in integer-score path (DecodeAttentionOptions::int8_query).
-      if (s == KvScheme::Int8 || s == KvScheme::Int8Head) {
+      if (s == KvScheme::Int8 || s == KvScheme::Int8Head || s == KvScheme::Q8_0 || s == KvScheme::Q4_0) {
         const std::string iq = std::string("BM_decode_attention_int8q/") + kvq::kv_scheme_name(s) + "/" + std::to_string(T);
         benchmark::RegisterBenchmark(iq.c_str(), BM_decode_attention, s, T, true)
             ->Unit(benchmark::kMicrosecond)

@@ -29,6 +29,9 @@ struct Item {
   const float* q;  // G * hd pre-scaled query values
   const uint8_t* qu8;    // G * hd: int8-rounded query + 128 (int8_query), else null
   const float* qscale;   // G: the rounding scale of each query head
+  const int8_t* qs8;     // G * hd: the int8-rounded query (int8_query), else null
+  const int32_t* qisum;  // G * nb32: sums of qs8 per 32-element block (int8_query)
+  const float* qfsum;    // G * nb32: sums of q per 32-element block
   float* m;        // G
   float* l;        // G
   float* acc;      // G * hd
@@ -47,6 +50,8 @@ struct Call {
   const uint8_t* k_header;
   const uint8_t* v_header;
   size_t header_bytes;
+  int k_tile;   // 0: K rows; kKTile: K tiles (kv_scheme.h)
+  int k_first;  // tiles: lane of token 0
   const Item* items;
   int64_t n_items;
   int threads;
@@ -325,7 +330,7 @@ constexpr bool kVnni = false;
 // tokens: kVG element groups per pass, so kG * kVG * kC accumulator chains
 // stay in registers and each loaded V vector feeds kG FMAs.
 template <KvScheme S, bool kBlocks, int kG, size_t kVG, class D>
-HWY_INLINE void AccumulateV(D d, const uint8_t* row0, size_t sb, int nb, size_t x, size_t hd,
+HWY_INLINE void AccumulateV(D d, const uint8_t* row0, size_t sb, int w0, int nb, size_t x, size_t hd,
                             const float (*HWY_RESTRICT w)[kBlockTokens], float* HWY_RESTRICT acc, size_t e) {
   constexpr size_t N = hn::MaxLanes(D());
   constexpr size_t kC = kBlocks ? ggml::kBlock / N : 1;
@@ -339,7 +344,7 @@ HWY_INLINE void AccumulateV(D d, const uint8_t* row0, size_t sb, int nb, size_t 
     hn::Vec<D> vv[kVG][kC];
     for (size_t g = 0; g < kVG; ++g) LoadGroup<S, kBlocks>(d, row, x + g * kEG, vv[g]);
     for (int h = 0; h < kG; ++h) {
-      const auto wv = hn::Set(d, w[h][b]);
+      const auto wv = hn::Set(d, w[h][w0 + b]);
       for (size_t g = 0; g < kVG; ++g) {
         for (size_t j = 0; j < kC; ++j) a[h][g * kC + j] = hn::MulAdd(wv, vv[g][j], a[h][g * kC + j]);
       }
@@ -349,6 +354,157 @@ HWY_INLINE void AccumulateV(D d, const uint8_t* row0, size_t sb, int nb, size_t 
     for (size_t j = 0; j < kVG * kC; ++j) hn::StoreU(a[h][j], d, acc + h * hd + e + j * N);
   }
 }
+
+
+// ---- K tiles (kv_scheme.h): lanes are tokens, so a tile's scores need no
+// horizontal sums. `tile` is the tile, `lane0` the first of the N lanes
+// computed (a multiple of N); q and qfsum are the sub-group's.
+
+// Scales of block b for lanes [lane0, lane0 + N) of a q8_0 / q4_0 tile.
+template <class D>
+HWY_INLINE hn::Vec<D> TileBlockScales(D d, const uint8_t* tile, size_t b, size_t lane0) {
+  const uint8_t* p = tile + 2 * kKTile * b + 2 * lane0;
+  if constexpr (kF16C) {
+    const hn::Rebind<hwy::float16_t, D> dh;
+    return hn::PromoteTo(d, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(p)));
+  } else {
+    HWY_ALIGN float f[hn::MaxLanes(D())];
+    for (size_t i = 0; i < hn::Lanes(d); ++i) f[i] = BlockScale(p + 2 * i);
+    return hn::Load(d, f);
+  }
+}
+
+// ab[h] += sum over the 4 elements [4g, 4g+4) of q[h][e] * code, for int8
+// codes packed 4 per lane (int32 words w).
+template <int kG, class D, class VI>
+HWY_INLINE void FmaGroupInt8(D d, VI w, const float* HWY_RESTRICT q, size_t hd, size_t e, hn::Vec<D> (&ab)[kG]) {
+  const hn::Vec<D> x[4] = {hn::ConvertTo(d, hn::ShiftRight<24>(hn::ShiftLeft<24>(w))),
+                           hn::ConvertTo(d, hn::ShiftRight<24>(hn::ShiftLeft<16>(w))),
+                           hn::ConvertTo(d, hn::ShiftRight<24>(hn::ShiftLeft<8>(w))),
+                           hn::ConvertTo(d, hn::ShiftRight<24>(w))};
+  for (int j = 0; j < 4; ++j) {
+    for (int h = 0; h < kG; ++h) ab[h] = hn::MulAdd(x[j], hn::Set(d, q[h * hd + e + j]), ab[h]);
+  }
+}
+
+// Exact float scores of N tile lanes for kG heads into s[h][b0, b0 + N)
+// (before the row scale). q4_0: sum q (c - 8) d = d (sum q c - 8 sum q).
+template <KvScheme S, int kG, class D>
+HWY_INLINE void ScoreTile(D d, const uint8_t* tile, size_t lane0, size_t hd, const float* HWY_RESTRICT q,
+                          const float* HWY_RESTRICT qfsum, size_t nb32, float (*HWY_RESTRICT s)[kBlockTokens],
+                          int b0) {
+  const hn::RebindToSigned<D> di;
+  const hn::RebindToUnsigned<D> du;
+  hn::Vec<D> a[kG];
+  for (int h = 0; h < kG; ++h) a[h] = hn::Zero(d);
+  if constexpr (S == KvScheme::Int8 || S == KvScheme::Int8Head) {
+    const uint8_t* codes = tile + 4 * lane0;
+    for (size_t g = 0; g < hd / 4; ++g) {
+      FmaGroupInt8<kG>(d, hn::LoadU(di, reinterpret_cast<const int32_t*>(codes + 64 * g)), q, hd, 4 * g, a);
+    }
+  } else {
+    const size_t blocks = hd / ggml::kBlock;
+    const uint8_t* codes = tile + 2 * kKTile * blocks + 4 * lane0;
+    for (size_t b = 0; b < blocks; ++b) {
+      hn::Vec<D> ab[kG];
+      for (int h = 0; h < kG; ++h) ab[h] = hn::Zero(d);
+      if constexpr (S == KvScheme::Q8_0) {
+        for (size_t g = 8 * b; g < 8 * b + 8; ++g) {
+          FmaGroupInt8<kG>(d, hn::LoadU(di, reinterpret_cast<const int32_t*>(codes + 64 * g)), q, hd, 4 * g, ab);
+        }
+      } else {
+        static_assert(S == KvScheme::Q4_0);
+        const auto m4 = hn::Set(du, 0x0F);
+        for (size_t u = 4 * b; u < 4 * b + 4; ++u) {
+          const auto w = hn::LoadU(du, reinterpret_cast<const uint32_t*>(codes + 64 * u));
+          const hn::Vec<D> x[8] = {
+              hn::ConvertTo(d, hn::BitCast(di, hn::And(w, m4))),
+              hn::ConvertTo(d, hn::BitCast(di, hn::And(hn::ShiftRight<8>(w), m4))),
+              hn::ConvertTo(d, hn::BitCast(di, hn::And(hn::ShiftRight<16>(w), m4))),
+              hn::ConvertTo(d, hn::BitCast(di, hn::And(hn::ShiftRight<24>(w), m4))),
+              hn::ConvertTo(d, hn::BitCast(di, hn::And(hn::ShiftRight<4>(w), m4))),
+              hn::ConvertTo(d, hn::BitCast(di, hn::And(hn::ShiftRight<12>(w), m4))),
+              hn::ConvertTo(d, hn::BitCast(di, hn::And(hn::ShiftRight<20>(w), m4))),
+              hn::ConvertTo(d, hn::BitCast(di, hn::ShiftRight<28>(w)))};
+          for (int j = 0; j < 8; ++j) {
+            for (int h = 0; h < kG; ++h) ab[h] = hn::MulAdd(x[j], hn::Set(d, q[h * hd + 8 * u + j]), ab[h]);
+          }
+        }
+        for (int h = 0; h < kG; ++h) ab[h] = hn::Sub(ab[h], hn::Set(d, 8.0f * qfsum[h * nb32 + b]));
+      }
+      const auto dv = TileBlockScales(d, tile, b, lane0);
+      for (int h = 0; h < kG; ++h) a[h] = hn::MulAdd(ab[h], dv, a[h]);
+    }
+  }
+  for (int h = 0; h < kG; ++h) hn::Store(a[h], d, s[h] + b0);
+}
+
+#if HWY_TARGET == HWY_AVX3_DL
+// Integer scores of a whole tile (16 lanes) against the int8 query (int8_query):
+// vpdpbusd takes the codes as the unsigned operand (int8 codes + 128, q4_0
+// nibbles as they are) and 4 query codes broadcast per lane; the offsets
+// (128 or 8 times the query's block sums) are the accumulators' start values.
+// Exact in int32. Results (before the row and query scales) to s[h][b0, b0 + 16).
+template <KvScheme S, int kG, class D>
+KVQ_VNNI_ATTR HWY_INLINE void ScoreTileInt8(D d, const uint8_t* tile, size_t hd, const int8_t* HWY_RESTRICT qs,
+                                            const int32_t* HWY_RESTRICT qisum, size_t nb32,
+                                            float (*HWY_RESTRICT s)[kBlockTokens], int b0) {
+  const hn::RebindToSigned<D> di;
+  const hn::Repartition<uint8_t, D> du8;
+  const auto QWord = [&](int h, size_t e) {
+    int32_t w;
+    std::memcpy(&w, qs + static_cast<size_t>(h) * hd + e, 4);
+    return hn::Set(di, w);
+  };
+  if constexpr (S == KvScheme::Int8 || S == KvScheme::Int8Head) {
+    hn::Vec<decltype(di)> a[kG];
+    for (int h = 0; h < kG; ++h) {
+      int32_t total = 0;
+      for (size_t b = 0; b < nb32; ++b) total += qisum[h * nb32 + b];
+      a[h] = hn::Set(di, -128 * total);
+    }
+    const auto flip = hn::Set(du8, 0x80);
+    for (size_t g = 0; g < hd / 4; ++g) {
+      const auto k = hn::Xor(hn::LoadU(du8, tile + 64 * g), flip);
+      for (int h = 0; h < kG; ++h) a[h].raw = _mm512_dpbusd_epi32(a[h].raw, k.raw, QWord(h, 4 * g).raw);
+    }
+    for (int h = 0; h < kG; ++h) hn::Store(hn::ConvertTo(d, a[h]), d, s[h] + b0);
+  } else {
+    const size_t blocks = hd / ggml::kBlock;
+    const uint8_t* codes = tile + 2 * kKTile * blocks;
+    hn::Vec<D> a[kG];
+    for (int h = 0; h < kG; ++h) a[h] = hn::Zero(d);
+    for (size_t b = 0; b < blocks; ++b) {
+      hn::Vec<decltype(di)> ab[kG];
+      if constexpr (S == KvScheme::Q8_0) {
+        for (int h = 0; h < kG; ++h) ab[h] = hn::Set(di, -128 * qisum[h * nb32 + b]);
+        const auto flip = hn::Set(du8, 0x80);
+        for (size_t g = 8 * b; g < 8 * b + 8; ++g) {
+          const auto k = hn::Xor(hn::LoadU(du8, codes + 64 * g), flip);
+          for (int h = 0; h < kG; ++h) ab[h].raw = _mm512_dpbusd_epi32(ab[h].raw, k.raw, QWord(h, 4 * g).raw);
+        }
+      } else {
+        static_assert(S == KvScheme::Q4_0);
+        for (int h = 0; h < kG; ++h) ab[h] = hn::Set(di, -8 * qisum[h * nb32 + b]);
+        const auto m4 = hn::Set(du8, 0x0F);
+        const hn::Repartition<uint16_t, D> du16;
+        for (size_t u = 4 * b; u < 4 * b + 4; ++u) {
+          const auto w = hn::LoadU(du8, codes + 64 * u);
+          const auto lo = hn::And(w, m4);
+          const auto hi = hn::And(hn::BitCast(du8, hn::ShiftRight<4>(hn::BitCast(du16, w))), m4);
+          for (int h = 0; h < kG; ++h) {
+            ab[h].raw = _mm512_dpbusd_epi32(ab[h].raw, lo.raw, QWord(h, 8 * u).raw);
+            ab[h].raw = _mm512_dpbusd_epi32(ab[h].raw, hi.raw, QWord(h, 8 * u + 4).raw);
+          }
+        }
+      }
+      const auto dv = TileBlockScales(d, tile, b, 0);
+      for (int h = 0; h < kG; ++h) a[h] = hn::MulAdd(hn::ConvertTo(d, ab[h]), dv, a[h]);
+    }
+    for (int h = 0; h < kG; ++h) hn::Store(a[h], d, s[h] + b0);
+  }
+}
+#endif
 
 // Raw scores of tokens [b, b + kT) of a block into s[h][b + t]: float dot
 // products, or integer ones against the int8 query (kIQ, VNNI targets only).
@@ -376,7 +532,9 @@ KVQ_VNNI_ATTR HWY_INLINE void ScoreBlock(D d, const uint8_t* krow, size_t sb, si
 // kG query heads of one KV head over the item's tokens, in blocks of 32:
 // scores from the K codes, an online-softmax update, then V accumulated from
 // the codes with every head's weight applied to the same loaded vector.
-template <KvScheme S, bool kBlocks, int kG, bool kIQ, class D>
+// Block lanes [lo, hi) hold tokens tb + lane of the item; with K tiles
+// (kTiled) blocks start on a tile, so the first and last may be partial.
+template <KvScheme S, bool kBlocks, bool kTiled, int kG, bool kIQ, class D>
 KVQ_VNNI_ATTR HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, int h0) {
   constexpr size_t N = hn::MaxLanes(D());
   constexpr size_t kC = kBlocks ? ggml::kBlock / N : 1;  // vectors per element group
@@ -385,6 +543,7 @@ KVQ_VNNI_ATTR HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, 
   // the loaded V vectors) fit the 32 vector registers.
   constexpr size_t kVG = std::max<size_t>(1, std::min<size_t>(8, 16 / (kG * kC)));
   const size_t hd = static_cast<size_t>(c.hd);
+  const size_t nb32 = (hd + ggml::kBlock - 1) / ggml::kBlock;
   // The item's head: its payload slice, and its elements' offset in it.
   const size_t slice = static_cast<size_t>(it.g / c.heads_per_slice);
   const size_t xbase = static_cast<size_t>(it.g % c.heads_per_slice) * hd;
@@ -392,26 +551,45 @@ KVQ_VNNI_ATTR HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, 
   const uint8_t* vbase = c.v + slice * c.slice_stride;
   const size_t sb = c.slice_bytes, hb = c.header_bytes;
   const float* q = it.q + static_cast<size_t>(h0) * hd;
-  const uint8_t* qu = kIQ ? it.qu8 + static_cast<size_t>(h0) * hd : nullptr;
+  const uint8_t* qu = kIQ && !kTiled ? it.qu8 + static_cast<size_t>(h0) * hd : nullptr;
   float* acc = it.acc + static_cast<size_t>(h0) * hd;
   float* m = it.m + h0;
   float* l = it.l + h0;
   HWY_ALIGN float s[kG][kBlockTokens] = {};
   HWY_ALIGN float ks[kBlockTokens], vs[kBlockTokens];
 
-  for (int64_t t0 = it.t0; t0 < it.t1; t0 += kBlockTokens) {
-    const int nb = static_cast<int>(std::min<int64_t>(kBlockTokens, it.t1 - t0));
-    // Raw scores (before the row scale) into s[h][b], two tokens per pass.
-    const uint8_t* krow = kbase + static_cast<size_t>(t0) * sb;
-    int b = 0;
-    for (; b + 2 <= nb; b += 2) ScoreBlock<S, kBlocks, kG, kIQ, 2>(d, krow, sb, xbase, hd, q, qu, b, s);
-    if (b < nb) ScoreBlock<S, kBlocks, kG, kIQ, 1>(d, krow, sb, xbase, hd, q, qu, b, s);
+  int64_t tb = it.t0;
+  if constexpr (kTiled) tb -= (c.k_first + it.t0) % kKTile;
+  for (; tb < it.t1; tb += kBlockTokens) {
+    const int lo = static_cast<int>(std::max<int64_t>(0, it.t0 - tb));
+    const int hi = static_cast<int>(std::min<int64_t>(kBlockTokens, it.t1 - tb));
+    // Raw scores (before the row scale) into s[h][lo, hi).
+    if constexpr (kTiled) {
+      for (int b0 = lo / static_cast<int>(N) * static_cast<int>(N); b0 < hi; b0 += static_cast<int>(N)) {
+        const size_t p = static_cast<size_t>(c.k_first + tb + b0);  // tile position of lane b0
+        const uint8_t* tile = kbase + p / kKTile * kKTile * sb;
+#if HWY_TARGET == HWY_AVX3_DL
+        if constexpr (kIQ && N == kKTile) {
+          ScoreTileInt8<S, kG>(d, tile, hd, it.qs8 + static_cast<size_t>(h0) * hd,
+                               it.qisum + static_cast<size_t>(h0) * nb32, nb32, s, b0);
+          continue;
+        }
+#endif
+        ScoreTile<S, kG>(d, tile, p % kKTile, hd, q, it.qfsum + static_cast<size_t>(h0) * nb32, nb32, s, b0);
+      }
+    } else {
+      const uint8_t* krow = kbase + static_cast<size_t>(tb) * sb;
+      int b = 0;
+      for (; b + 2 <= hi; b += 2) ScoreBlock<S, kBlocks, kG, kIQ, 2>(d, krow, sb, xbase, hd, q, qu, b, s);
+      if (b < hi) ScoreBlock<S, kBlocks, kG, kIQ, 1>(d, krow, sb, xbase, hd, q, qu, b, s);
+    }
     for (int bb = 0; bb < kBlockTokens; ++bb) {
-      ks[bb] = bb < nb ? RowScaleAt<S>(c.k_header, hb, t0 + bb, it.g) : 0.0f;
-      vs[bb] = bb < nb ? RowScaleAt<S>(c.v_header, hb, t0 + bb, it.g) : 0.0f;
+      const bool in = bb >= lo && bb < hi;
+      ks[bb] = in ? RowScaleAt<S>(c.k_header, hb, tb + bb, it.g) : 0.0f;
+      vs[bb] = in ? RowScaleAt<S>(c.v_header, hb, tb + bb, it.g) : 0.0f;
     }
 
-    // Online softmax, vectorised over the block; padding lanes (b >= nb)
+    // Online softmax, vectorised over the block; lanes outside [lo, hi)
     // become the lowest float, whose weight is exp(lowest - max) = 0.
     const auto lowest = hn::Set(d, -std::numeric_limits<float>::max());
     for (int h = 0; h < kG; ++h) {
@@ -421,7 +599,9 @@ KVQ_VNNI_ATTR HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, 
       auto vmax = lowest;
       for (int b0 = 0; b0 < kBlockTokens; b0 += static_cast<int>(N)) {
         auto v = hn::Mul(hn::Load(d, s[h] + b0), hn::Mul(hn::Load(d, ks + b0), vqf));
-        v = hn::IfThenElse(hn::FirstN(d, static_cast<size_t>(std::max(0, nb - b0))), v, lowest);
+        const auto in = hn::AndNot(hn::FirstN(d, static_cast<size_t>(std::max(0, lo - b0))),
+                                   hn::FirstN(d, static_cast<size_t>(std::max(0, hi - b0))));
+        v = hn::IfThenElse(in, v, lowest);
         hn::Store(v, d, s[h] + b0);
         vmax = hn::Max(vmax, v);
       }
@@ -445,16 +625,17 @@ KVQ_VNNI_ATTR HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, 
       l[h] += hn::GetLane(hn::SumOfLanes(d, vsum));
     }
 
-    const uint8_t* vrow0 = vbase + static_cast<size_t>(t0) * sb;
+    const uint8_t* vrow0 = vbase + static_cast<size_t>(tb + lo) * sb;
+    const int nb = hi - lo;
     size_t e = 0;
     for (; e + kVG * kEG <= hd; e += kVG * kEG) {
-      AccumulateV<S, kBlocks, kG, kVG>(d, vrow0, sb, nb, xbase + e, hd, s, acc, e);
+      AccumulateV<S, kBlocks, kG, kVG>(d, vrow0, sb, lo, nb, xbase + e, hd, s, acc, e);
     }
-    for (; e < hd; e += kEG) AccumulateV<S, kBlocks, kG, 1>(d, vrow0, sb, nb, xbase + e, hd, s, acc, e);
+    for (; e < hd; e += kEG) AccumulateV<S, kBlocks, kG, 1>(d, vrow0, sb, lo, nb, xbase + e, hd, s, acc, e);
   }
 }
 
-template <KvScheme S, bool kBlocks, bool kIQ, class D>
+template <KvScheme S, bool kBlocks, bool kTiled, bool kIQ, class D>
 void AttendSchemeWith(D d, const Call& c) {
   const int64_t n = c.n_items;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(c.threads) if (c.threads > 1 && n > 1)
@@ -464,24 +645,39 @@ void AttendSchemeWith(D d, const Call& c) {
     while (h < it.G) {  // the group in sub-groups of 8, 4, 2, 1 heads
       const int rem = it.G - h;
       if (rem >= 8) {
-        AttendGroup<S, kBlocks, 8, kIQ>(d, c, it, h), h += 8;
+        AttendGroup<S, kBlocks, kTiled, 8, kIQ>(d, c, it, h), h += 8;
       } else if (rem >= 4) {
-        AttendGroup<S, kBlocks, 4, kIQ>(d, c, it, h), h += 4;
+        AttendGroup<S, kBlocks, kTiled, 4, kIQ>(d, c, it, h), h += 4;
       } else if (rem >= 2) {
-        AttendGroup<S, kBlocks, 2, kIQ>(d, c, it, h), h += 2;
+        AttendGroup<S, kBlocks, kTiled, 2, kIQ>(d, c, it, h), h += 2;
       } else {
-        AttendGroup<S, kBlocks, 1, kIQ>(d, c, it, h), h += 1;
+        AttendGroup<S, kBlocks, kTiled, 1, kIQ>(d, c, it, h), h += 1;
       }
     }
   }
 }
 
+// K tiles exist for int8, int8-head and (block-aligned) q8_0 / q4_0.
+template <KvScheme S, bool kBlocks>
+constexpr bool kTileable = S == KvScheme::Int8 || S == KvScheme::Int8Head ||
+                           ((S == KvScheme::Q8_0 || S == KvScheme::Q4_0) && kBlocks);
+
 template <KvScheme S, bool kBlocks, class D>
 void AttendScheme(D d, const Call& c) {
-  if constexpr (kVnni && (S == KvScheme::Int8 || S == KvScheme::Int8Head) && hn::MaxLanes(D()) == 16) {
-    if (c.int8_query) return AttendSchemeWith<S, kBlocks, true>(d, c);
+  constexpr bool kInt8 = S == KvScheme::Int8 || S == KvScheme::Int8Head;
+  constexpr bool kVnni16 = kVnni && hn::MaxLanes(D()) == 16;
+  if constexpr (kTileable<S, kBlocks>) {
+    if (c.k_tile) {
+      if constexpr (kVnni16) {
+        if (c.int8_query) return AttendSchemeWith<S, kBlocks, true, true>(d, c);
+      }
+      return AttendSchemeWith<S, kBlocks, true, false>(d, c);
+    }
   }
-  AttendSchemeWith<S, kBlocks, false>(d, c);
+  if constexpr (kVnni16 && kInt8) {
+    if (c.int8_query) return AttendSchemeWith<S, kBlocks, false, true>(d, c);
+  }
+  AttendSchemeWith<S, kBlocks, false, false>(d, c);
 }
 
 template <class D>
@@ -562,9 +758,18 @@ Validated Validate(std::span<const float> q, int n_heads, const KvRowsView& kv,
   KVQ_CHECK_ARG(kv.slice_bytes * static_cast<size_t>(kv.slices) + kv.header_bytes == codec.row_bytes(),
                 "kv.slice_bytes: expected (row size ", codec.row_bytes(), " - header ", kv.header_bytes, ") / ",
                 kv.slices, " slices, got ", kv.slice_bytes);
-  KVQ_CHECK_ARG(kv.slices == 1 || kv.slice_stride >= static_cast<size_t>(kv.tokens) * kv.slice_bytes,
-                "kv.slice_stride: expected >= kv.tokens * kv.slice_bytes = ",
-                static_cast<size_t>(kv.tokens) * kv.slice_bytes, ", got ", kv.slice_stride);
+  KVQ_CHECK_ARG(kv.k_tile == 0 || (kv.k_tile == codec.k_tile() && kv.slices == kv.n_kv_heads),
+                "kv.k_tile: expected 0 (rows) or ", codec.k_tile(), " with one slice per KV head for scheme ",
+                kv_scheme_name(kv.scheme), " and head_dim ", kv.head_dim, ", got ", kv.k_tile, " with ", kv.slices,
+                " slices");
+  KVQ_CHECK_ARG(kv.k_first >= 0 && (kv.k_first < kv.k_tile || kv.k_first == 0),
+                "kv.k_first: expected 0..", std::max(0, kv.k_tile - 1), ", got ", kv.k_first);
+  // Positions the slices must hold: K tiles are read whole.
+  const size_t span = kv.k_tile ? static_cast<size_t>((kv.k_first + kv.tokens + kv.k_tile - 1) / kv.k_tile * kv.k_tile)
+                                : static_cast<size_t>(kv.tokens);
+  KVQ_CHECK_ARG(kv.slices == 1 || kv.slice_stride >= span * kv.slice_bytes,
+                "kv.slice_stride: expected >= ", span, " positions * kv.slice_bytes = ", span * kv.slice_bytes,
+                ", got ", kv.slice_stride);
   r.row_bytes = codec.row_bytes();
   KVQ_CHECK_ARG(opts.threads >= 0, "threads: expected >= 0, got ", opts.threads);
   KVQ_CHECK_ARG(std::isfinite(opts.scale), "scale: expected a finite value, got ", opts.scale);
@@ -600,25 +805,38 @@ void DecodeAttention(std::span<const float> q, int n_heads, const KvRowsView& kv
   }
   const int64_t n_items = kv.n_kv_heads * segs;
 
-  thread_local std::vector<float> qs, state, qscale;
+  thread_local std::vector<float> qs, state, qscale, qfsum;
   thread_local std::vector<uint8_t> qu8;
+  thread_local std::vector<int8_t> qs8;
+  thread_local std::vector<int32_t> qisum;
   thread_local std::vector<attn::Item> items;
+  const size_t nb32 = (hd + ggml::kBlock - 1) / ggml::kBlock;
   qs.resize(q.size());
-  for (size_t i = 0; i < q.size(); ++i) qs[i] = q[i] * v.scale;
+  qfsum.assign(static_cast<size_t>(n_heads) * nb32, 0.0f);
+  for (size_t i = 0; i < q.size(); ++i) {
+    qs[i] = q[i] * v.scale;
+    qfsum[i / hd * nb32 + i % hd / ggml::kBlock] += qs[i];  // per 32-element block (q4_0 tiles)
+  }
   // int8_query: each scaled query head rounded to int8 by the seed's int8 rule
-  // (scale max|q_h| / 127), stored offset by 128 as the kernel's u8 operand.
-  const bool int8_query = opts.int8_query && (kv.scheme == KvScheme::Int8 || kv.scheme == KvScheme::Int8Head) &&
-                          hd % 64 == 0 && hd <= 512;
+  // (scale max|q_h| / 127): as s8 with its block sums for K tiles, offset by
+  // 128 as the u8 operand for int8 rows (head_dim % 64 == 0).
+  const bool int8_rows = kv.scheme == KvScheme::Int8 || kv.scheme == KvScheme::Int8Head;
+  const bool int8_query = opts.int8_query && hd <= 512 && (kv.k_tile != 0 || (int8_rows && hd % 64 == 0));
   if (int8_query) {
     qu8.resize(q.size());
+    qs8.resize(q.size());
+    qisum.assign(static_cast<size_t>(n_heads) * nb32, 0);
     qscale.resize(static_cast<size_t>(n_heads));
-    std::vector<int8_t> codes(hd);
     for (int h = 0; h < n_heads; ++h) {
-      const std::span<const float> qh(qs.data() + static_cast<size_t>(h) * hd, hd);
+      const size_t o = static_cast<size_t>(h) * hd;
+      const std::span<const float> qh(qs.data() + o, hd);
       const float sc = int8_scale(max_abs(qh));
-      quantize_int8(qh, sc, codes);
+      quantize_int8(qh, sc, std::span<int8_t>(qs8.data() + o, hd));
       qscale[static_cast<size_t>(h)] = sc;
-      for (size_t e = 0; e < hd; ++e) qu8[static_cast<size_t>(h) * hd + e] = static_cast<uint8_t>(codes[e] + 128);
+      for (size_t e = 0; e < hd; ++e) {
+        qu8[o + e] = static_cast<uint8_t>(qs8[o + e] + 128);
+        qisum[static_cast<size_t>(h) * nb32 + e / ggml::kBlock] += qs8[o + e];
+      }
     }
   }
   const size_t per_item = G * (hd + 2);
@@ -629,16 +847,20 @@ void DecodeAttention(std::span<const float> q, int n_heads, const KvRowsView& kv
     const int64_t sgi = i % segs;
     float* st = state.data() + static_cast<size_t>(i) * per_item;
     std::fill(st, st + G, -std::numeric_limits<float>::infinity());
-    items[static_cast<size_t>(i)] = attn::Item{qs.data() + static_cast<size_t>(g) * G * hd,
-                                               int8_query ? qu8.data() + static_cast<size_t>(g) * G * hd : nullptr,
+    const size_t qo = static_cast<size_t>(g) * G * hd, so = static_cast<size_t>(g) * G * nb32;
+    items[static_cast<size_t>(i)] = attn::Item{qs.data() + qo,
+                                               int8_query ? qu8.data() + qo : nullptr,
                                                int8_query ? qscale.data() + static_cast<size_t>(g) * G : nullptr,
+                                               int8_query ? qs8.data() + qo : nullptr,
+                                               int8_query ? qisum.data() + so : nullptr,
+                                               qfsum.data() + so,
                                                st, st + G, st + 2 * G, g, v.G,
                                                v.T * sgi / segs, v.T * (sgi + 1) / segs};
   }
   const attn::Call call{kv.scheme,     kv.n_kv_heads,   kv.head_dim,
                         kv.k,          kv.v,            kv.slice_bytes,
                         kv.slice_stride, kv.n_kv_heads / kv.slices, kv.k_header,
-                        kv.v_header,   kv.header_bytes, items.data(),
+                        kv.v_header,   kv.header_bytes, kv.k_tile, kv.k_first, items.data(),
                         n_items,       threads,         int8_query};
   HWY_DYNAMIC_DISPATCH(DecodeAttentionKernel)(call);
 

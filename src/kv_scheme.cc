@@ -15,6 +15,76 @@
 namespace kvq {
 namespace {
 size_t RoundUp64(size_t n) { return (n + 63) / 64 * 64; }
+
+// K tiles (layout in kv_scheme.h): one head slice's payload in codec order
+// <-> lane `lane` of its tile.
+constexpr size_t kTileLaneBytes = 4;       // bytes of one group per lane
+constexpr size_t kTileGroupBytes = 64;     // one group for all 16 lanes
+constexpr size_t kTileScaleBytes = 2 * kKTile;  // one block's fp16 scales for all lanes
+
+size_t TileCodeOffset(KvScheme s, size_t hd) {
+  return s == KvScheme::Q8_0 || s == KvScheme::Q4_0 ? kTileScaleBytes * (hd / ggml::kBlock) : 0;
+}
+
+// Code of element e of a q4_0 slice (0..15).
+uint8_t Q4Code(const uint8_t* slice, size_t e) {
+  const uint8_t* qs = slice + sizeof(ggml::BlockQ4_0) * (e / ggml::kBlock) + 2;
+  const size_t j = e % ggml::kBlock;
+  return j < 16 ? (qs[j] & 0x0F) : (qs[j - 16] >> 4);
+}
+
+void SliceToTile(KvScheme s, size_t hd, const uint8_t* src, uint8_t* tile, int lane) {
+  const size_t l = static_cast<size_t>(lane) * kTileLaneBytes;
+  uint8_t* codes = tile + TileCodeOffset(s, hd);
+  if (s == KvScheme::Int8 || s == KvScheme::Int8Head) {
+    for (size_t e = 0; e < hd; ++e) codes[kTileGroupBytes * (e / 4) + l + e % 4] = src[e];
+    return;
+  }
+  const size_t blocks = hd / ggml::kBlock;
+  const size_t bb = s == KvScheme::Q8_0 ? sizeof(ggml::BlockQ8_0) : sizeof(ggml::BlockQ4_0);
+  for (size_t b = 0; b < blocks; ++b) std::memcpy(tile + kTileScaleBytes * b + 2 * static_cast<size_t>(lane), src + bb * b, 2);
+  if (s == KvScheme::Q8_0) {
+    for (size_t e = 0; e < hd; ++e) {
+      codes[kTileGroupBytes * (e / 4) + l + e % 4] = src[bb * (e / ggml::kBlock) + 2 + e % ggml::kBlock];
+    }
+    return;
+  }
+  for (size_t u = 0; u < hd / 8; ++u) {
+    for (size_t j = 0; j < 4; ++j) {
+      codes[kTileGroupBytes * u + l + j] =
+          static_cast<uint8_t>(Q4Code(src, 8 * u + j) | (Q4Code(src, 8 * u + 4 + j) << 4));
+    }
+  }
+}
+
+void TileToSlice(KvScheme s, size_t hd, const uint8_t* tile, int lane, uint8_t* dst) {
+  const size_t l = static_cast<size_t>(lane) * kTileLaneBytes;
+  const uint8_t* codes = tile + TileCodeOffset(s, hd);
+  if (s == KvScheme::Int8 || s == KvScheme::Int8Head) {
+    for (size_t e = 0; e < hd; ++e) dst[e] = codes[kTileGroupBytes * (e / 4) + l + e % 4];
+    return;
+  }
+  const size_t blocks = hd / ggml::kBlock;
+  const size_t bb = s == KvScheme::Q8_0 ? sizeof(ggml::BlockQ8_0) : sizeof(ggml::BlockQ4_0);
+  for (size_t b = 0; b < blocks; ++b) std::memcpy(dst + bb * b, tile + kTileScaleBytes * b + 2 * static_cast<size_t>(lane), 2);
+  if (s == KvScheme::Q8_0) {
+    for (size_t e = 0; e < hd; ++e) {
+      dst[bb * (e / ggml::kBlock) + 2 + e % ggml::kBlock] = codes[kTileGroupBytes * (e / 4) + l + e % 4];
+    }
+    return;
+  }
+  for (size_t e = 0; e < hd; ++e) {  // element e's code, back into its block's nibble
+    const uint8_t byte = codes[kTileGroupBytes * (e / 8) + l + e % 4];
+    const uint8_t code = e % 8 < 4 ? (byte & 0x0F) : (byte >> 4);
+    uint8_t* qs = dst + bb * (e / ggml::kBlock) + 2;
+    const size_t j = e % ggml::kBlock;
+    if (j < 16) {
+      qs[j] = static_cast<uint8_t>((qs[j] & 0xF0) | code);
+    } else {
+      qs[j - 16] = static_cast<uint8_t>((qs[j - 16] & 0x0F) | (code << 4));
+    }
+  }
+}
 }  // namespace
 
 namespace {
@@ -115,6 +185,8 @@ KvRowCodec::KvRowCodec(KvScheme scheme, int row_len, int head_dim)
   // Payloads split per head unless a ggml block would straddle two heads.
   const bool blocks = scheme == KvScheme::Q8_0 || scheme == KvScheme::Q4_0;
   slices_ = blocks && head_dim % ggml::kBlock != 0 ? 1 : row_len / head_dim;
+  const bool int8 = scheme == KvScheme::Int8 || scheme == KvScheme::Int8Head;
+  if ((int8 && head_dim % 4 == 0) || (blocks && head_dim % ggml::kBlock == 0)) k_tile_ = kKTile;
 }
 
 void KvRowCodec::encode(const float* row, uint8_t* dst) const {
@@ -208,8 +280,9 @@ KvCache::KvCache(KvScheme scheme, int n_layers, int max_seq, int n_kv_heads, int
   KVQ_CHECK_ARG(max_seq > 0, "max_seq: expected > 0, got ", max_seq);
   KVQ_CHECK_ARG(n_kv_heads > 0, "n_kv_heads: expected > 0, got ", n_kv_heads);
   const size_t seq = static_cast<size_t>(max_seq);
+  const size_t tiled_seq = (seq + kKTile - 1) / kKTile * kKTile;  // K tiles are whole
   header_region_ = RoundUp64(seq * codec_.header_bytes());
-  slice_stride_ = RoundUp64(seq * codec_.slice_bytes());
+  slice_stride_ = RoundUp64(tiled_seq * codec_.slice_bytes());
   part_bytes_ = header_region_ + static_cast<size_t>(codec_.slices()) * slice_stride_;
   data_ = Tensor({static_cast<int64_t>(2 * static_cast<size_t>(n_layers) * part_bytes_)}, DType::U8);
 }
@@ -234,6 +307,7 @@ KvRowsView KvCache::view(int layer, int64_t tokens) const {
   v.slice_bytes = codec_.slice_bytes();
   v.slice_stride = slice_stride_;
   v.tokens = tokens;
+  v.k_tile = codec_.k_tile();
   return v;
 }
 
@@ -242,7 +316,13 @@ KvRowsView KvRowsView::subview(int64_t t0, int64_t t1) const {
                 ", ", t1, ")");
   KvRowsView r = *this;
   const size_t at = static_cast<size_t>(t0);
-  r.k = k + at * slice_bytes;
+  if (k_tile) {
+    const size_t lane = static_cast<size_t>(k_first) + at, tile = static_cast<size_t>(k_tile);
+    r.k = k + lane / tile * tile * slice_bytes;
+    r.k_first = static_cast<int>(lane % tile);
+  } else {
+    r.k = k + at * slice_bytes;
+  }
   r.v = v + at * slice_bytes;
   if (header_bytes) {
     r.k_header = k_header + at * header_bytes;
@@ -254,8 +334,17 @@ KvRowsView KvRowsView::subview(int64_t t0, int64_t t1) const {
 
 void KvRowsView::gather_row(int which, int64_t t, uint8_t* row) const {
   const uint8_t* header = (which == 0 ? k_header : v_header) + static_cast<size_t>(t) * header_bytes;
-  const uint8_t* payload = (which == 0 ? k : v) + static_cast<size_t>(t) * slice_bytes;
   if (header_bytes) std::memcpy(row, header, header_bytes);
+  if (which == 0 && k_tile) {
+    const size_t lane = static_cast<size_t>(k_first + t), tile = static_cast<size_t>(k_tile);
+    const uint8_t* t0 = k + lane / tile * tile * slice_bytes;
+    for (int s = 0; s < slices; ++s) {
+      TileToSlice(scheme, static_cast<size_t>(head_dim), t0 + static_cast<size_t>(s) * slice_stride,
+                  static_cast<int>(lane % tile), row + header_bytes + static_cast<size_t>(s) * slice_bytes);
+    }
+    return;
+  }
+  const uint8_t* payload = (which == 0 ? k : v) + static_cast<size_t>(t) * slice_bytes;
   for (int s = 0; s < slices; ++s) {
     std::memcpy(row + header_bytes + static_cast<size_t>(s) * slice_bytes,
                 payload + static_cast<size_t>(s) * slice_stride, slice_bytes);
@@ -279,6 +368,15 @@ void KvCache::write(int layer, int pos, std::span<const float> k, std::span<cons
     codec_.encode(kv == 0 ? k.data() : v.data(), row.data());
     uint8_t* part = data_.data_as<uint8_t>() + PartOffset(layer, kv);
     if (hb) std::memcpy(part + static_cast<size_t>(pos) * hb, row.data(), hb);
+    if (kv == 0 && codec_.k_tile()) {
+      const size_t tile = static_cast<size_t>(codec_.k_tile()), p = static_cast<size_t>(pos);
+      for (int s = 0; s < codec_.slices(); ++s) {
+        SliceToTile(scheme(), static_cast<size_t>(head_dim_), row.data() + hb + static_cast<size_t>(s) * sb,
+                    part + header_region_ + static_cast<size_t>(s) * slice_stride_ + p / tile * tile * sb,
+                    static_cast<int>(p % tile));
+      }
+      continue;
+    }
     for (int s = 0; s < codec_.slices(); ++s) {
       std::memcpy(part + header_region_ + static_cast<size_t>(s) * slice_stride_ + static_cast<size_t>(pos) * sb,
                   row.data() + hb + static_cast<size_t>(s) * sb, sb);

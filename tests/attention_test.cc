@@ -53,14 +53,21 @@ KvCache MakeCache(const Case& c, Rng& rng, float k_scale = 1.0f) {
 //    cancels), plus a few ulps of the vector exp;
 //  - the weighted V sum and the normaliser each accumulate T float terms.
 // So |delta o| <= v_max * (4 (d + 4) u S + (2 T + 64) u).
+// q4_0 K tiles compute sum q (c - 8) d as d (sum q c - 8 sum q): the terms
+// then reach |q| (|k| + 8 |d|), and 8 |d| is the block's max |k|.
 double Tolerance(const std::vector<float>& q, const std::vector<float>& K, const std::vector<float>& V,
-                 int h, int G, int d, int row, int64_t T, float scale) {
+                 int h, int G, int d, int row, int64_t T, float scale, bool q4_tiles = false) {
   const int g = h / G;
   double S = 0.0, vmax = 0.0;
   for (int64_t t = 0; t < T; ++t) {
     double s = 0.0;
     for (int e = 0; e < d; ++e) {
-      s += std::fabs(q[static_cast<size_t>(h * d + e)] * K[static_cast<size_t>(t * row + g * d + e)]);
+      const float* kt = K.data() + t * row + g * d;
+      double off = 0.0;
+      if (q4_tiles) {
+        for (int j = e / 32 * 32; j < e / 32 * 32 + 32 && j < d; ++j) off = std::max(off, double(std::fabs(kt[j])));
+      }
+      s += std::fabs(q[static_cast<size_t>(h * d + e)]) * (std::fabs(kt[e]) + off);
       vmax = std::max(vmax, static_cast<double>(std::fabs(V[static_cast<size_t>(t * row + g * d + e)])));
     }
     S = std::max(S, s * scale);
@@ -86,8 +93,9 @@ void CheckAgainstReference(const Case& c, int threads, Rng& rng, float q_scale =
     cache.read_v(0, static_cast<int>(t), {V.data() + t * row, static_cast<size_t>(row)});
   }
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
+  const bool q4_tiles = c.scheme == KvScheme::Q4_0 && cache.codec().k_tile() != 0;
   for (int h = 0; h < n_heads; ++h) {
-    const double tol = Tolerance(q, K, V, h, c.ratio, c.d, row, c.T, scale);
+    const double tol = Tolerance(q, K, V, h, c.ratio, c.d, row, c.T, scale, q4_tiles);
     for (int e = 0; e < c.d; ++e) {
       const size_t i = static_cast<size_t>(h * c.d + e);
       ASSERT_TRUE(std::isfinite(out[i]));
@@ -200,11 +208,11 @@ TEST(DecodeAttention, LengthAndScaleOptions) {
 TEST(DecodeAttention, Int8QueryIsWithinItsDerivedBound) {
   Rng rng(21);
   const bool vnni = (hwy::SupportedTargets() & HWY_AVX3_DL) != 0;
-  for (KvScheme s : {KvScheme::Int8, KvScheme::Int8Head, KvScheme::Q8_0, KvScheme::Fp16}) {
-    for (int d : {64, 128, 256}) {
+  for (KvScheme s : {KvScheme::Int8, KvScheme::Int8Head, KvScheme::Q8_0, KvScheme::Q4_0, KvScheme::Fp16}) {
+    for (int d : {8, 64, 128, 256}) {
       for (int ratio : {1, 3, 4, 8}) {
         for (int64_t T : {1, 33, 700}) {
-          const Case c{s, 2, ratio, d, T};
+          const Case c{s, KvHeadsFor(d), ratio, d, T};
           SCOPED_TRACE(Name(c));
           const KvCache cache = MakeCache(c, rng);
           const int n_heads = c.n_kv * ratio, row = c.n_kv * d;
@@ -216,7 +224,8 @@ TEST(DecodeAttention, Int8QueryIsWithinItsDerivedBound) {
           decode_attention(q, n_heads, cache.view(0, T), exact, exact_o);
           decode_attention(q, n_heads, cache.view(0, T), iq, iq_o);
           decode_attention_ref(q, n_heads, cache.view(0, T), ref, exact_o);
-          const bool applies = vnni && (s == KvScheme::Int8 || s == KvScheme::Int8Head);
+          // The integer path runs on K tiles with 16-lane vectors (head_dim % 16 == 0).
+          const bool applies = vnni && cache.codec().k_tile() != 0 && d % 16 == 0;
           if (!applies) {
             EXPECT_EQ(iq, exact) << "int8_query must not change other schemes or non-VNNI CPUs";
             continue;
@@ -240,7 +249,8 @@ TEST(DecodeAttention, Int8QueryIsWithinItsDerivedBound) {
               }
               ds = std::max(ds, qmax / 127 / 2 * sk * (1 + 1e-5));
             }
-            const double tol = vmax * std::expm1(2 * ds) + Tolerance(q, K, V, h, ratio, d, row, T, scale);
+            const double tol = vmax * std::expm1(2 * ds) +
+                               Tolerance(q, K, V, h, ratio, d, row, T, scale, s == KvScheme::Q4_0 && applies);
             for (int e = 0; e < d; ++e) {
               const size_t i = static_cast<size_t>(h * d + e);
               ASSERT_NEAR(iq[i], ref[i], tol) << "head " << h << " elem " << e;
@@ -328,6 +338,7 @@ TEST(DecodeAttention, WholeRowLayoutMatchesHeadMajorSlices) {
       }
     }
     KvRowsView whole = hm;
+    whole.k_tile = whole.k_first = 0;
     whole.k = rows_k.data();
     whole.v = rows_v.data();
     whole.slices = 1;
@@ -339,7 +350,24 @@ TEST(DecodeAttention, WholeRowLayoutMatchesHeadMajorSlices) {
     for (auto& x : q) x = static_cast<float>(rng.Gaussian());
     decode_attention(q, 8, hm, a, {});
     decode_attention(q, 8, whole, b, {});
-    EXPECT_EQ(a, b);
+    if (!hm.k_tile) {
+      EXPECT_EQ(a, b);
+      continue;
+    }
+    // K tiles sum each score in another order: both within the derived bound.
+    std::vector<float> ref(q.size()), K(c.T * 256), V(K.size());
+    decode_attention_ref(q, 8, hm, ref, {});
+    for (int64_t t = 0; t < c.T; ++t) {
+      cache.read_k(0, static_cast<int>(t), {K.data() + t * 256, 256});
+      cache.read_v(0, static_cast<int>(t), {V.data() + t * 256, 256});
+    }
+    for (int h = 0; h < 8; ++h) {
+      const double tol = Tolerance(q, K, V, h, 2, 64, 256, c.T, 0.125f, s == KvScheme::Q4_0);
+      for (int e = 0; e < 64; ++e) {
+        ASSERT_NEAR(a[h * 64 + e], ref[h * 64 + e], tol);
+        ASSERT_NEAR(b[h * 64 + e], ref[h * 64 + e], tol);
+      }
+    }
   }
 }
 

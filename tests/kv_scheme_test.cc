@@ -206,6 +206,78 @@ TEST(KvCache, StoresHeadMajorSlicesWhereTheSchemeAllows) {
   }
 }
 
+// The K tile layout of kv_scheme.h, element by element: `slice` is one head's
+// codec payload, `tile` the tile holding lane `lane`.
+void ExpectTileLane(KvScheme s, int hd, const uint8_t* slice, const uint8_t* tile, int lane) {
+  const bool q4 = s == KvScheme::Q4_0, blocks = s == KvScheme::Q8_0 || q4;
+  const int nblk = blocks ? hd / 32 : 0, bb = q4 ? 18 : 34;
+  const uint8_t* codes = tile + 32 * nblk;
+  for (int b = 0; b < nblk; ++b) {
+    ASSERT_EQ(0, std::memcmp(tile + 32 * b + 2 * lane, slice + bb * b, 2)) << "scale of block " << b;
+  }
+  for (int e = 0; e < hd; ++e) {
+    if (!q4) {
+      const uint8_t want = blocks ? slice[bb * (e / 32) + 2 + e % 32] : slice[e];
+      ASSERT_EQ(codes[64 * (e / 4) + 4 * lane + e % 4], want) << "element " << e;
+    } else {
+      const uint8_t* qs = slice + bb * (e / 32) + 2;
+      const int j = e % 32;
+      const int want = j < 16 ? (qs[j] & 15) : (qs[j - 16] >> 4);
+      const uint8_t byte = codes[64 * (e / 8) + 4 * lane + e % 4];
+      ASSERT_EQ(e % 8 < 4 ? (byte & 15) : (byte >> 4), want) << "element " << e;
+    }
+  }
+}
+
+// Which schemes tile K, and the tile layout for every tiled scheme with
+// block-aligned heads: positions written out of order, read back through
+// unaligned subviews.
+TEST(KvCache, KTilesHoldTheCodecBytes) {
+  for (KvScheme s : all_kv_schemes()) {
+    const bool int8 = s == KvScheme::Int8 || s == KvScheme::Int8Head;
+    const bool blocks = s == KvScheme::Q8_0 || s == KvScheme::Q4_0;
+    EXPECT_EQ(KvRowCodec(s, 64, 32).k_tile(), int8 || blocks ? kKTile : 0) << kv_scheme_name(s);
+    if (blocks) EXPECT_EQ(KvRowCodec(s, 64, 16).k_tile(), 0) << "blocks straddle heads";
+    if (int8) EXPECT_EQ(KvRowCodec(s, 12, 6).k_tile(), 0) << "head_dim % 4 != 0";
+  }
+  test::Rng rng(8);
+  for (KvScheme s : {KvScheme::Int8, KvScheme::Int8Head, KvScheme::Q8_0, KvScheme::Q4_0}) {
+    SCOPED_TRACE(kv_scheme_name(s));
+    const int hd = 64, n_kv = 2, T = 37;
+    KvCache cache(s, 1, T, n_kv, hd);
+    const KvRowCodec& codec = cache.codec();
+    std::vector<std::vector<uint8_t>> enc(T, std::vector<uint8_t>(codec.row_bytes()));
+    std::vector<float> k(n_kv * hd), v(k.size());
+    for (int i = 0; i < T; ++i) {
+      const int pos = (i * 11) % T;  // every position once, out of order
+      for (auto& f : k) f = static_cast<float>(rng.Gaussian());
+      for (auto& f : v) f = static_cast<float>(rng.Gaussian());
+      cache.write(0, pos, k, v);
+      codec.encode(k.data(), enc[pos].data());
+    }
+    const KvRowsView view = cache.view(0, T);
+    ASSERT_EQ(view.k_tile, kKTile);
+    for (int pos = 0; pos < T; ++pos) {
+      for (int sl = 0; sl < n_kv; ++sl) {
+        ExpectTileLane(s, hd, enc[pos].data() + view.header_bytes + sl * view.slice_bytes,
+                       view.k + sl * view.slice_stride + pos / 16 * 16 * view.slice_bytes, pos % 16);
+      }
+    }
+    std::vector<uint8_t> got(codec.row_bytes());
+    for (int t0 : {0, 5, 16, 21}) {
+      const KvRowsView sub = view.subview(t0, T);
+      EXPECT_EQ(sub.k_first, t0 % 16);
+      for (int t = 0; t < T - t0; ++t) {
+        sub.gather_row(0, t, got.data());
+        ASSERT_EQ(got, enc[t0 + t]) << "subview at " << t0 << ", token " << t;
+      }
+      const KvRowsView sub2 = sub.subview(3, T - t0);  // a subview of a subview
+      sub2.gather_row(0, 0, got.data());
+      ASSERT_EQ(got, enc[t0 + 3]);
+    }
+  }
+}
+
 TEST(KvCache, WritesRowsAndReadsThemBack) {
   test::Rng rng(5);
   for (KvScheme s : all_kv_schemes()) {
@@ -231,7 +303,12 @@ TEST(KvCache, WritesRowsAndReadsThemBack) {
         if (view.header_bytes) ASSERT_EQ(0, std::memcmp(header, enc.data(), view.header_bytes));
         for (int sl = 0; sl < view.slices; ++sl) {
           const uint8_t* piece = (which == 0 ? view.k : view.v) + sl * view.slice_stride + pos * view.slice_bytes;
-          ASSERT_EQ(0, std::memcmp(piece, enc.data() + view.header_bytes + sl * view.slice_bytes, view.slice_bytes));
+          if (which == 0 && view.k_tile) {  // K tiles: checked element by element below
+            ExpectTileLane(s, 16, enc.data() + view.header_bytes + sl * view.slice_bytes,
+                           view.k + sl * view.slice_stride + pos / 16 * 16 * view.slice_bytes, pos % 16);
+          } else {
+            ASSERT_EQ(0, std::memcmp(piece, enc.data() + view.header_bytes + sl * view.slice_bytes, view.slice_bytes));
+          }
           ASSERT_EQ(reinterpret_cast<uintptr_t>((which == 0 ? view.k : view.v) + sl * view.slice_stride) % 64, 0u);
         }
         view.gather_row(which, pos, got.data());

@@ -22,6 +22,22 @@
 //
 //   [K headers: max_seq * header_bytes][K slice 0: max_seq * slice_bytes]...
 //   [V headers ...][V slice 0 ...]...        (each region 64-byte aligned)
+//
+// K tiles. The K payload of int8 / int8-head (head_dim % 4 == 0) and of
+// q8_0 / q4_0 (head_dim % 32 == 0) is stored in tiles of kKTile = 16
+// consecutive positions per head slice instead of rows, so attention computes
+// 16 scores per vector (lanes = tokens) with no horizontal sums, and int8 dot
+// products (AVX-512 VNNI) read 4 codes per lane. A tile is 16 * slice_bytes
+// bytes (the same bytes as 16 rows, rearranged); lane l = position % 16:
+//   int8, int8-head  group g = elements [4g, 4g+4): 64 bytes at 64 g, lane l's
+//                    4 codes at 64 g + 4 l
+//   q8_0             fp16 scale of block b, lane l at 32 b + 2 l; then the
+//                    codes as int8 above, from offset 32 * blocks
+//   q4_0             scales as q8_0; then unit u = elements [8u, 8u+8): 64 bytes
+//                    at 32 * blocks + 64 u, lane l's 4 bytes at + 4 l, byte j
+//                    holding element 8u+j in its low nibble and 8u+4+j in its
+//                    high nibble (nibble = ggml's code, value = (code - 8) * d)
+// The codes and scales are exactly the codec row's; only their places differ.
 #pragma once
 
 #include <cstddef>
@@ -33,6 +49,8 @@
 #include "kvq/tensor.h"
 
 namespace kvq {
+
+inline constexpr int kKTile = 16;  // positions per K tile (see above)
 
 // Append-only values (format identity).
 enum class KvScheme : uint8_t {
@@ -69,6 +87,8 @@ class KvRowCodec {
   // The payload in independent equal pieces: n_kv_heads (one per head), or 1.
   int slices() const { return slices_; }
   size_t slice_bytes() const { return (row_bytes_ - header_bytes_) / static_cast<size_t>(slices_); }
+  // Positions per K tile (kKTile) when K is stored in tiles, else 0 (rows).
+  int k_tile() const { return k_tile_; }
   // Bits per stored value, everything counted (codes, scales).
   double bits_per_element() const { return 8.0 * static_cast<double>(row_bytes_) / row_len_; }
 
@@ -84,12 +104,15 @@ class KvRowCodec {
   size_t row_bytes_;
   size_t header_bytes_ = 0;
   int slices_ = 1;
+  int k_tile_ = 0;
 };
 
 // Read-only view of the stored K and V of one layer (the input of the fused
 // attention kernel, attention.h), in KvCache's layout: token t's header at
 // k_header + t * header_bytes; its payload piece s at
-// k + s * slice_stride + t * slice_bytes (likewise for V).
+// v + s * slice_stride + t * slice_bytes for V, and for K the same when
+// k_tile == 0 (rows), else lane (k_first + t) % 16 of the tile at
+// k + s * slice_stride + ((k_first + t) / 16) * 16 * slice_bytes.
 struct KvRowsView {
   KvScheme scheme = KvScheme::Fp32;
   int n_kv_heads = 0;
@@ -103,6 +126,8 @@ struct KvRowsView {
   const uint8_t* v_header = nullptr;
   size_t header_bytes = 0;
   int64_t tokens = 0;          // positions available
+  int k_tile = 0;              // 0: K payload in rows; kKTile: in tiles
+  int k_first = 0;             // tiles: lane of token 0 in the tile at k
 
   // Assembles token t's codec row (header | payload) of K (which = 0) or
   // V (1) into row[0, row_bytes). No validation (a kernel).
