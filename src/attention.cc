@@ -208,9 +208,9 @@ HWY_INLINE void LoadBlock(D d, const uint8_t* blk, hn::Vec<D> (&v)[kC]) {
     const hn::Rebind<uint8_t, D> du8;
     const auto off = hn::Set(d, -8.0f * db);
     for (size_t c = 0; c < kC / 2; ++c) {  // one load feeds a low- and a high-nibble vector
-      const auto bytes = hn::LoadU(du8, blk + 2 + c * N);
-      v[c] = hn::MulAdd(hn::ConvertTo(d, hn::PromoteTo(di, hn::And(bytes, hn::Set(du8, 0x0F)))), vdb, off);
-      v[c + kC / 2] = hn::MulAdd(hn::ConvertTo(d, hn::PromoteTo(di, hn::ShiftRight<4>(bytes))), vdb, off);
+      const auto w = hn::PromoteTo(di, hn::LoadU(du8, blk + 2 + c * N));  // widen first: 32-bit shifts
+      v[c] = hn::MulAdd(hn::ConvertTo(d, hn::And(w, hn::Set(di, 0x0F))), vdb, off);
+      v[c + kC / 2] = hn::MulAdd(hn::ConvertTo(d, hn::ShiftRight<4>(w)), vdb, off);
     }
   }
 }
