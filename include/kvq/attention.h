@@ -2,10 +2,13 @@
 //
 // One new query position attends over T cached tokens whose K and V rows are
 // stored in a KvScheme (kv_scheme.h row layouts), laid out as a KvRowsView
-// describes (KvCache: head-major payload slices, scales apart). The kernel
-// reads the codes directly, streaming each KV head's slice: each K/V vector is dequantized in registers (per-row and
-// per-head scales are folded into the score and the softmax weight, ggml
-// block scales are applied per 32-value block), scores go through an online
+// describes (KvCache: head-major payload slices, scales apart, K of int8 /
+// int8-head / q8_0 / q4_0 in 16-token tiles). The kernel reads the codes
+// directly, streaming each KV head's slice: each K/V vector is dequantized in
+// registers (per-row and per-head scales are folded into the score and the
+// softmax weight, ggml block scales are applied per 32-value block); K tiles
+// give 16 scores per vector (lanes = tokens) with no horizontal sums; scores
+// go through an online
 // softmax in blocks of 32 tokens (no T-sized buffer), and every query head
 // of a GQA group is served from the same loaded K/V vector. Highway SIMD,
 // one dispatch per call; OpenMP over (KV head, token segment) work items,
@@ -29,13 +32,15 @@ struct DecodeAttentionOptions {
   int64_t length = -1;  // attend to rows [0, length) (causal length); -1 = all tokens
   float scale = 0.0f;   // score scale; 0 = 1 / sqrt(head_dim)
   int threads = 0;      // OpenMP threads; 0 = omp_get_max_threads(); 1 = the caller's only
-  // Opt-in, inexact (what ggml does when K is quantized): for int8 and
-  // int8-head caches with head_dim a multiple of 64 (up to 512), each scaled
-  // query head is rounded to int8 (scale max|q_h| / 127) and the K scores
-  // become integer dot products (AVX-512 VNNI vpdpbusd: 64 multiply-adds per
-  // instruction instead of 16). The score error is at most
-  // row_scale * (max|q_h| / 254) * sum_e |code_e| plus float rounding. On
-  // CPUs without VNNI, and for other schemes, the exact kernel runs.
+  // Opt-in, inexact (what ggml does when K is quantized): for caches with
+  // K tiles (int8, int8-head; q8_0, q4_0 with head_dim % 32 == 0) and
+  // head_dim a multiple of 16 up to 512, or int8 / int8-head rows with
+  // head_dim % 64 == 0, each scaled query head is rounded to int8 (scale
+  // max|q_h| / 127) and the K scores become integer dot products (AVX-512
+  // VNNI vpdpbusd: 64 multiply-adds per instruction instead of 16; block
+  // scales applied per 32-value block). The score error is at most
+  // (max|q_h| / 254) * sum_e |k_e| (k the dequantized key) plus float
+  // rounding. On CPUs without VNNI, and for other schemes, the exact kernel runs.
   bool int8_query = false;
 };
 
