@@ -14,6 +14,7 @@
 
 #include <bit>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "kvq/fp8.h"
@@ -83,6 +84,12 @@ TEST(Affine, KernelsBitExactWithReferenceOnEveryTarget) {
         quantize_int8(x, s, {a.data(), len});
         quantize_int8_ref(x, s, {b.data(), len});
         ASSERT_EQ(a, b) << "len=" << len << " off=" << off;
+        // A 64-byte aligned output takes the streaming-store path on AVX-512.
+        std::vector<int8_t> buf(len + 128, 99);
+        int8_t* al = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64;
+        quantize_int8(x, s, {al, len});
+        ASSERT_EQ(0, std::memcmp(al, b.data(), len)) << "aligned, len=" << len << " off=" << off;
+        ASSERT_EQ(al[len], 99) << "wrote past the end";
         std::vector<float> fa(len + 2, -1.0f), fb(len + 2, -1.0f);
         dequantize_int8({a.data(), len}, s, {fa.data() + off % 2, len});
         dequantize_int8_ref({a.data(), len}, s, {fb.data() + off % 2, len});
