@@ -557,6 +557,8 @@ KVQ_VNNI_ATTR HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, 
   float* l = it.l + h0;
   HWY_ALIGN float s[kG][kBlockTokens] = {};
   HWY_ALIGN float ks[kBlockTokens], vs[kBlockTokens];
+  hn::Vec<D> lv[kG];  // running softmax sums per lane, reduced once at the end
+  for (int h = 0; h < kG; ++h) lv[h] = hn::Zero(d);
 
   int64_t tb = it.t0;
   if constexpr (kTiled) tb -= (c.k_first + it.t0) % kKTile;
@@ -606,10 +608,11 @@ KVQ_VNNI_ATTR HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, 
         vmax = hn::Max(vmax, v);
       }
       const float mn = std::max(m[h], hn::GetLane(hn::MaxOfLanes(d, vmax)));
-      const float corr = std::exp(m[h] - mn);  // 0 on the first block (m = -inf)
+      // 0 on the first block (m = -inf); no exp call while the max holds.
+      const float corr = mn == m[h] ? 1.0f : std::exp(m[h] - mn);
       if (corr != 1.0f) {
-        l[h] *= corr;
         const auto vc = hn::Set(d, corr);
+        lv[h] = hn::Mul(lv[h], vc);
         for (size_t e = 0; e < hd; e += N) {
           hn::StoreU(hn::Mul(hn::LoadU(d, acc + h * hd + e), vc), d, acc + h * hd + e);
         }
@@ -622,7 +625,7 @@ KVQ_VNNI_ATTR HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, 
         vsum = hn::Add(vsum, w);
         hn::Store(hn::Mul(w, hn::Load(d, vs + b0)), d, s[h] + b0);  // the weight of V row b's codes
       }
-      l[h] += hn::GetLane(hn::SumOfLanes(d, vsum));
+      lv[h] = hn::Add(lv[h], vsum);
     }
 
     const uint8_t* vrow0 = vbase + static_cast<size_t>(tb + lo) * sb;
@@ -633,6 +636,7 @@ KVQ_VNNI_ATTR HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, 
     }
     for (; e < hd; e += kEG) AccumulateV<S, kBlocks, kG, 1>(d, vrow0, sb, lo, nb, xbase + e, hd, s, acc, e);
   }
+  for (int h = 0; h < kG; ++h) l[h] = hn::GetLane(hn::SumOfLanes(d, lv[h]));  // the item's softmax sums
 }
 
 template <KvScheme S, bool kBlocks, bool kTiled, bool kIQ, class D>
