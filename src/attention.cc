@@ -27,7 +27,6 @@ namespace kvq::attn {
 // unnormalised output, head-major).
 struct Item {
   const float* q;  // G * hd pre-scaled query values
-  const uint8_t* qu8;    // G * hd: int8-rounded query + 128 (int8_query), else null
   const float* qscale;   // G: the rounding scale of each query head
   const int8_t* qs8;     // G * hd: the int8-rounded query (int8_query), else null
   const int32_t* qisum;  // G * nb32: sums of qs8 per 32-element block (int8_query)
@@ -55,7 +54,7 @@ struct Call {
   const Item* items;
   int64_t n_items;
   int threads;
-  bool int8_query;  // items carry qu8 / qscale
+  bool int8_query;  // K tiles; items carry qscale / qs8 / qisum
 };
 
 inline float LoadF32(const uint8_t* p) {
@@ -233,7 +232,7 @@ constexpr int kBlockTokens = 32;
 // share one reduction tree: two interleave levels leave [a0 a1 a2 a3]
 // partials in every 128-bit block, then the blocks are added.
 template <int kG, class D>
-HWY_INLINE void SumLanes(D d, const hn::Vec<D> (&a)[kG], hn::TFromD<D>* HWY_RESTRICT out) {
+HWY_INLINE void SumLanes(D d, const hn::Vec<D> (&a)[kG], float* HWY_RESTRICT out) {
 #if HWY_TARGET != HWY_SCALAR
   constexpr size_t N = hn::MaxLanes(D());
   if constexpr (kG % 4 == 0 && N >= 4) {
@@ -291,36 +290,6 @@ HWY_INLINE void ScoreTokens(D d, const uint8_t* row0, size_t sb, size_t xbase, s
 // has it); the functions that use vpdpbusd add it.
 #define KVQ_VNNI_ATTR __attribute__((target("avx512vnni")))
 constexpr bool kVnni = true;
-// Integer scores of kT tokens for kG heads (int8_query): with qu = q + 128,
-// sum_e qu_e k_e = sum_e q_e k_e + 128 sum_e k_e, so one extra dot product
-// with ones per token removes the offset. Exact in int32 (|sum| < 2^24).
-template <int kG, int kT, class D>
-KVQ_VNNI_ATTR HWY_INLINE void ScoreTokensInt8(D d, const uint8_t* row0, size_t sb, size_t xbase, size_t hd,
-                                const uint8_t* HWY_RESTRICT qu, int32_t* HWY_RESTRICT dots) {
-  const hn::RebindToSigned<D> di;
-  const hn::Repartition<uint8_t, D> du8;
-  constexpr size_t kBytes = hn::MaxLanes(du8);
-  hn::Vec<decltype(di)> a[kT * kG], ksum[kT];
-  for (int i = 0; i < kT * kG; ++i) a[i] = hn::Zero(di);
-  for (int t = 0; t < kT; ++t) ksum[t] = hn::Zero(di);
-  const auto ones = hn::Set(du8, 1);
-  for (size_t e = 0; e < hd; e += kBytes) {
-    hn::Vec<decltype(du8)> k[kT];
-    for (int t = 0; t < kT; ++t) {
-      k[t] = hn::LoadU(du8, row0 + static_cast<size_t>(t) * sb + xbase + e);
-      ksum[t].raw = _mm512_dpbusd_epi32(ksum[t].raw, ones.raw, k[t].raw);
-    }
-    for (int h = 0; h < kG; ++h) {
-      const auto qv = hn::LoadU(du8, qu + h * hd + e);
-      for (int t = 0; t < kT; ++t) a[t * kG + h].raw = _mm512_dpbusd_epi32(a[t * kG + h].raw, qv.raw, k[t].raw);
-    }
-  }
-  for (int t = 0; t < kT; ++t) {
-    const auto off = hn::ShiftLeft<7>(ksum[t]);  // 128 * sum k, per lane
-    for (int h = 0; h < kG; ++h) a[t * kG + h] = hn::Sub(a[t * kG + h], off);
-  }
-  SumLanes<kT * kG>(di, a, dots);
-}
 #else
 #define KVQ_VNNI_ATTR
 constexpr bool kVnni = false;
@@ -506,25 +475,12 @@ KVQ_VNNI_ATTR HWY_INLINE void ScoreTileInt8(D d, const uint8_t* tile, size_t hd,
 }
 #endif
 
-// Raw scores of tokens [b, b + kT) of a block into s[h][b + t]: float dot
-// products, or integer ones against the int8 query (kIQ, VNNI targets only).
-template <KvScheme S, bool kBlocks, int kG, bool kIQ, int kT, class D>
-KVQ_VNNI_ATTR HWY_INLINE void ScoreBlock(D d, const uint8_t* krow, size_t sb, size_t xbase, size_t hd,
-                                         const float* HWY_RESTRICT q, const uint8_t* HWY_RESTRICT qu, int b,
-                                         float (*HWY_RESTRICT s)[kBlockTokens]) {
-  const uint8_t* row0 = krow + static_cast<size_t>(b) * sb;
-#if HWY_TARGET == HWY_AVX3_DL
-  if constexpr (kIQ) {
-    int32_t dots[kT * kG];
-    ScoreTokensInt8<kG, kT>(d, row0, sb, xbase, hd, qu, dots);
-    for (int t = 0; t < kT; ++t)
-      for (int h = 0; h < kG; ++h) s[h][b + t] = static_cast<float>(dots[t * kG + h]);
-    return;
-  }
-#endif
-  (void)qu;
+// Raw scores of tokens [b, b + kT) of a block of K rows into s[h][b + t].
+template <KvScheme S, bool kBlocks, int kG, int kT, class D>
+HWY_INLINE void ScoreBlock(D d, const uint8_t* krow, size_t sb, size_t xbase, size_t hd,
+                           const float* HWY_RESTRICT q, int b, float (*HWY_RESTRICT s)[kBlockTokens]) {
   float dots[kT * kG];
-  ScoreTokens<S, kBlocks, kG, kT>(d, row0, sb, xbase, hd, q, dots);
+  ScoreTokens<S, kBlocks, kG, kT>(d, krow + static_cast<size_t>(b) * sb, sb, xbase, hd, q, dots);
   for (int t = 0; t < kT; ++t)
     for (int h = 0; h < kG; ++h) s[h][b + t] = dots[t * kG + h];
 }
@@ -551,7 +507,7 @@ KVQ_VNNI_ATTR HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, 
   const uint8_t* vbase = c.v + slice * c.slice_stride;
   const size_t sb = c.slice_bytes, hb = c.header_bytes;
   const float* q = it.q + static_cast<size_t>(h0) * hd;
-  const uint8_t* qu = kIQ && !kTiled ? it.qu8 + static_cast<size_t>(h0) * hd : nullptr;
+  static_assert(!kIQ || kTiled, "int8_query reads K tiles");
   float* acc = it.acc + static_cast<size_t>(h0) * hd;
   float* m = it.m + h0;
   float* l = it.l + h0;
@@ -582,8 +538,8 @@ KVQ_VNNI_ATTR HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, 
     } else {
       const uint8_t* krow = kbase + static_cast<size_t>(tb) * sb;
       int b = 0;
-      for (; b + 2 <= hi; b += 2) ScoreBlock<S, kBlocks, kG, kIQ, 2>(d, krow, sb, xbase, hd, q, qu, b, s);
-      if (b < hi) ScoreBlock<S, kBlocks, kG, kIQ, 1>(d, krow, sb, xbase, hd, q, qu, b, s);
+      for (; b + 2 <= hi; b += 2) ScoreBlock<S, kBlocks, kG, 2>(d, krow, sb, xbase, hd, q, b, s);
+      if (b < hi) ScoreBlock<S, kBlocks, kG, 1>(d, krow, sb, xbase, hd, q, b, s);
     }
     for (int bb = 0; bb < kBlockTokens; ++bb) {
       const bool in = bb >= lo && bb < hi;
@@ -668,18 +624,13 @@ constexpr bool kTileable = S == KvScheme::Int8 || S == KvScheme::Int8Head ||
 
 template <KvScheme S, bool kBlocks, class D>
 void AttendScheme(D d, const Call& c) {
-  constexpr bool kInt8 = S == KvScheme::Int8 || S == KvScheme::Int8Head;
-  constexpr bool kVnni16 = kVnni && hn::MaxLanes(D()) == 16;
   if constexpr (kTileable<S, kBlocks>) {
     if (c.k_tile) {
-      if constexpr (kVnni16) {
+      if constexpr (kVnni && hn::MaxLanes(D()) == kKTile) {
         if (c.int8_query) return AttendSchemeWith<S, kBlocks, true, true>(d, c);
       }
       return AttendSchemeWith<S, kBlocks, true, false>(d, c);
     }
-  }
-  if constexpr (kVnni16 && kInt8) {
-    if (c.int8_query) return AttendSchemeWith<S, kBlocks, false, true>(d, c);
   }
   AttendSchemeWith<S, kBlocks, false, false>(d, c);
 }
@@ -810,7 +761,6 @@ void DecodeAttention(std::span<const float> q, int n_heads, const KvRowsView& kv
   const int64_t n_items = kv.n_kv_heads * segs;
 
   thread_local std::vector<float> qs, state, qscale, qfsum;
-  thread_local std::vector<uint8_t> qu8;
   thread_local std::vector<int8_t> qs8;
   thread_local std::vector<int32_t> qisum;
   thread_local std::vector<attn::Item> items;
@@ -821,13 +771,10 @@ void DecodeAttention(std::span<const float> q, int n_heads, const KvRowsView& kv
     qs[i] = q[i] * v.scale;
     qfsum[i / hd * nb32 + i % hd / ggml::kBlock] += qs[i];  // per 32-element block (q4_0 tiles)
   }
-  // int8_query: each scaled query head rounded to int8 by the seed's int8 rule
-  // (scale max|q_h| / 127): as s8 with its block sums for K tiles, offset by
-  // 128 as the u8 operand for int8 rows (head_dim % 64 == 0).
-  const bool int8_rows = kv.scheme == KvScheme::Int8 || kv.scheme == KvScheme::Int8Head;
-  const bool int8_query = opts.int8_query && hd <= 512 && (kv.k_tile != 0 || (int8_rows && hd % 64 == 0));
+  // int8_query (K tiles only): each scaled query head rounded to int8 by the
+  // seed's int8 rule (scale max|q_h| / 127), with its per-block sums.
+  const bool int8_query = opts.int8_query && hd <= 512 && kv.k_tile != 0;
   if (int8_query) {
-    qu8.resize(q.size());
     qs8.resize(q.size());
     qisum.assign(static_cast<size_t>(n_heads) * nb32, 0);
     qscale.resize(static_cast<size_t>(n_heads));
@@ -837,10 +784,7 @@ void DecodeAttention(std::span<const float> q, int n_heads, const KvRowsView& kv
       const float sc = int8_scale(max_abs(qh));
       quantize_int8(qh, sc, std::span<int8_t>(qs8.data() + o, hd));
       qscale[static_cast<size_t>(h)] = sc;
-      for (size_t e = 0; e < hd; ++e) {
-        qu8[o + e] = static_cast<uint8_t>(qs8[o + e] + 128);
-        qisum[static_cast<size_t>(h) * nb32 + e / ggml::kBlock] += qs8[o + e];
-      }
+      for (size_t e = 0; e < hd; ++e) qisum[static_cast<size_t>(h) * nb32 + e / ggml::kBlock] += qs8[o + e];
     }
   }
   const size_t per_item = G * (hd + 2);
@@ -853,7 +797,6 @@ void DecodeAttention(std::span<const float> q, int n_heads, const KvRowsView& kv
     std::fill(st, st + G, -std::numeric_limits<float>::infinity());
     const size_t qo = static_cast<size_t>(g) * G * hd, so = static_cast<size_t>(g) * G * nb32;
     items[static_cast<size_t>(i)] = attn::Item{qs.data() + qo,
-                                               int8_query ? qu8.data() + qo : nullptr,
                                                int8_query ? qscale.data() + static_cast<size_t>(g) * G : nullptr,
                                                int8_query ? qs8.data() + qo : nullptr,
                                                int8_query ? qisum.data() + so : nullptr,

@@ -17,73 +17,50 @@ namespace {
 size_t RoundUp64(size_t n) { return (n + 63) / 64 * 64; }
 
 // K tiles (layout in kv_scheme.h): one head slice's payload in codec order
-// <-> lane `lane` of its tile.
-constexpr size_t kTileLaneBytes = 4;       // bytes of one group per lane
-constexpr size_t kTileGroupBytes = 64;     // one group for all 16 lanes
+// <-> lane `lane` of its tile. Each element's code has a place in both: a
+// byte, or a nibble of one (q4_0); block scales are copied whole.
 constexpr size_t kTileScaleBytes = 2 * kKTile;  // one block's fp16 scales for all lanes
+constexpr size_t kTileGroupBytes = 4 * kKTile;  // one 4-byte word per lane
 
-size_t TileCodeOffset(KvScheme s, size_t hd) {
-  return s == KvScheme::Q8_0 || s == KvScheme::Q4_0 ? kTileScaleBytes * (hd / ggml::kBlock) : 0;
+struct CodePlace {
+  size_t byte;
+  int shift;  // -1: the whole byte; 0 or 4: a nibble
+};
+
+bool IsBlockScheme(KvScheme s) { return s == KvScheme::Q8_0 || s == KvScheme::Q4_0; }
+size_t BlockBytes(KvScheme s) { return s == KvScheme::Q8_0 ? sizeof(ggml::BlockQ8_0) : sizeof(ggml::BlockQ4_0); }
+
+CodePlace SlicePlace(KvScheme s, size_t e) {
+  if (!IsBlockScheme(s)) return {e, -1};
+  const size_t base = BlockBytes(s) * (e / ggml::kBlock) + 2, j = e % ggml::kBlock;
+  if (s == KvScheme::Q8_0) return {base + j, -1};
+  return {base + j % 16, j < 16 ? 0 : 4};  // ggml: low nibbles = j < 16
 }
 
-// Code of element e of a q4_0 slice (0..15).
-uint8_t Q4Code(const uint8_t* slice, size_t e) {
-  const uint8_t* qs = slice + sizeof(ggml::BlockQ4_0) * (e / ggml::kBlock) + 2;
-  const size_t j = e % ggml::kBlock;
-  return j < 16 ? (qs[j] & 0x0F) : (qs[j - 16] >> 4);
+CodePlace TilePlace(KvScheme s, size_t hd, size_t e, int lane) {
+  const size_t codes = IsBlockScheme(s) ? kTileScaleBytes * (hd / ggml::kBlock) : 0;
+  const size_t l = 4 * static_cast<size_t>(lane);
+  if (s == KvScheme::Q4_0) return {codes + kTileGroupBytes * (e / 8) + l + e % 4, e % 8 < 4 ? 0 : 4};
+  return {codes + kTileGroupBytes * (e / 4) + l + e % 4, -1};
+}
+
+uint8_t GetCode(const uint8_t* p, CodePlace x) { return x.shift < 0 ? p[x.byte] : (p[x.byte] >> x.shift) & 0x0F; }
+void PutCode(uint8_t* p, CodePlace x, uint8_t v) {
+  p[x.byte] = x.shift < 0 ? v : static_cast<uint8_t>((p[x.byte] & ~(0x0F << x.shift)) | (v << x.shift));
 }
 
 void SliceToTile(KvScheme s, size_t hd, const uint8_t* src, uint8_t* tile, int lane) {
-  const size_t l = static_cast<size_t>(lane) * kTileLaneBytes;
-  uint8_t* codes = tile + TileCodeOffset(s, hd);
-  if (s == KvScheme::Int8 || s == KvScheme::Int8Head) {
-    for (size_t e = 0; e < hd; ++e) codes[kTileGroupBytes * (e / 4) + l + e % 4] = src[e];
-    return;
+  for (size_t b = 0; IsBlockScheme(s) && b < hd / ggml::kBlock; ++b) {
+    std::memcpy(tile + kTileScaleBytes * b + 2 * static_cast<size_t>(lane), src + BlockBytes(s) * b, 2);
   }
-  const size_t blocks = hd / ggml::kBlock;
-  const size_t bb = s == KvScheme::Q8_0 ? sizeof(ggml::BlockQ8_0) : sizeof(ggml::BlockQ4_0);
-  for (size_t b = 0; b < blocks; ++b) std::memcpy(tile + kTileScaleBytes * b + 2 * static_cast<size_t>(lane), src + bb * b, 2);
-  if (s == KvScheme::Q8_0) {
-    for (size_t e = 0; e < hd; ++e) {
-      codes[kTileGroupBytes * (e / 4) + l + e % 4] = src[bb * (e / ggml::kBlock) + 2 + e % ggml::kBlock];
-    }
-    return;
-  }
-  for (size_t u = 0; u < hd / 8; ++u) {
-    for (size_t j = 0; j < 4; ++j) {
-      codes[kTileGroupBytes * u + l + j] =
-          static_cast<uint8_t>(Q4Code(src, 8 * u + j) | (Q4Code(src, 8 * u + 4 + j) << 4));
-    }
-  }
+  for (size_t e = 0; e < hd; ++e) PutCode(tile, TilePlace(s, hd, e, lane), GetCode(src, SlicePlace(s, e)));
 }
 
 void TileToSlice(KvScheme s, size_t hd, const uint8_t* tile, int lane, uint8_t* dst) {
-  const size_t l = static_cast<size_t>(lane) * kTileLaneBytes;
-  const uint8_t* codes = tile + TileCodeOffset(s, hd);
-  if (s == KvScheme::Int8 || s == KvScheme::Int8Head) {
-    for (size_t e = 0; e < hd; ++e) dst[e] = codes[kTileGroupBytes * (e / 4) + l + e % 4];
-    return;
+  for (size_t b = 0; IsBlockScheme(s) && b < hd / ggml::kBlock; ++b) {
+    std::memcpy(dst + BlockBytes(s) * b, tile + kTileScaleBytes * b + 2 * static_cast<size_t>(lane), 2);
   }
-  const size_t blocks = hd / ggml::kBlock;
-  const size_t bb = s == KvScheme::Q8_0 ? sizeof(ggml::BlockQ8_0) : sizeof(ggml::BlockQ4_0);
-  for (size_t b = 0; b < blocks; ++b) std::memcpy(dst + bb * b, tile + kTileScaleBytes * b + 2 * static_cast<size_t>(lane), 2);
-  if (s == KvScheme::Q8_0) {
-    for (size_t e = 0; e < hd; ++e) {
-      dst[bb * (e / ggml::kBlock) + 2 + e % ggml::kBlock] = codes[kTileGroupBytes * (e / 4) + l + e % 4];
-    }
-    return;
-  }
-  for (size_t e = 0; e < hd; ++e) {  // element e's code, back into its block's nibble
-    const uint8_t byte = codes[kTileGroupBytes * (e / 8) + l + e % 4];
-    const uint8_t code = e % 8 < 4 ? (byte & 0x0F) : (byte >> 4);
-    uint8_t* qs = dst + bb * (e / ggml::kBlock) + 2;
-    const size_t j = e % ggml::kBlock;
-    if (j < 16) {
-      qs[j] = static_cast<uint8_t>((qs[j] & 0xF0) | code);
-    } else {
-      qs[j - 16] = static_cast<uint8_t>((qs[j - 16] & 0x0F) | (code << 4));
-    }
-  }
+  for (size_t e = 0; e < hd; ++e) PutCode(dst, SlicePlace(s, e), GetCode(tile, TilePlace(s, hd, e, lane)));
 }
 }  // namespace
 

@@ -350,6 +350,11 @@ TEST(DecodeAttention, WholeRowLayoutMatchesHeadMajorSlices) {
     for (auto& x : q) x = static_cast<float>(rng.Gaussian());
     decode_attention(q, 8, hm, a, {});
     decode_attention(q, 8, whole, b, {});
+    DecodeAttentionOptions iq;
+    iq.int8_query = true;  // reads K tiles only: on rows the exact kernel runs
+    std::vector<float> b_iq(q.size());
+    decode_attention(q, 8, whole, b_iq, iq);
+    EXPECT_EQ(b, b_iq);
     if (!hm.k_tile) {
       EXPECT_EQ(a, b);
       continue;

@@ -34,13 +34,13 @@ struct DecodeAttentionOptions {
   int threads = 0;      // OpenMP threads; 0 = omp_get_max_threads(); 1 = the caller's only
   // Opt-in, inexact (what ggml does when K is quantized): for caches with
   // K tiles (int8, int8-head; q8_0, q4_0 with head_dim % 32 == 0) and
-  // head_dim a multiple of 16 up to 512, or int8 / int8-head rows with
-  // head_dim % 64 == 0, each scaled query head is rounded to int8 (scale
+  // head_dim a multiple of 16 up to 512, each scaled query head is rounded to int8 (scale
   // max|q_h| / 127) and the K scores become integer dot products (AVX-512
   // VNNI vpdpbusd: 64 multiply-adds per instruction instead of 16; block
   // scales applied per 32-value block). The score error is at most
   // (max|q_h| / 254) * sum_e |k_e| (k the dequantized key) plus float
-  // rounding. On CPUs without VNNI, and for other schemes, the exact kernel runs.
+  // rounding. On CPUs without VNNI, for other schemes and for views with K
+  // rows (k_tile = 0), the exact kernel runs.
   bool int8_query = false;
 };
 
