@@ -100,6 +100,26 @@ HWY_INLINE float BlockScale(const uint8_t* blk) {
 
 // With F16C, E4M3 codes are widened to halves worth 2^-8 of their value
 // (E5M2 codes are the top byte of a half); the 2^8 is folded into the row scale.
+// Float values of the nibbles in bits [3:0] of each 32-bit lane of idx (the
+// bits above are ignored), as tbl[nibble] = nibble * mul + add. On 16-lane x86
+// targets that is one vpermps from the table (which reads only those bits);
+// elsewhere mask, convert and scale, which gives the same values.
+template <bool kAffine, class D, class VI>
+HWY_INLINE hn::Vec<D> Nibbles(D d, VI idx, hn::Vec<D> tbl, hn::Vec<D> mul, hn::Vec<D> add) {
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+  if constexpr (hn::MaxLanes(D()) == 16) {
+    (void)mul;
+    (void)add;
+    return hn::Vec<D>{_mm512_permutexvar_ps(idx.raw, tbl.raw)};
+  }
+#endif
+  (void)tbl;
+  const hn::RebindToSigned<D> di;
+  const auto x = hn::ConvertTo(d, hn::And(hn::BitCast(di, idx), hn::Set(di, 0x0F)));
+  if constexpr (kAffine) return hn::MulAdd(x, mul, add);
+  return x;
+}
+
 template <KvScheme S>
 constexpr float kFp8Fold = (kF16C && (S == KvScheme::Fp8E4M3 || S == KvScheme::Fp8E4M3Scaled)) ? 256.0f : 1.0f;
 
@@ -188,14 +208,25 @@ HWY_INLINE hn::Vec<D> LoadVals(D d, const uint8_t* row, size_t x) {
   }
 }
 
+// BlockScale in every lane: on F16C targets a 16-bit broadcast and one vector
+// conversion, with no scalar round trip.
+template <class D>
+HWY_INLINE hn::Vec<D> BlockScaleVec(D d, const uint8_t* blk) {
+  if constexpr (kF16C && hn::MaxLanes(D()) >= 4) {
+    uint16_t h;
+    std::memcpy(&h, blk, 2);
+    return hn::PromoteTo(d, hn::BitCast(hn::Rebind<hwy::float16_t, D>(), hn::Set(hn::Rebind<uint16_t, D>(), h)));
+  }
+  return hn::Set(d, BlockScale(blk));
+}
+
 // A whole ggml block (32 values, kC = 32 / N vectors) with its scale
 // decoded once. Used when heads are block-aligned (head_dim % 32 == 0).
 template <KvScheme S, class D, size_t kC>
 HWY_INLINE void LoadBlock(D d, const uint8_t* blk, hn::Vec<D> (&v)[kC]) {
   constexpr size_t N = hn::MaxLanes(D());
   const hn::RebindToSigned<D> di;
-  const float db = BlockScale(blk);
-  const auto vdb = hn::Set(d, db);
+  const auto vdb = BlockScaleVec(d, blk);
   if constexpr (S == KvScheme::Q8_0) {
     const hn::Rebind<int8_t, D> d8;
     const int8_t* qs = reinterpret_cast<const int8_t*>(blk + 2);
@@ -205,11 +236,13 @@ HWY_INLINE void LoadBlock(D d, const uint8_t* blk, hn::Vec<D> (&v)[kC]) {
   } else {
     static_assert(S == KvScheme::Q4_0);
     const hn::Rebind<uint8_t, D> du8;
-    const auto off = hn::Set(d, -8.0f * db);
+    const auto off = hn::Mul(vdb, hn::Set(d, -8.0f));
+    // The block's 16 values d (c - 8), each rounded once as c d - 8 d is.
+    const auto tbl = hn::Mul(vdb, hn::Iota(d, -8.0f));
     for (size_t c = 0; c < kC / 2; ++c) {  // one load feeds a low- and a high-nibble vector
       const auto w = hn::PromoteTo(di, hn::LoadU(du8, blk + 2 + c * N));  // widen first: 32-bit shifts
-      v[c] = hn::MulAdd(hn::ConvertTo(d, hn::And(w, hn::Set(di, 0x0F))), vdb, off);
-      v[c + kC / 2] = hn::MulAdd(hn::ConvertTo(d, hn::ShiftRight<4>(w)), vdb, off);
+      v[c] = Nibbles<true>(d, w, tbl, vdb, off);
+      v[c + kC / 2] = Nibbles<true>(d, hn::ShiftRight<4>(w), tbl, vdb, off);
     }
   }
 }
@@ -383,18 +416,18 @@ HWY_INLINE void ScoreTile(D d, const uint8_t* tile, size_t lane0, size_t hd, con
         }
       } else {
         static_assert(S == KvScheme::Q4_0);
-        const auto m4 = hn::Set(du, 0x0F);
+        const auto iota = hn::Iota(d, 0.0f);  // nibble -> float table
+        const auto one = hn::Set(d, 1.0f), zero = hn::Zero(d);
         for (size_t u = 4 * b; u < 4 * b + 4; ++u) {
           const auto w = hn::LoadU(du, reinterpret_cast<const uint32_t*>(codes + 64 * u));
-          const hn::Vec<D> x[8] = {
-              hn::ConvertTo(d, hn::BitCast(di, hn::And(w, m4))),
-              hn::ConvertTo(d, hn::BitCast(di, hn::And(hn::ShiftRight<8>(w), m4))),
-              hn::ConvertTo(d, hn::BitCast(di, hn::And(hn::ShiftRight<16>(w), m4))),
-              hn::ConvertTo(d, hn::BitCast(di, hn::And(hn::ShiftRight<24>(w), m4))),
-              hn::ConvertTo(d, hn::BitCast(di, hn::And(hn::ShiftRight<4>(w), m4))),
-              hn::ConvertTo(d, hn::BitCast(di, hn::And(hn::ShiftRight<12>(w), m4))),
-              hn::ConvertTo(d, hn::BitCast(di, hn::And(hn::ShiftRight<20>(w), m4))),
-              hn::ConvertTo(d, hn::BitCast(di, hn::ShiftRight<28>(w)))};
+          const hn::Vec<D> x[8] = {Nibbles<false>(d, w, iota, one, zero),
+                                   Nibbles<false>(d, hn::ShiftRight<8>(w), iota, one, zero),
+                                   Nibbles<false>(d, hn::ShiftRight<16>(w), iota, one, zero),
+                                   Nibbles<false>(d, hn::ShiftRight<24>(w), iota, one, zero),
+                                   Nibbles<false>(d, hn::ShiftRight<4>(w), iota, one, zero),
+                                   Nibbles<false>(d, hn::ShiftRight<12>(w), iota, one, zero),
+                                   Nibbles<false>(d, hn::ShiftRight<20>(w), iota, one, zero),
+                                   Nibbles<false>(d, hn::ShiftRight<28>(w), iota, one, zero)};
           for (int j = 0; j < 8; ++j) {
             for (int h = 0; h < kG; ++h) ab[h] = hn::MulAdd(x[j], hn::Set(d, q[h * hd + 8 * u + j]), ab[h]);
           }
