@@ -257,7 +257,9 @@ TEST(DecodeAttention, Int8QueryIsWithinItsDerivedBound) {
               differs |= iq[i] != exact[i];
             }
           }
-          if (T > 1) EXPECT_TRUE(differs) << "the integer path did not run";
+          if (T > 1) {
+            EXPECT_TRUE(differs) << "the integer path did not run";
+          }
           // The worst case above is loose; the typical error is far smaller.
           // A broken integer path (offset, scale or lane order) moves the
           // output by the order of the output itself.
@@ -267,7 +269,9 @@ TEST(DecodeAttention, Int8QueryIsWithinItsDerivedBound) {
             ref2 += double(ref[i]) * ref[i];
           }
           // Measured: at most 1.5% relative RMS on these LLM-like caches.
-          if (ref2 > 0) EXPECT_LT(std::sqrt(err2 / ref2), 0.05);
+          if (ref2 > 0) {
+            EXPECT_LT(std::sqrt(err2 / ref2), 0.05);
+          }
         }
       }
     }

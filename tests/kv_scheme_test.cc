@@ -237,8 +237,12 @@ TEST(KvCache, KTilesHoldTheCodecBytes) {
     const bool int8 = s == KvScheme::Int8 || s == KvScheme::Int8Head;
     const bool blocks = s == KvScheme::Q8_0 || s == KvScheme::Q4_0;
     EXPECT_EQ(KvRowCodec(s, 64, 32).k_tile(), int8 || blocks ? kKTile : 0) << kv_scheme_name(s);
-    if (blocks) EXPECT_EQ(KvRowCodec(s, 64, 16).k_tile(), 0) << "blocks straddle heads";
-    if (int8) EXPECT_EQ(KvRowCodec(s, 12, 6).k_tile(), 0) << "head_dim % 4 != 0";
+    if (blocks) {
+      EXPECT_EQ(KvRowCodec(s, 64, 16).k_tile(), 0) << "blocks straddle heads";
+    }
+    if (int8) {
+      EXPECT_EQ(KvRowCodec(s, 12, 6).k_tile(), 0) << "head_dim % 4 != 0";
+    }
   }
   test::Rng rng(8);
   for (KvScheme s : {KvScheme::Int8, KvScheme::Int8Head, KvScheme::Q8_0, KvScheme::Q4_0}) {
@@ -300,7 +304,9 @@ TEST(KvCache, WritesRowsAndReadsThemBack) {
         codec.encode(which == 0 ? k.data() : v.data(), enc.data());
         // The layout itself: the header at [pos], head slice s at s * slice_stride + pos * slice_bytes.
         const uint8_t* header = (which == 0 ? view.k_header : view.v_header) + pos * view.header_bytes;
-        if (view.header_bytes) ASSERT_EQ(0, std::memcmp(header, enc.data(), view.header_bytes));
+        if (view.header_bytes) {
+          ASSERT_EQ(0, std::memcmp(header, enc.data(), view.header_bytes));
+        }
         for (int sl = 0; sl < view.slices; ++sl) {
           const uint8_t* piece = (which == 0 ? view.k : view.v) + sl * view.slice_stride + pos * view.slice_bytes;
           if (which == 0 && view.k_tile) {  // K tiles: checked element by element below
