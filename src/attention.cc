@@ -100,26 +100,6 @@ HWY_INLINE float BlockScale(const uint8_t* blk) {
 
 // With F16C, E4M3 codes are widened to halves worth 2^-8 of their value
 // (E5M2 codes are the top byte of a half); the 2^8 is folded into the row scale.
-// Float values of the nibbles in bits [3:0] of each 32-bit lane of idx (the
-// bits above are ignored), as tbl[nibble] = nibble * mul + add. On 16-lane x86
-// targets that is one vpermps from the table (which reads only those bits);
-// elsewhere mask, convert and scale, which gives the same values.
-template <bool kAffine, class D, class VI>
-HWY_INLINE hn::Vec<D> Nibbles(D d, VI idx, hn::Vec<D> tbl, hn::Vec<D> mul, hn::Vec<D> add) {
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
-  if constexpr (hn::MaxLanes(D()) == 16) {
-    (void)mul;
-    (void)add;
-    return hn::Vec<D>{_mm512_permutexvar_ps(idx.raw, tbl.raw)};
-  }
-#endif
-  (void)tbl;
-  const hn::RebindToSigned<D> di;
-  const auto x = hn::ConvertTo(d, hn::And(hn::BitCast(di, idx), hn::Set(di, 0x0F)));
-  if constexpr (kAffine) return hn::MulAdd(x, mul, add);
-  return x;
-}
-
 template <KvScheme S>
 constexpr float kFp8Fold = (kF16C && (S == KvScheme::Fp8E4M3 || S == KvScheme::Fp8E4M3Scaled)) ? 256.0f : 1.0f;
 
@@ -208,6 +188,20 @@ HWY_INLINE hn::Vec<D> LoadVals(D d, const uint8_t* row, size_t x) {
   }
 }
 
+// Float values of the nibbles c in bits [3:0] of each 32-bit lane of idx (the
+// bits above are ignored): tbl[c], where tbl holds fn(0..15). On 16-lane x86
+// targets that is one vpermps from the table (it reads only those bits);
+// elsewhere fn of the masked, converted nibbles, which gives the same values.
+template <class D, class VI, class Fn>
+HWY_INLINE hn::Vec<D> Nibbles(D d, VI idx, hn::Vec<D> tbl, const Fn& fn) {
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+  if constexpr (hn::MaxLanes(D()) == 16) return hn::Vec<D>{_mm512_permutexvar_ps(idx.raw, tbl.raw)};
+#endif
+  (void)tbl;
+  const hn::RebindToSigned<D> di;
+  return fn(hn::ConvertTo(d, hn::And(hn::BitCast(di, idx), hn::Set(di, 0x0F))));
+}
+
 // BlockScale in every lane: on F16C targets a 16-bit broadcast and one vector
 // conversion, with no scalar round trip.
 template <class D>
@@ -236,13 +230,13 @@ HWY_INLINE void LoadBlock(D d, const uint8_t* blk, hn::Vec<D> (&v)[kC]) {
   } else {
     static_assert(S == KvScheme::Q4_0);
     const hn::Rebind<uint8_t, D> du8;
-    const auto off = hn::Mul(vdb, hn::Set(d, -8.0f));
-    // The block's 16 values d (c - 8), each rounded once as c d - 8 d is.
+    // The block's 16 values d (c - 8), each rounded once, as c d - 8 d is.
     const auto tbl = hn::Mul(vdb, hn::Iota(d, -8.0f));
+    const auto value = [&](hn::Vec<D> c) { return hn::MulAdd(c, vdb, hn::Mul(vdb, hn::Set(d, -8.0f))); };
     for (size_t c = 0; c < kC / 2; ++c) {  // one load feeds a low- and a high-nibble vector
       const auto w = hn::PromoteTo(di, hn::LoadU(du8, blk + 2 + c * N));  // widen first: 32-bit shifts
-      v[c] = Nibbles<true>(d, w, tbl, vdb, off);
-      v[c + kC / 2] = Nibbles<true>(d, hn::ShiftRight<4>(w), tbl, vdb, off);
+      v[c] = Nibbles(d, w, tbl, value);
+      v[c + kC / 2] = Nibbles(d, hn::ShiftRight<4>(w), tbl, value);
     }
   }
 }
@@ -417,17 +411,17 @@ HWY_INLINE void ScoreTile(D d, const uint8_t* tile, size_t lane0, size_t hd, con
       } else {
         static_assert(S == KvScheme::Q4_0);
         const auto iota = hn::Iota(d, 0.0f);  // nibble -> float table
-        const auto one = hn::Set(d, 1.0f), zero = hn::Zero(d);
+        const auto same = [](hn::Vec<D> c) { return c; };
         for (size_t u = 4 * b; u < 4 * b + 4; ++u) {
           const auto w = hn::LoadU(du, reinterpret_cast<const uint32_t*>(codes + 64 * u));
-          const hn::Vec<D> x[8] = {Nibbles<false>(d, w, iota, one, zero),
-                                   Nibbles<false>(d, hn::ShiftRight<8>(w), iota, one, zero),
-                                   Nibbles<false>(d, hn::ShiftRight<16>(w), iota, one, zero),
-                                   Nibbles<false>(d, hn::ShiftRight<24>(w), iota, one, zero),
-                                   Nibbles<false>(d, hn::ShiftRight<4>(w), iota, one, zero),
-                                   Nibbles<false>(d, hn::ShiftRight<12>(w), iota, one, zero),
-                                   Nibbles<false>(d, hn::ShiftRight<20>(w), iota, one, zero),
-                                   Nibbles<false>(d, hn::ShiftRight<28>(w), iota, one, zero)};
+          const hn::Vec<D> x[8] = {Nibbles(d, w, iota, same),
+                                   Nibbles(d, hn::ShiftRight<8>(w), iota, same),
+                                   Nibbles(d, hn::ShiftRight<16>(w), iota, same),
+                                   Nibbles(d, hn::ShiftRight<24>(w), iota, same),
+                                   Nibbles(d, hn::ShiftRight<4>(w), iota, same),
+                                   Nibbles(d, hn::ShiftRight<12>(w), iota, same),
+                                   Nibbles(d, hn::ShiftRight<20>(w), iota, same),
+                                   Nibbles(d, hn::ShiftRight<28>(w), iota, same)};
           for (int j = 0; j < 8; ++j) {
             for (int h = 0; h < kG; ++h) ab[h] = hn::MulAdd(x[j], hn::Set(d, q[h * hd + 8 * u + j]), ab[h]);
           }
