@@ -24,6 +24,23 @@ TEST(Tensor, ShapeDtypeAndAlignment) {
   EXPECT_EQ(shape_str({5}), "(5,)");
 }
 
+// Buffers of 2 MiB and more are 2 MiB aligned (huge-page candidates); smaller
+// ones 64-byte aligned. Either way every element is there and zeroed.
+TEST(Tensor, LargeBuffersAreHugePageAligned) {
+  constexpr int64_t kHugeFloats = (int64_t{2} << 20) / 4;
+  for (const int64_t n : {kHugeFloats - 1, kHugeFloats, kHugeFloats + 1, 3 * kHugeFloats + 5}) {
+    Tensor t({n}, DType::F32);
+    const uintptr_t align = n >= kHugeFloats ? (uintptr_t{2} << 20) : 64;
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(t.data()) % align, 0u) << "n = " << n;
+    float* p = t.data_as<float>();
+    EXPECT_EQ(p[0], 0.0f);
+    EXPECT_EQ(p[n - 1], 0.0f);
+    p[n - 1] = 1.0f;
+    Tensor u = t.Copy();
+    EXPECT_EQ(u.data_as<float>()[n - 1], 1.0f);
+  }
+}
+
 TEST(Tensor, CopyIsDeepAndViewIsNot) {
   Tensor a = Tensor::FromF32(std::vector<float>{1, 2, 3, 4}, {2, 2});
   Tensor b = a.Copy();
