@@ -1,5 +1,6 @@
 // Fused decode attention over a quantized KV cache (SPEC §8).
-// AVX3_DL (AVX-512 VNNI) is compiled too: int8_query uses vpdpbusd.
+// AVX3_DL (AVX-512 VNNI) is compiled too: K-tile scores use vpdpbusd against
+// the query's fixed-point digits (exact mode) or its int8 codes (int8_query).
 #ifndef HWY_WANT_AVX3_DL
 #define HWY_WANT_AVX3_DL
 #endif
@@ -27,9 +28,9 @@ namespace kvq::attn {
 // unnormalised output, head-major).
 struct Item {
   const float* q;  // G * hd pre-scaled query values
-  const float* qscale;   // G: the rounding scale of each query head
-  const int8_t* qs8;     // G * hd: the int8-rounded query (int8_query), else null
-  const int32_t* qisum;  // G * nb32: sums of qs8 per 32-element block (int8_query)
+  const float* qscale;   // G: the scale of each query head's integer planes
+  const int8_t* qi;      // G * planes * hd: the query's integer planes (int8 codes or digits), else null
+  const int32_t* qisum;  // G * planes * nb32: sums of each plane per 32-element block
   const float* qfsum;    // G * nb32: sums of q per 32-element block
   float* m;        // G
   float* l;        // G
@@ -54,7 +55,9 @@ struct Call {
   const Item* items;
   int64_t n_items;
   int threads;
-  bool int8_query;  // K tiles; items carry qscale / qs8 / qisum
+  // K tiles: integer query planes the items carry (qscale / qi / qisum):
+  // 0 none, 1 the int8 query (int8_query), 3 the exact query's digits.
+  int query_planes;
 };
 
 inline float LoadF32(const uint8_t* p) {
@@ -436,52 +439,86 @@ HWY_INLINE void ScoreTile(D d, const uint8_t* tile, size_t lane0, size_t hd, con
 }
 
 #if HWY_TARGET == HWY_AVX3_DL
-// Integer scores of a whole tile (16 lanes) against the int8 query (int8_query):
-// vpdpbusd takes the codes as the unsigned operand (int8 codes + 128, q4_0
-// nibbles as they are) and 4 query codes broadcast per lane; the offsets
-// (128 or 8 times the query's block sums) are the accumulators' start values.
-// Exact in int32. Results (before the row and query scales) to s[h][b0, b0 + 16).
-template <KvScheme S, int kG, class D>
-KVQ_VNNI_ATTR HWY_INLINE void ScoreTileInt8(D d, const uint8_t* tile, size_t hd, const int8_t* HWY_RESTRICT qs,
-                                            const int32_t* HWY_RESTRICT qisum, size_t nb32,
-                                            float (*HWY_RESTRICT s)[kBlockTokens], int b0) {
+// Integer scores of a whole tile (16 lanes) against kP integer planes of the
+// query: its int8 codes (kP = 1, int8_query) or the three base-256 digits of
+// its fixed-point form (kP = 3, exact mode; see QueryDigits). vpdpbusd takes
+// the codes as the unsigned operand (int8 codes + 128, q4_0 nibbles as they
+// are) and 4 plane values broadcast per lane; the offsets (128 or 8 times the
+// plane's block sums) are the accumulators' start values. Each plane's sum is
+// exact in int32; the planes are combined as described at CombinePlanes.
+// Results (before the row and query scales) to s[h][b0, b0 + 16).
+template <KvScheme S, int kG, int kP, class D>
+KVQ_VNNI_ATTR HWY_INLINE void ScoreTileInt(D d, const uint8_t* tile, size_t hd, const int8_t* HWY_RESTRICT qi,
+                                           const int32_t* HWY_RESTRICT qisum, size_t nb32,
+                                           float (*HWY_RESTRICT s)[kBlockTokens], int b0) {
+  if constexpr (kG * kP > 12) {  // at most 12 integer accumulators in registers
+    constexpr int kH = kG / 2;
+    ScoreTileInt<S, kH, kP>(d, tile, hd, qi, qisum, nb32, s, b0);
+    ScoreTileInt<S, kH, kP>(d, tile, hd, qi + kH * kP * hd, qisum + kH * kP * nb32, nb32, s + kH, b0);
+    return;
+  }
   const hn::RebindToSigned<D> di;
   const hn::Repartition<uint8_t, D> du8;
-  const auto QWord = [&](int h, size_t e) {
+  using VI = hn::Vec<decltype(di)>;
+  const auto QWord = [&](int h, int p, size_t e) {
     int32_t w;
-    std::memcpy(&w, qs + static_cast<size_t>(h) * hd + e, 4);
+    std::memcpy(&w, qi + (static_cast<size_t>(h) * kP + p) * hd + e, 4);
     return hn::Set(di, w);
   };
+  const auto QSum = [&](int h, int p, size_t b) { return qisum[(static_cast<size_t>(h) * kP + p) * nb32 + b]; };
+  // Plane sums as floats: sum_p 256^p A_p, with the top two planes combined
+  // in int32 first (each plane's sum, and 256 A_2 + A_1, stay below 2^31).
+  const auto CombinePlanes = [&](const VI (&a)[kP]) {
+    if constexpr (kP == 1) {
+      return hn::ConvertTo(d, a[0]);
+    } else {
+      static_assert(kP == 3);
+      return hn::MulAdd(hn::ConvertTo(d, hn::Add(hn::ShiftLeft<8>(a[2]), a[1])), hn::Set(d, 256.0f),
+                        hn::ConvertTo(d, a[0]));
+    }
+  };
   if constexpr (S == KvScheme::Int8 || S == KvScheme::Int8Head) {
-    hn::Vec<decltype(di)> a[kG];
+    VI a[kG][kP];
     for (int h = 0; h < kG; ++h) {
-      int32_t total = 0;
-      for (size_t b = 0; b < nb32; ++b) total += qisum[h * nb32 + b];
-      a[h] = hn::Set(di, -128 * total);
+      for (int p = 0; p < kP; ++p) {
+        int32_t total = 0;
+        for (size_t b = 0; b < nb32; ++b) total += QSum(h, p, b);
+        a[h][p] = hn::Set(di, -128 * total);
+      }
     }
     const auto flip = hn::Set(du8, 0x80);
     for (size_t g = 0; g < hd / 4; ++g) {
       const auto k = hn::Xor(hn::LoadU(du8, tile + 64 * g), flip);
-      for (int h = 0; h < kG; ++h) a[h].raw = _mm512_dpbusd_epi32(a[h].raw, k.raw, QWord(h, 4 * g).raw);
+      for (int h = 0; h < kG; ++h) {
+        for (int p = 0; p < kP; ++p) a[h][p].raw = _mm512_dpbusd_epi32(a[h][p].raw, k.raw, QWord(h, p, 4 * g).raw);
+      }
     }
-    for (int h = 0; h < kG; ++h) hn::Store(hn::ConvertTo(d, a[h]), d, s[h] + b0);
+    for (int h = 0; h < kG; ++h) hn::Store(CombinePlanes(a[h]), d, s[h] + b0);
   } else {
     const size_t blocks = hd / ggml::kBlock;
     const uint8_t* codes = tile + 2 * kKTile * blocks;
     hn::Vec<D> a[kG];
     for (int h = 0; h < kG; ++h) a[h] = hn::Zero(d);
     for (size_t b = 0; b < blocks; ++b) {
-      hn::Vec<decltype(di)> ab[kG];
+      VI ab[kG][kP];
       if constexpr (S == KvScheme::Q8_0) {
-        for (int h = 0; h < kG; ++h) ab[h] = hn::Set(di, -128 * qisum[h * nb32 + b]);
+        for (int h = 0; h < kG; ++h) {
+          for (int p = 0; p < kP; ++p) ab[h][p] = hn::Set(di, -128 * QSum(h, p, b));
+        }
         const auto flip = hn::Set(du8, 0x80);
         for (size_t g = 8 * b; g < 8 * b + 8; ++g) {
           const auto k = hn::Xor(hn::LoadU(du8, codes + 64 * g), flip);
-          for (int h = 0; h < kG; ++h) ab[h].raw = _mm512_dpbusd_epi32(ab[h].raw, k.raw, QWord(h, 4 * g).raw);
+          for (int h = 0; h < kG; ++h) {
+            for (int p = 0; p < kP; ++p) {
+              ab[h][p].raw = _mm512_dpbusd_epi32(ab[h][p].raw, k.raw, QWord(h, p, 4 * g).raw);
+            }
+          }
         }
       } else {
         static_assert(S == KvScheme::Q4_0);
-        for (int h = 0; h < kG; ++h) ab[h] = hn::Set(di, -8 * qisum[h * nb32 + b]);
+        for (int h = 0; h < kG; ++h) {
+          for (int p = 0; p < kP; ++p) ab[h][p] = hn::Set(di, -8 * QSum(h, p, b));
+        }
         const auto m4 = hn::Set(du8, 0x0F);
         const hn::Repartition<uint16_t, D> du16;
         for (size_t u = 4 * b; u < 4 * b + 4; ++u) {
@@ -489,13 +526,15 @@ KVQ_VNNI_ATTR HWY_INLINE void ScoreTileInt8(D d, const uint8_t* tile, size_t hd,
           const auto lo = hn::And(w, m4);
           const auto hi = hn::And(hn::BitCast(du8, hn::ShiftRight<4>(hn::BitCast(du16, w))), m4);
           for (int h = 0; h < kG; ++h) {
-            ab[h].raw = _mm512_dpbusd_epi32(ab[h].raw, lo.raw, QWord(h, 8 * u).raw);
-            ab[h].raw = _mm512_dpbusd_epi32(ab[h].raw, hi.raw, QWord(h, 8 * u + 4).raw);
+            for (int p = 0; p < kP; ++p) {
+              ab[h][p].raw = _mm512_dpbusd_epi32(ab[h][p].raw, lo.raw, QWord(h, p, 8 * u).raw);
+              ab[h][p].raw = _mm512_dpbusd_epi32(ab[h][p].raw, hi.raw, QWord(h, p, 8 * u + 4).raw);
+            }
           }
         }
       }
       const auto dv = TileBlockScales(d, tile, b, 0);
-      for (int h = 0; h < kG; ++h) a[h] = hn::MulAdd(hn::ConvertTo(d, ab[h]), dv, a[h]);
+      for (int h = 0; h < kG; ++h) a[h] = hn::MulAdd(CombinePlanes(ab[h]), dv, a[h]);
     }
     for (int h = 0; h < kG; ++h) hn::Store(a[h], d, s[h] + b0);
   }
@@ -517,7 +556,7 @@ HWY_INLINE void ScoreBlock(D d, const uint8_t* krow, size_t sb, size_t xbase, si
 // the codes with every head's weight applied to the same loaded vector.
 // Block lanes [lo, hi) hold tokens tb + lane of the item; with K tiles
 // (kTiled) blocks start on a tile, so the first and last may be partial.
-template <KvScheme S, bool kBlocks, bool kTiled, int kG, bool kIQ, class D>
+template <KvScheme S, bool kBlocks, bool kTiled, int kG, int kQP, class D>
 KVQ_VNNI_ATTR HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, int h0) {
   constexpr size_t N = hn::MaxLanes(D());
   constexpr size_t kC = kBlocks ? ggml::kBlock / N : 1;  // vectors per element group
@@ -534,7 +573,7 @@ KVQ_VNNI_ATTR HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, 
   const uint8_t* vbase = c.v + slice * c.slice_stride;
   const size_t sb = c.slice_bytes, hb = c.header_bytes;
   const float* q = it.q + static_cast<size_t>(h0) * hd;
-  static_assert(!kIQ || kTiled, "int8_query reads K tiles");
+  static_assert(kQP == 0 || kTiled, "integer query planes read K tiles");
   float* acc = it.acc + static_cast<size_t>(h0) * hd;
   float* m = it.m + h0;
   float* l = it.l + h0;
@@ -554,9 +593,9 @@ KVQ_VNNI_ATTR HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, 
         const size_t p = static_cast<size_t>(c.k_first + tb + b0);  // tile position of lane b0
         const uint8_t* tile = kbase + p / kKTile * kKTile * sb;
 #if HWY_TARGET == HWY_AVX3_DL
-        if constexpr (kIQ && N == kKTile) {
-          ScoreTileInt8<S, kG>(d, tile, hd, it.qs8 + static_cast<size_t>(h0) * hd,
-                               it.qisum + static_cast<size_t>(h0) * nb32, nb32, s, b0);
+        if constexpr (kQP > 0 && N == kKTile) {
+          ScoreTileInt<S, kG, kQP>(d, tile, hd, it.qi + static_cast<size_t>(h0) * kQP * hd,
+                                   it.qisum + static_cast<size_t>(h0) * kQP * nb32, nb32, s, b0);
           continue;
         }
 #endif
@@ -579,7 +618,7 @@ KVQ_VNNI_ATTR HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, 
     const auto lowest = hn::Set(d, -std::numeric_limits<float>::max());
     for (int h = 0; h < kG; ++h) {
       float qf = 1.0f;
-      if constexpr (kIQ) qf = it.qscale[h0 + h];
+      if constexpr (kQP > 0) qf = it.qscale[h0 + h];
       const auto vqf = hn::Set(d, qf);
       auto vmax = lowest;
       for (int b0 = 0; b0 < kBlockTokens; b0 += static_cast<int>(N)) {
@@ -622,7 +661,7 @@ KVQ_VNNI_ATTR HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, 
   for (int h = 0; h < kG; ++h) l[h] = hn::GetLane(hn::SumOfLanes(d, lv[h]));  // the item's softmax sums
 }
 
-template <KvScheme S, bool kBlocks, bool kTiled, bool kIQ, class D>
+template <KvScheme S, bool kBlocks, bool kTiled, int kQP, class D>
 void AttendSchemeWith(D d, const Call& c) {
   const int64_t n = c.n_items;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(c.threads) if (c.threads > 1 && n > 1)
@@ -632,13 +671,13 @@ void AttendSchemeWith(D d, const Call& c) {
     while (h < it.G) {  // the group in sub-groups of 8, 4, 2, 1 heads
       const int rem = it.G - h;
       if (rem >= 8) {
-        AttendGroup<S, kBlocks, kTiled, 8, kIQ>(d, c, it, h), h += 8;
+        AttendGroup<S, kBlocks, kTiled, 8, kQP>(d, c, it, h), h += 8;
       } else if (rem >= 4) {
-        AttendGroup<S, kBlocks, kTiled, 4, kIQ>(d, c, it, h), h += 4;
+        AttendGroup<S, kBlocks, kTiled, 4, kQP>(d, c, it, h), h += 4;
       } else if (rem >= 2) {
-        AttendGroup<S, kBlocks, kTiled, 2, kIQ>(d, c, it, h), h += 2;
+        AttendGroup<S, kBlocks, kTiled, 2, kQP>(d, c, it, h), h += 2;
       } else {
-        AttendGroup<S, kBlocks, kTiled, 1, kIQ>(d, c, it, h), h += 1;
+        AttendGroup<S, kBlocks, kTiled, 1, kQP>(d, c, it, h), h += 1;
       }
     }
   }
@@ -654,12 +693,13 @@ void AttendScheme(D d, const Call& c) {
   if constexpr (kTileable<S, kBlocks>) {
     if (c.k_tile) {
       if constexpr (kVnni && hn::MaxLanes(D()) == kKTile) {
-        if (c.int8_query) return AttendSchemeWith<S, kBlocks, true, true>(d, c);
+        if (c.query_planes == 1) return AttendSchemeWith<S, kBlocks, true, 1>(d, c);
+        if (c.query_planes == 3) return AttendSchemeWith<S, kBlocks, true, 3>(d, c);
       }
-      return AttendSchemeWith<S, kBlocks, true, false>(d, c);
+      return AttendSchemeWith<S, kBlocks, true, 0>(d, c);
     }
   }
-  AttendSchemeWith<S, kBlocks, false, false>(d, c);
+  AttendSchemeWith<S, kBlocks, false, 0>(d, c);
 }
 
 template <class D>
@@ -766,6 +806,36 @@ Validated Validate(std::span<const float> q, int n_heads, const KvRowsView& kv,
 }  // namespace
 
 namespace {
+// The exact mode's integer query (K tiles on AVX-512 VNNI): a scaled query
+// head q as Q = rne(q 2^e) with e = 21 - ilogb(max|q|), so |Q| <= 2^22 (a
+// 23-bit fixed point: each element within 2^-23 max|q| of its float, below
+// what a 128-term float sum rounds away), split into balanced base-256
+// digits Q = D0 + 256 D1 + 65536 D2 with D0, D1 in [-128, 127] and
+// |D2| <= 64, so every vpdpbusd plane sum and 256 A_2 + A_1 stay below 2^31
+// for head_dim <= 512. Writes the planes (D0 | D1 | D2, hd each) and the
+// scale 2^-e; false (the float kernel runs) when max|q| < 2^-105, where
+// 2^-e would not be a normal float.
+bool QueryDigits(std::span<const float> q, int8_t* planes, float* scale) {
+  const float m = max_abs(q);
+  const size_t hd = q.size();
+  int e = 0;
+  if (m != 0.0f) {
+    const int x = std::ilogb(m);
+    if (x < -105) return false;
+    e = 21 - x;
+  }
+  for (size_t i = 0; i < hd; ++i) {
+    auto v = static_cast<int32_t>(std::nearbyint(std::ldexp(static_cast<double>(q[i]), e)));
+    for (int p = 0; p < 3; ++p) {
+      const int32_t digit = p < 2 ? ((v + 128) & 255) - 128 : v;
+      planes[static_cast<size_t>(p) * hd + i] = static_cast<int8_t>(digit);
+      v = (v - digit) / 256;
+    }
+  }
+  *scale = std::ldexp(1.0f, -e);
+  return true;
+}
+
 // decode_attention, optionally writing each head's log-mass to lse.
 void DecodeAttention(std::span<const float> q, int n_heads, const KvRowsView& kv, std::span<float> out,
                      double* lse, const DecodeAttentionOptions& opts) {
@@ -788,7 +858,7 @@ void DecodeAttention(std::span<const float> q, int n_heads, const KvRowsView& kv
   const int64_t n_items = kv.n_kv_heads * segs;
 
   thread_local std::vector<float> qs, state, qscale, qfsum;
-  thread_local std::vector<int8_t> qs8;
+  thread_local std::vector<int8_t> qi;
   thread_local std::vector<int32_t> qisum;
   thread_local std::vector<attn::Item> items;
   const size_t nb32 = (hd + ggml::kBlock - 1) / ggml::kBlock;
@@ -798,20 +868,32 @@ void DecodeAttention(std::span<const float> q, int n_heads, const KvRowsView& kv
     qs[i] = q[i] * v.scale;
     qfsum[i / hd * nb32 + i % hd / ggml::kBlock] += qs[i];  // per 32-element block (q4_0 tiles)
   }
-  // int8_query (K tiles only): each scaled query head rounded to int8 by the
-  // seed's int8 rule (scale max|q_h| / 127), with its per-block sums.
-  const bool int8_query = opts.int8_query && hd <= 512 && kv.k_tile != 0;
-  if (int8_query) {
-    qs8.resize(q.size());
-    qisum.assign(static_cast<size_t>(n_heads) * nb32, 0);
+  // Integer query planes for K tiles (read by 16-lane VNNI code only; other
+  // targets ignore them). int8_query: each scaled query head rounded to int8
+  // by the seed's int8 rule (scale max|q_h| / 127). Otherwise the exact
+  // mode's digits (QueryDigits), unless a head's magnitude is out of their
+  // range, when the float kernel runs. Plus each plane's per-block sums.
+  int planes = 0;
+  if (kv.k_tile != 0 && hd % 16 == 0 && hd <= 512) {
+    planes = opts.int8_query ? 1 : 3;
+    qi.resize(q.size() * static_cast<size_t>(planes));
+    qisum.assign(static_cast<size_t>(n_heads * planes) * nb32, 0);
     qscale.resize(static_cast<size_t>(n_heads));
-    for (int h = 0; h < n_heads; ++h) {
+    for (int h = 0; h < n_heads && planes != 0; ++h) {
       const size_t o = static_cast<size_t>(h) * hd;
       const std::span<const float> qh(qs.data() + o, hd);
-      const float sc = int8_scale(max_abs(qh));
-      quantize_int8(qh, sc, std::span<int8_t>(qs8.data() + o, hd));
-      qscale[static_cast<size_t>(h)] = sc;
-      for (size_t e = 0; e < hd; ++e) qisum[static_cast<size_t>(h) * nb32 + e / ggml::kBlock] += qs8[o + e];
+      int8_t* dst = qi.data() + o * static_cast<size_t>(planes);
+      if (planes == 1) {
+        const float sc = int8_scale(max_abs(qh));
+        quantize_int8(qh, sc, std::span<int8_t>(dst, hd));
+        qscale[static_cast<size_t>(h)] = sc;
+      } else if (!QueryDigits(qh, dst, &qscale[static_cast<size_t>(h)])) {
+        planes = 0;
+      }
+      for (int p = 0; p < planes; ++p) {
+        int32_t* sums = qisum.data() + (static_cast<size_t>(h * planes + p)) * nb32;
+        for (size_t e = 0; e < hd; ++e) sums[e / ggml::kBlock] += dst[static_cast<size_t>(p) * hd + e];
+      }
     }
   }
   const size_t per_item = G * (hd + 2);
@@ -823,10 +905,11 @@ void DecodeAttention(std::span<const float> q, int n_heads, const KvRowsView& kv
     float* st = state.data() + static_cast<size_t>(i) * per_item;
     std::fill(st, st + G, -std::numeric_limits<float>::infinity());
     const size_t qo = static_cast<size_t>(g) * G * hd, so = static_cast<size_t>(g) * G * nb32;
+    const size_t np = static_cast<size_t>(planes);
     items[static_cast<size_t>(i)] = attn::Item{qs.data() + qo,
-                                               int8_query ? qscale.data() + static_cast<size_t>(g) * G : nullptr,
-                                               int8_query ? qs8.data() + qo : nullptr,
-                                               int8_query ? qisum.data() + so : nullptr,
+                                               planes ? qscale.data() + static_cast<size_t>(g) * G : nullptr,
+                                               planes ? qi.data() + qo * np : nullptr,
+                                               planes ? qisum.data() + so * np : nullptr,
                                                qfsum.data() + so,
                                                st, st + G, st + 2 * G, g, v.G,
                                                v.T * sgi / segs, v.T * (sgi + 1) / segs};
@@ -835,7 +918,7 @@ void DecodeAttention(std::span<const float> q, int n_heads, const KvRowsView& kv
                         kv.k,          kv.v,            kv.slice_bytes,
                         kv.slice_stride, kv.n_kv_heads / kv.slices, kv.k_header,
                         kv.v_header,   kv.header_bytes, kv.k_tile, kv.k_first, items.data(),
-                        n_items,       threads,         int8_query};
+                        n_items,       threads,         planes};
   HWY_DYNAMIC_DISPATCH(DecodeAttentionKernel)(call);
 
   // Merge the segments of each KV head: rescale to the common max, sum, divide.

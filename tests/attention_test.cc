@@ -55,12 +55,17 @@ KvCache MakeCache(const Case& c, Rng& rng, float k_scale = 1.0f) {
 // So |delta o| <= v_max * (4 (d + 4) u S + (2 T + 64) u).
 // q4_0 K tiles compute sum q (c - 8) d as d (sum q c - 8 sum q): the terms
 // then reach |q| (|k| + 8 |d|), and 8 |d| is the block's max |k|.
+// With query digits (DigitsApply) each scaled query element is rounded to a
+// multiple of 2^-e <= 2^-21 max|q_h|: a score moves by at most
+// ds = 2^-22 max|q_h| sum_e |k_e| more, the weights by a factor exp(+-2 ds).
 double Tolerance(const std::vector<float>& q, const std::vector<float>& K, const std::vector<float>& V,
-                 int h, int G, int d, int row, int64_t T, float scale, bool q4_tiles = false) {
+                 int h, int G, int d, int row, int64_t T, float scale, bool q4_tiles = false,
+                 bool digits = false) {
   const int g = h / G;
-  double S = 0.0, vmax = 0.0;
+  double S = 0.0, vmax = 0.0, ds = 0.0, qmax = 0.0;
+  for (int e = 0; e < d; ++e) qmax = std::max(qmax, std::fabs(double(q[static_cast<size_t>(h * d + e)]) * scale));
   for (int64_t t = 0; t < T; ++t) {
-    double s = 0.0;
+    double s = 0.0, sk = 0.0;
     for (int e = 0; e < d; ++e) {
       const float* kt = K.data() + t * row + g * d;
       double off = 0.0;
@@ -68,11 +73,19 @@ double Tolerance(const std::vector<float>& q, const std::vector<float>& K, const
         for (int j = e / 32 * 32; j < e / 32 * 32 + 32 && j < d; ++j) off = std::max(off, double(std::fabs(kt[j])));
       }
       s += std::fabs(q[static_cast<size_t>(h * d + e)]) * (std::fabs(kt[e]) + off);
+      sk += std::fabs(kt[e]);
       vmax = std::max(vmax, static_cast<double>(std::fabs(V[static_cast<size_t>(t * row + g * d + e)])));
     }
     S = std::max(S, s * scale);
+    if (digits) ds = std::max(ds, 0x1p-22 * qmax * sk * (1 + 1e-5));
   }
-  return vmax * (4.0 * (d + 4) * kU * S + (2.0 * static_cast<double>(T) + 64.0) * kU);
+  return vmax * (4.0 * (d + 4) * kU * S + (2.0 * static_cast<double>(T) + 64.0) * kU + std::expm1(2 * ds));
+}
+
+// Whether the exact kernel takes K-tile scores from query digits: AVX-512
+// VNNI among the (test-selected) targets, K tiles, 16-lane vectors.
+bool DigitsApply(const KvCache& cache, int d) {
+  return (hwy::SupportedTargets() & HWY_AVX3_DL) != 0 && cache.codec().k_tile() != 0 && d % 16 == 0 && d <= 512;
 }
 
 void CheckAgainstReference(const Case& c, int threads, Rng& rng, float q_scale = 1.0f) {
@@ -95,7 +108,7 @@ void CheckAgainstReference(const Case& c, int threads, Rng& rng, float q_scale =
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
   const bool q4_tiles = c.scheme == KvScheme::Q4_0 && cache.codec().k_tile() != 0;
   for (int h = 0; h < n_heads; ++h) {
-    const double tol = Tolerance(q, K, V, h, c.ratio, c.d, row, c.T, scale, q4_tiles);
+    const double tol = Tolerance(q, K, V, h, c.ratio, c.d, row, c.T, scale, q4_tiles, DigitsApply(cache, c.d));
     for (int e = 0; e < c.d; ++e) {
       const size_t i = static_cast<size_t>(h * c.d + e);
       ASSERT_TRUE(std::isfinite(out[i]));
@@ -139,6 +152,88 @@ TEST(DecodeAttention, EveryCompiledTargetMatchesTheReference) {
       for (int d : {8, 128}) CheckAgainstReference({s, KvHeadsFor(d), 2, d, 65}, 1, rng);
     }
   });
+}
+
+// The exact kernel's query digits (AVX-512 VNNI, K tiles; DigitsApply).
+// (a) They are used: the output differs from the float-FMA AVX3 target's,
+// and both are within their derived bounds (the sweeps above check every
+// shape). (b) Worst-case digits (|D2| = 64) against the largest codes, all
+// products of one sign, at head_dim 512: the int32 plane sums and their
+// combination must not overflow, or the scores (spread over ~4 units here)
+// would pick the wrong tokens.
+TEST(DecodeAttention, ExactQueryDigitsRunAndDoNotOverflow) {
+  if ((hwy::SupportedTargets() & HWY_AVX3_DL) == 0) GTEST_SKIP() << "needs AVX-512 VNNI (Highway AVX3_DL)";
+  Rng rng(8);
+  const auto Attend = [](const std::vector<float>& q, int n_heads, const KvCache& cache, int64_t T, float scale,
+                         int64_t targets) {
+    hwy::SetSupportedTargetsForTest(targets);
+    std::vector<float> out(q.size());
+    DecodeAttentionOptions o;
+    o.scale = scale;
+    decode_attention(q, n_heads, cache.view(0, T), out, o);
+    hwy::SetSupportedTargetsForTest(0);
+    return out;
+  };
+  const auto Check = [&](const std::vector<float>& q, int n_heads, const KvCache& cache, const Case& c,
+                         float scale) -> std::vector<float> {
+    SCOPED_TRACE(Name(c));
+    const int row = c.n_kv * c.d;
+    const std::vector<float> out = Attend(q, n_heads, cache, c.T, scale, 0);
+    std::vector<float> ref(q.size()), K(static_cast<size_t>(c.T * row)), V(K.size());
+    DecodeAttentionOptions o;
+    o.scale = scale;
+    decode_attention_ref(q, n_heads, cache.view(0, c.T), ref, o);
+    for (int64_t t = 0; t < c.T; ++t) {
+      cache.read_k(0, static_cast<int>(t), {K.data() + t * row, static_cast<size_t>(row)});
+      cache.read_v(0, static_cast<int>(t), {V.data() + t * row, static_cast<size_t>(row)});
+    }
+    EXPECT_TRUE(DigitsApply(cache, c.d));
+    for (int h = 0; h < n_heads; ++h) {
+      const double tol = Tolerance(q, K, V, h, c.ratio, c.d, row, c.T, scale, c.scheme == KvScheme::Q4_0, true);
+      for (int e = 0; e < c.d; ++e) {
+        const size_t i = static_cast<size_t>(h * c.d + e);
+        if (!(std::fabs(double(out[i]) - ref[i]) <= tol)) {
+          ADD_FAILURE() << "head " << h << " elem " << e << ": " << out[i] << " vs " << ref[i] << ", tol " << tol;
+          return out;
+        }
+      }
+    }
+    return out;
+  };
+  const KvScheme tiled[] = {KvScheme::Int8, KvScheme::Int8Head, KvScheme::Q8_0, KvScheme::Q4_0};
+  for (KvScheme s : tiled) {  // (a)
+    const Case c{s, 2, 4, 128, 700};
+    const KvCache cache = MakeCache(c, rng);
+    std::vector<float> q(static_cast<size_t>(8 * c.d));
+    for (auto& x : q) x = static_cast<float>(rng.Gaussian());
+    const float scale = 1.0f / std::sqrt(128.0f);
+    const std::vector<float> digits = Check(q, 8, cache, c, scale);
+    if ((HWY_TARGETS & HWY_AVX3) != 0) {
+      EXPECT_NE(digits, Attend(q, 8, cache, c.T, scale, HWY_AVX3)) << kv_scheme_name(s) << ": digits did not run";
+    }
+  }
+  for (KvScheme s : tiled) {  // (b)
+    const Case c{s, 1, 4, 512, 300};
+    KvCache cache(s, 1, static_cast<int>(c.T), 1, c.d);
+    const auto sign = [](int e) { return e % 3 == 0 ? -1.0f : 1.0f; };
+    std::vector<float> k(static_cast<size_t>(c.d)), v(k.size());
+    for (int64_t t = 0; t < c.T; ++t) {
+      // Keys of one sign per element (q4_0: all negative, so every code is
+      // 0, i.e. c - 8 = -8) and a magnitude that sets the token's score.
+      const float a = 1.0f + static_cast<float>((t * 37) % 101) / 100.0f;
+      for (int e = 0; e < c.d; ++e) {
+        k[static_cast<size_t>(e)] = (s == KvScheme::Q4_0 ? -1.0f : sign(e)) * a;
+        v[static_cast<size_t>(e)] = static_cast<float>(rng.Gaussian());
+      }
+      cache.write(0, static_cast<int>(t), k, v);
+    }
+    // |scale q| just below 2: Q = 2^22 - 2 in magnitude, top digit +-64.
+    std::vector<float> q(static_cast<size_t>(4 * c.d));
+    for (size_t i = 0; i < q.size(); ++i) {
+      q[i] = (s == KvScheme::Q4_0 ? -1.0f : sign(static_cast<int>(i % c.d))) * (2.0f - 0x1p-20f);
+    }
+    Check(q, 4, cache, c, 4.0f / (2.0f * static_cast<float>(c.d)));  // scores 4 a: spread over 4
+  }
 }
 
 TEST(DecodeAttention, ExtremeScoresStayFiniteAndSelectTheRightToken) {
@@ -371,7 +466,7 @@ TEST(DecodeAttention, WholeRowLayoutMatchesHeadMajorSlices) {
       cache.read_v(0, static_cast<int>(t), {V.data() + t * 256, 256});
     }
     for (int h = 0; h < 8; ++h) {
-      const double tol = Tolerance(q, K, V, h, 2, 64, 256, c.T, 0.125f, s == KvScheme::Q4_0);
+      const double tol = Tolerance(q, K, V, h, 2, 64, 256, c.T, 0.125f, s == KvScheme::Q4_0, DigitsApply(cache, 64));
       for (int e = 0; e < 64; ++e) {
         ASSERT_NEAR(a[h * 64 + e], ref[h * 64 + e], tol);
         ASSERT_NEAR(b[h * 64 + e], ref[h * 64 + e], tol);

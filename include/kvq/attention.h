@@ -10,7 +10,12 @@
 // give 16 scores per vector (lanes = tokens) with no horizontal sums; scores
 // go through an online
 // softmax in blocks of 32 tokens (no T-sized buffer), and every query head
-// of a GQA group is served from the same loaded K/V vector. Highway SIMD,
+// of a GQA group is served from the same loaded K/V vector. On AVX-512 VNNI
+// CPUs, K-tile scores (head_dim a multiple of 16, up to 512) are integer dot
+// products (vpdpbusd) of the codes with the scaled query in 23-bit fixed
+// point (Q = rne(q 2^e), |Q| <= 2^22, as three base-256 digits): each sum is
+// exact in int32, and a score differs from the float one by at most
+// 2^-22 max|q_h| sum_e |k_e| plus float rounding. Highway SIMD,
 // one dispatch per call; OpenMP over (KV head, token segment) work items,
 // whose partial softmax states are merged exactly.
 //
