@@ -806,6 +806,17 @@ Validated Validate(std::span<const float> q, int n_heads, const KvRowsView& kv,
 }  // namespace
 
 namespace {
+// out[b] = the sum of x[32 b, min(hd, 32 b + 32)) for every 32-element block
+// b of one head, accumulated in element order.
+template <typename Acc, typename T>
+void BlockSums(const T* x, size_t hd, Acc* out) {
+  for (size_t b = 0; b * ggml::kBlock < hd; ++b) {
+    Acc sum = 0;
+    for (size_t e = b * ggml::kBlock; e < std::min(hd, (b + 1) * ggml::kBlock); ++e) sum += x[e];
+    out[b] = sum;
+  }
+}
+
 // The exact mode's integer query (K tiles on AVX-512 VNNI): a scaled query
 // head q as Q = rne(q 2^e) with e = 21 - ilogb(max|q|), so |Q| <= 2^22 (a
 // 23-bit fixed point: each element within 2^-23 max|q| of its float, below
@@ -871,14 +882,10 @@ void DecodeAttention(std::span<const float> q, int n_heads, const KvRowsView& kv
   thread_local std::vector<attn::Item> items;
   const size_t nb32 = (hd + ggml::kBlock - 1) / ggml::kBlock;
   qs.resize(q.size());
-  qfsum.assign(static_cast<size_t>(n_heads) * nb32, 0.0f);
+  qfsum.resize(static_cast<size_t>(n_heads) * nb32);
   for (size_t i = 0; i < q.size(); ++i) qs[i] = q[i] * v.scale;
-  for (size_t h = 0; h < static_cast<size_t>(n_heads); ++h) {  // sums per 32-element block (q4_0 tiles)
-    for (size_t b = 0; b < nb32; ++b) {
-      float sum = 0.0f;  // in element order, as one running sum
-      for (size_t e = b * ggml::kBlock; e < std::min(hd, (b + 1) * ggml::kBlock); ++e) sum += qs[h * hd + e];
-      qfsum[h * nb32 + b] = sum;
-    }
+  if (kv.scheme == KvScheme::Q4_0 && kv.k_tile != 0) {  // read only by q4_0's float K tiles
+    for (size_t h = 0; h < static_cast<size_t>(n_heads); ++h) BlockSums(qs.data() + h * hd, hd, qfsum.data() + h * nb32);
   }
   // Integer query planes for K tiles (read by 16-lane VNNI code only; other
   // targets ignore them). int8_query: each scaled query head rounded to int8
@@ -889,7 +896,7 @@ void DecodeAttention(std::span<const float> q, int n_heads, const KvRowsView& kv
   if (kv.k_tile != 0 && hd % 16 == 0 && hd <= 512) {
     planes = opts.int8_query ? 1 : 3;
     qi.resize(q.size() * static_cast<size_t>(planes));
-    qisum.assign(static_cast<size_t>(n_heads * planes) * nb32, 0);
+    qisum.resize(static_cast<size_t>(n_heads * planes) * nb32);
     qscale.resize(static_cast<size_t>(n_heads));
     for (int h = 0; h < n_heads && planes != 0; ++h) {
       const size_t o = static_cast<size_t>(h) * hd;
@@ -903,13 +910,7 @@ void DecodeAttention(std::span<const float> q, int n_heads, const KvRowsView& kv
         planes = 0;
       }
       for (int p = 0; p < planes; ++p) {
-        int32_t* sums = qisum.data() + (static_cast<size_t>(h * planes + p)) * nb32;
-        const int8_t* plane = dst + static_cast<size_t>(p) * hd;
-        for (size_t b = 0; b < nb32; ++b) {
-          int32_t sum = 0;
-          for (size_t e = b * ggml::kBlock; e < std::min(hd, (b + 1) * ggml::kBlock); ++e) sum += plane[e];
-          sums[b] = sum;
-        }
+        BlockSums(dst + static_cast<size_t>(p) * hd, hd, qisum.data() + static_cast<size_t>(h * planes + p) * nb32);
       }
     }
   }
