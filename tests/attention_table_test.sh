@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# scripts/attention_table.py: medians only, ratios against the same run's
+# fp32 / fp16 rows (warm against warm, cold against cold), and a clear exit
+# on input without decode-attention rows.
+set -u
+TABLE=$1
+T=$(mktemp -d); trap 'rm -rf "$T"' EXIT
+pass=0; fail=0
+check() { if eval "$2"; then pass=$((pass+1)); else echo "FAIL: $1"; fail=$((fail+1)); fi; }
+row() {  # name, aggregate, real_time, bits, layers
+  printf '{"name": "%s_%s", "aggregate_name": "%s", "time_unit": "us", "real_time": %s, "bits": %s, "layers": %s, "bytes_per_second": 2e10, "MAC/s": 5e10}' \
+    "$1" "$2" "$2" "$3" "$4" "$5"
+}
+{
+  echo '{"benchmarks": ['
+  row BM_decode_attention/fp32/16384/real_time median 4000 32 1; echo ,
+  row BM_decode_attention/fp32/16384/real_time mean 9999 32 1; echo ,
+  row BM_decode_attention/fp16/16384/real_time median 2000 16 1; echo ,
+  row BM_decode_attention/q4_0/16384/real_time median 1000 4.5 1; echo ,
+  row BM_decode_attention_int8q/q4_0/16384/real_time median 800 4.5 1; echo ,
+  row BM_decode_attention_cold/fp32/16384/real_time median 6000 32 7; echo ,
+  row BM_decode_attention_cold/fp16/16384/real_time median 3000 16 13; echo ,
+  row BM_decode_attention_cold/q4_0/16384/real_time median 1500 4.5 32
+  echo ']}'
+} >"$T/in.json"
+/usr/bin/python3 "$TABLE" "$T/in.json" >"$T/out" 2>"$T/err"; rc=$?
+check "runs" '[ $rc -eq 0 ]'
+check "warm q4_0: 0.25x fp32, 0.50x fp16 (medians, not means)" 'grep -q "^| q4_0 | 4.5 | – | – | 1000 | – | 20.0 | 50 | 0.25 | 0.50 | – |$" "$T/out"'
+check "int8_query row" 'grep -q "^| q4_0 (int8_query) | 4.5 | – | – | 800 |.*| 0.20 | 0.40 |" "$T/out"'
+check "cold q4_0 against cold fp32 / fp16" 'grep -q "^| q4_0 | 32 | 1500 | 20.0 | 0.25 | 0.50 | 1000 | 1.50 |$" "$T/out"'
+check "cold fp32 row" 'grep -q "^| fp32 | 7 | 6000 | 20.0 | 1.00 | 2.00 | 4000 | 1.50 |$" "$T/out"'
+echo '{"benchmarks": []}' >"$T/empty.json"
+/usr/bin/python3 "$TABLE" "$T/empty.json" >/dev/null 2>"$T/err"; rc=$?
+check "no rows: exit 1 with a message" '[ $rc -eq 1 ] && grep -q "no BM_decode_attention medians" "$T/err"'
+echo 'not json' >"$T/bad.json"
+/usr/bin/python3 "$TABLE" "$T/bad.json" >/dev/null 2>"$T/err"; rc=$?
+check "bad JSON: exit 1 naming the file" '[ $rc -eq 1 ] && grep -q "bad.json: not kvq_bench JSON" "$T/err"'
+echo "attention_table_test: $pass passed, $fail failed"
+[ $fail -eq 0 ]
