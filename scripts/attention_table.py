@@ -13,7 +13,8 @@ import json
 import re
 import sys
 
-SCHEMES = ["fp32", "fp16", "bf16", "int8", "int8-head", "fp8-e4m3", "fp8-e5m2", "q8_0", "q4_0"]
+# Row order; schemes in the JSON but not here follow, by name (none is dropped).
+ORDER = ["fp32", "fp16", "bf16", "int8", "int8-head", "fp8-e4m3", "fp8-e5m2", "q8_0", "q4_0"]
 TS = [1024, 4096, 16384, 65536]
 
 
@@ -40,6 +41,9 @@ def main():
     if not rows:
         sys.exit("no BM_decode_attention medians in " + sys.argv[1])
 
+    found = {k[2] for k in rows}
+    schemes = [s for s in ORDER if s in found] + sorted(found - set(ORDER))
+
     def time(cold, iq, s, t):
         b = rows.get((cold, iq, s, t))
         return b["real_time"] if b else None
@@ -53,7 +57,7 @@ def main():
     print("| scheme | bits | T=1024 µs | T=4096 µs | T=16384 µs | T=65536 µs | GB/s @16384 | GMAC/s @16384 "
           "| × fp32 @16384 | × fp16 @16384 | × fp32 @65536 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for s in SCHEMES:
+    for s in schemes:
         for iq in (False, True):
             if (False, iq, s, 16384) not in rows:
                 continue
@@ -70,7 +74,7 @@ def main():
         print()
         print("| scheme | layers | cold T=16384 µs | GB/s | × fp32 cold | × fp16 cold | warm µs (same run) | cold / warm |")
         print("|---|---|---|---|---|---|---|---|")
-        for s in SCHEMES:
+        for s in schemes:
             for iq in (False, True):
                 b = rows.get((True, iq, s, 16384))
                 if not b:

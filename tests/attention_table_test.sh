@@ -17,6 +17,7 @@ row() {  # name, aggregate, real_time, bits, layers
   row BM_decode_attention/fp32/16384/real_time mean 9999 32 1; echo ,
   row BM_decode_attention/fp16/16384/real_time median 2000 16 1; echo ,
   row BM_decode_attention/q4_0/16384/real_time median 1000 4.5 1; echo ,
+  row BM_decode_attention/fp8-e4m3-scaled/16384/real_time median 3000 9 1; echo ,
   row BM_decode_attention_int8q/q4_0/16384/real_time median 800 4.5 1; echo ,
   row BM_decode_attention_cold/fp32/16384/real_time median 6000 32 7; echo ,
   row BM_decode_attention_cold/fp16/16384/real_time median 3000 16 13; echo ,
@@ -26,6 +27,7 @@ row() {  # name, aggregate, real_time, bits, layers
 /usr/bin/python3 "$TABLE" "$T/in.json" >"$T/out" 2>"$T/err"; rc=$?
 check "runs" '[ $rc -eq 0 ]'
 check "warm q4_0: 0.25x fp32, 0.50x fp16 (medians, not means)" 'grep -q "^| q4_0 | 4.5 | – | – | 1000 | – | 20.0 | 50 | 0.25 | 0.50 | – |$" "$T/out"'
+check "a scheme the script does not list is printed, after the listed ones" 'grep -q "^| fp8-e4m3-scaled | 9 | – | – | 3000 |.*| 0.75 | 1.50 |" "$T/out" && [ "$(grep -n "^| fp8-e4m3-scaled " "$T/out" | cut -d: -f1)" -gt "$(grep -n "^| q4_0 (int8_query) " "$T/out" | cut -d: -f1)" ]'
 check "int8_query row" 'grep -q "^| q4_0 (int8_query) | 4.5 | – | – | 800 |.*| 0.20 | 0.40 |" "$T/out"'
 check "cold q4_0 against cold fp32 / fp16" 'grep -q "^| q4_0 | 32 | 1500 | 20.0 | 0.25 | 0.50 | 1000 | 1.50 |$" "$T/out"'
 check "cold fp32 row" 'grep -q "^| fp32 | 7 | 6000 | 20.0 | 1.00 | 2.00 | 4000 | 1.50 |$" "$T/out"'
