@@ -120,6 +120,36 @@ TEST(Affine, OpenMPThreadCountDoesNotChangeCodes) {
   std::vector<int8_t> ref(v.size());
   quantize_int8_ref(v, a.scale, ref);
   EXPECT_EQ(0, std::memcmp(a.codes.data(), ref.data(), ref.size()));
+  // Dequantizing (16 chunks on 1 or 2 threads) is the reference's too.
+  std::vector<float> back_ref(v.size());
+  dequantize_int8_ref(ref, a.scale, back_ref);
+  for (int threads : {1, 2}) {
+    omp_set_num_threads(threads);
+    const Tensor back = dequantize_kv_cache(a);
+    EXPECT_EQ(0, std::memcmp(back.data_as<float>(), back_ref.data(), back_ref.size() * sizeof(float))) << threads;
+  }
+  omp_set_num_threads(saved);
+}
+
+// first_non_finite: -1 for finite input (FLT_MAX included), else the first
+// NaN / Inf, in short rows and in 1M-element inputs (several max_abs chunks).
+TEST(Affine, FirstNonFiniteFindsTheFirstNanOrInf) {
+  EXPECT_EQ(first_non_finite({}), -1);
+  const float big = std::numeric_limits<float>::max();
+  for (size_t n : {size_t{1}, size_t{7}, size_t{100}, size_t{1} << 20}) {
+    std::vector<float> v(n, 1.0f);
+    v[n / 2] = -big;
+    v[0] = big;
+    EXPECT_EQ(first_non_finite(v), -1) << n;
+    for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                      -std::numeric_limits<float>::infinity()}) {
+      std::vector<float> w = v;
+      w[n - 1] = bad;
+      EXPECT_EQ(first_non_finite(w), static_cast<int64_t>(n - 1)) << n;
+      w[n / 3] = -bad;
+      EXPECT_EQ(first_non_finite(w), static_cast<int64_t>(n / 3)) << n;
+    }
+  }
 }
 
 TEST(Affine, AllZeroInputGivesZeroScaleAndZeros) {
