@@ -256,7 +256,12 @@ HWY_INLINE void LoadGroup(D d, const uint8_t* row, size_t x, hn::Vec<D> (&v)[kC]
   }
 }
 
-constexpr int kBlockTokens = 32;
+// Tokens per online-softmax block: scores of the block, one max / rescale
+// step, then its V rows. 128 rather than 32 amortises the per-block work
+// (softmax reductions, the V pass set-up, accumulator loads and stores):
+// 3-10% faster at 4K-16K tokens for every scheme in interleaved runs, while
+// a block's V rows (fp32: 64 KiB per KV head) still come from L1 / L2.
+constexpr int kBlockTokens = 128;
 
 // Horizontal sums of kG accumulators, written to out[0..kG). Groups of four
 // share one reduction tree: two interleave levels leave [a0 a1 a2 a3]
@@ -551,7 +556,8 @@ HWY_INLINE void ScoreBlock(D d, const uint8_t* krow, size_t sb, size_t xbase, si
     for (int h = 0; h < kG; ++h) s[h][b + t] = dots[t * kG + h];
 }
 
-// kG query heads of one KV head over the item's tokens, in blocks of 32:
+// kG query heads of one KV head over the item's tokens, in blocks of
+// kBlockTokens:
 // scores from the K codes, an online-softmax update, then V accumulated from
 // the codes with every head's weight applied to the same loaded vector.
 // Block lanes [lo, hi) hold tokens tb + lane of the item; with K tiles
@@ -607,7 +613,10 @@ KVQ_VNNI_ATTR HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, 
       for (; b + 2 <= hi; b += 2) ScoreBlock<S, kBlocks, kG, 2>(d, krow, sb, xbase, hd, q, b, s);
       if (b < hi) ScoreBlock<S, kBlocks, kG, 1>(d, krow, sb, xbase, hd, q, b, s);
     }
-    for (int bb = 0; bb < kBlockTokens; ++bb) {
+    // The vectors that hold lanes [lo, hi); the rest of the block is not touched.
+    const int v0 = lo / static_cast<int>(N) * static_cast<int>(N);
+    const int v1 = (hi + static_cast<int>(N) - 1) / static_cast<int>(N) * static_cast<int>(N);
+    for (int bb = v0; bb < v1; ++bb) {
       const bool in = bb >= lo && bb < hi;
       ks[bb] = in ? RowScaleAt<S>(c.k_header, hb, tb + bb, it.g) : 0.0f;
       vs[bb] = in ? RowScaleAt<S>(c.v_header, hb, tb + bb, it.g) : 0.0f;
@@ -621,7 +630,7 @@ KVQ_VNNI_ATTR HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, 
       if constexpr (kQP > 0) qf = it.qscale[h0 + h];
       const auto vqf = hn::Set(d, qf);
       auto vmax = lowest;
-      for (int b0 = 0; b0 < kBlockTokens; b0 += static_cast<int>(N)) {
+      for (int b0 = v0; b0 < v1; b0 += static_cast<int>(N)) {
         auto v = hn::Mul(hn::Load(d, s[h] + b0), hn::Mul(hn::Load(d, ks + b0), vqf));
         const auto in = hn::AndNot(hn::FirstN(d, static_cast<size_t>(std::max(0, lo - b0))),
                                    hn::FirstN(d, static_cast<size_t>(std::max(0, hi - b0))));
@@ -642,7 +651,7 @@ KVQ_VNNI_ATTR HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, 
       m[h] = mn;
       const auto vm = hn::Set(d, mn);
       auto vsum = hn::Zero(d);
-      for (int b0 = 0; b0 < kBlockTokens; b0 += static_cast<int>(N)) {
+      for (int b0 = v0; b0 < v1; b0 += static_cast<int>(N)) {
         const auto w = hn::Exp(d, hn::Sub(hn::Load(d, s[h] + b0), vm));
         vsum = hn::Add(vsum, w);
         hn::Store(hn::Mul(w, hn::Load(d, vs + b0)), d, s[h] + b0);  // the weight of V row b's codes

@@ -125,7 +125,7 @@ TEST(DecodeAttention, MatchesReferenceForEverySchemeShapeAndRatio) {
   for (KvScheme s : all_kv_schemes()) {
     for (int d : {8, 64, 128}) {
       for (int ratio : {1, 2, 4, 8}) {
-        for (int64_t T : {1, 31, 32, 33, 100, 1000, 2500}) {
+        for (int64_t T : {1, 31, 32, 33, 100, 127, 128, 129, 1000, 2500}) {
           if (d == 128 && T > 1000 && ratio != 4) continue;  // keep the sweep quick
           CheckAgainstReference({s, KvHeadsFor(d), ratio, d, T}, ratio == 2 ? 2 : 1, rng);
         }

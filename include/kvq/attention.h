@@ -9,7 +9,7 @@
 // softmax weight, ggml block scales are applied per 32-value block); K tiles
 // give 16 scores per vector (lanes = tokens) with no horizontal sums; scores
 // go through an online
-// softmax in blocks of 32 tokens (no T-sized buffer), and every query head
+// softmax in blocks of 128 tokens (no T-sized buffer), and every query head
 // of a GQA group is served from the same loaded K/V vector. On AVX-512 VNNI
 // CPUs, K-tile scores (head_dim a multiple of 16, up to 512) are integer dot
 // products (vpdpbusd) of the codes with the scaled query in 23-bit fixed
