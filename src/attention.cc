@@ -30,7 +30,7 @@ struct Item {
   const float* q;  // G * hd pre-scaled query values
   const float* qscale;   // G: the scale of each query head's integer planes
   const int8_t* qi;      // G * planes * hd: the query's integer planes (int8 codes or digits), else null
-  const int32_t* qisum;  // G * planes * nb32: sums of each plane per 32-element block
+  const int32_t* qstart;  // G * planes * nb32: the plane accumulators' start values (StartValues)
   const float* qfsum;    // G * nb32: sums of q per 32-element block
   float* m;        // G
   float* l;        // G
@@ -55,7 +55,7 @@ struct Call {
   const Item* items;
   int64_t n_items;
   int threads;
-  // K tiles: integer query planes the items carry (qscale / qi / qisum):
+  // K tiles: integer query planes the items carry (qscale / qi / qstart):
   // 0 none, 1 the int8 query (int8_query), 3 the exact query's digits.
   int query_planes;
 };
@@ -449,17 +449,18 @@ HWY_INLINE void ScoreTile(D d, const uint8_t* tile, size_t lane0, size_t hd, con
 // its fixed-point form (kP = 3, exact mode; see QueryDigits). vpdpbusd takes
 // the codes as the unsigned operand (int8 codes + 128, q4_0 nibbles as they
 // are) and 4 plane values broadcast per lane; the offsets (128 or 8 times the
-// plane's block sums) are the accumulators' start values. Each plane's sum is
+// plane's block sums, precomputed by StartValues) are the accumulators' start
+// values. Each plane's sum is
 // exact in int32; the planes are combined as described at CombinePlanes.
 // Results (before the row and query scales) to s[h][b0, b0 + 16).
 template <KvScheme S, int kG, int kP, class D>
 KVQ_VNNI_ATTR HWY_INLINE void ScoreTileInt(D d, const uint8_t* tile, size_t hd, const int8_t* HWY_RESTRICT qi,
-                                           const int32_t* HWY_RESTRICT qisum, size_t nb32,
+                                           const int32_t* HWY_RESTRICT qstart, size_t nb32,
                                            float (*HWY_RESTRICT s)[kBlockTokens], int b0) {
   if constexpr (kG * kP > 12) {  // at most 12 integer accumulators in registers
     constexpr int kH = kG / 2;
-    ScoreTileInt<S, kH, kP>(d, tile, hd, qi, qisum, nb32, s, b0);
-    ScoreTileInt<S, kH, kP>(d, tile, hd, qi + kH * kP * hd, qisum + kH * kP * nb32, nb32, s + kH, b0);
+    ScoreTileInt<S, kH, kP>(d, tile, hd, qi, qstart, nb32, s, b0);
+    ScoreTileInt<S, kH, kP>(d, tile, hd, qi + kH * kP * hd, qstart + kH * kP * nb32, nb32, s + kH, b0);
     return;
   }
   const hn::RebindToSigned<D> di;
@@ -470,7 +471,8 @@ KVQ_VNNI_ATTR HWY_INLINE void ScoreTileInt(D d, const uint8_t* tile, size_t hd, 
     std::memcpy(&w, qi + (static_cast<size_t>(h) * kP + p) * hd + e, 4);
     return hn::Set(di, w);
   };
-  const auto QSum = [&](int h, int p, size_t b) { return qisum[(static_cast<size_t>(h) * kP + p) * nb32 + b]; };
+  // Read from memory, so the broadcast is a load, not a general-register move.
+  const auto Start = [&](int h, int p, size_t b) { return hn::Set(di, qstart[(static_cast<size_t>(h) * kP + p) * nb32 + b]); };
   // Plane sums as floats: sum_p 256^p A_p, with the top two planes combined
   // in int32 first (each plane's sum, and 256 A_2 + A_1, stay below 2^31).
   const auto CombinePlanes = [&](const VI (&a)[kP]) {
@@ -485,11 +487,7 @@ KVQ_VNNI_ATTR HWY_INLINE void ScoreTileInt(D d, const uint8_t* tile, size_t hd, 
   if constexpr (S == KvScheme::Int8 || S == KvScheme::Int8Head) {
     VI a[kG][kP];
     for (int h = 0; h < kG; ++h) {
-      for (int p = 0; p < kP; ++p) {
-        int32_t total = 0;
-        for (size_t b = 0; b < nb32; ++b) total += QSum(h, p, b);
-        a[h][p] = hn::Set(di, -128 * total);
-      }
+      for (int p = 0; p < kP; ++p) a[h][p] = Start(h, p, 0);
     }
     const auto flip = hn::Set(du8, 0x80);
     for (size_t g = 0; g < hd / 4; ++g) {
@@ -508,10 +506,12 @@ KVQ_VNNI_ATTR HWY_INLINE void ScoreTileInt(D d, const uint8_t* tile, size_t hd, 
       VI ab[kG][kP];
       if constexpr (S == KvScheme::Q8_0) {
         for (int h = 0; h < kG; ++h) {
-          for (int p = 0; p < kP; ++p) ab[h][p] = hn::Set(di, -128 * QSum(h, p, b));
+          for (int p = 0; p < kP; ++p) ab[h][p] = Start(h, p, b);
         }
         const auto flip = hn::Set(du8, 0x80);
-        for (size_t g = 8 * b; g < 8 * b + 8; ++g) {
+#pragma GCC unroll 8
+        for (size_t j = 0; j < 8; ++j) {  // a constant trip count: unrolled, no accumulator copies
+          const size_t g = 8 * b + j;
           const auto k = hn::Xor(hn::LoadU(du8, codes + 64 * g), flip);
           for (int h = 0; h < kG; ++h) {
             for (int p = 0; p < kP; ++p) {
@@ -522,11 +522,13 @@ KVQ_VNNI_ATTR HWY_INLINE void ScoreTileInt(D d, const uint8_t* tile, size_t hd, 
       } else {
         static_assert(S == KvScheme::Q4_0);
         for (int h = 0; h < kG; ++h) {
-          for (int p = 0; p < kP; ++p) ab[h][p] = hn::Set(di, -8 * QSum(h, p, b));
+          for (int p = 0; p < kP; ++p) ab[h][p] = Start(h, p, b);
         }
         const auto m4 = hn::Set(du8, 0x0F);
         const hn::Repartition<uint16_t, D> du16;
-        for (size_t u = 4 * b; u < 4 * b + 4; ++u) {
+#pragma GCC unroll 4
+        for (size_t j = 0; j < 4; ++j) {  // a constant trip count: unrolled, no accumulator copies
+          const size_t u = 4 * b + j;
           const auto w = hn::LoadU(du8, codes + 64 * u);
           const auto lo = hn::And(w, m4);
           const auto hi = hn::And(hn::BitCast(du8, hn::ShiftRight<4>(hn::BitCast(du16, w))), m4);
@@ -601,7 +603,7 @@ KVQ_VNNI_ATTR HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, 
 #if HWY_TARGET == HWY_AVX3_DL
         if constexpr (kQP > 0 && N == kKTile) {
           ScoreTileInt<S, kG, kQP>(d, tile, hd, it.qi + static_cast<size_t>(h0) * kQP * hd,
-                                   it.qisum + static_cast<size_t>(h0) * kQP * nb32, nb32, s, b0);
+                                   it.qstart + static_cast<size_t>(h0) * kQP * nb32, nb32, s, b0);
           continue;
         }
 #endif
@@ -839,6 +841,24 @@ void BlockSums(const T* x, size_t hd, Acc* out) {
   }
 }
 
+// Start values of one integer query plane's accumulators (ScoreTileInt):
+// the codes enter vpdpbusd unsigned, offset by 128 (int8, q8_0) or 8 (q4_0),
+// so each accumulator starts at -offset times the plane's sum over its
+// elements: per 32-element block for q8_0 / q4_0, entry 0 for the whole head
+// for int8 / int8-head tiles (one accumulator per head).
+void StartValues(KvScheme scheme, const int8_t* plane, size_t hd, int32_t* out) {
+  BlockSums(plane, hd, out);
+  const size_t nb32 = (hd + ggml::kBlock - 1) / ggml::kBlock;
+  if (scheme == KvScheme::Int8 || scheme == KvScheme::Int8Head) {
+    int32_t total = 0;
+    for (size_t b = 0; b < nb32; ++b) total += out[b];
+    out[0] = -128 * total;
+    return;
+  }
+  const int32_t offset = scheme == KvScheme::Q4_0 ? 8 : 128;
+  for (size_t b = 0; b < nb32; ++b) out[b] *= -offset;
+}
+
 // The exact mode's integer query (K tiles on AVX-512 VNNI): a scaled query
 // head q as Q = rne(q 2^e) with e = 21 - ilogb(max|q|), so |Q| <= 2^22 (a
 // 23-bit fixed point: each element within 2^-23 max|q| of its float, below
@@ -900,7 +920,7 @@ void DecodeAttention(std::span<const float> q, int n_heads, const KvRowsView& kv
 
   thread_local std::vector<float> qs, state, qscale, qfsum;
   thread_local std::vector<int8_t> qi;
-  thread_local std::vector<int32_t> qisum;
+  thread_local std::vector<int32_t> qstart;
   thread_local std::vector<attn::Item> items;
   const size_t nb32 = (hd + ggml::kBlock - 1) / ggml::kBlock;
   qs.resize(q.size());
@@ -918,7 +938,7 @@ void DecodeAttention(std::span<const float> q, int n_heads, const KvRowsView& kv
   if (kv.k_tile != 0 && hd % 16 == 0 && hd <= 512) {
     planes = opts.int8_query ? 1 : 3;
     qi.resize(q.size() * static_cast<size_t>(planes));
-    qisum.resize(static_cast<size_t>(n_heads * planes) * nb32);
+    qstart.resize(static_cast<size_t>(n_heads * planes) * nb32);
     qscale.resize(static_cast<size_t>(n_heads));
     for (int h = 0; h < n_heads && planes != 0; ++h) {
       const size_t o = static_cast<size_t>(h) * hd;
@@ -932,7 +952,8 @@ void DecodeAttention(std::span<const float> q, int n_heads, const KvRowsView& kv
         planes = 0;
       }
       for (int p = 0; p < planes; ++p) {
-        BlockSums(dst + static_cast<size_t>(p) * hd, hd, qisum.data() + static_cast<size_t>(h * planes + p) * nb32);
+        StartValues(kv.scheme, dst + static_cast<size_t>(p) * hd, hd,
+                    qstart.data() + static_cast<size_t>(h * planes + p) * nb32);
       }
     }
   }
@@ -949,7 +970,7 @@ void DecodeAttention(std::span<const float> q, int n_heads, const KvRowsView& kv
     items[static_cast<size_t>(i)] = attn::Item{qs.data() + qo,
                                                planes ? qscale.data() + static_cast<size_t>(g) * G : nullptr,
                                                planes ? qi.data() + qo * np : nullptr,
-                                               planes ? qisum.data() + so * np : nullptr,
+                                               planes ? qstart.data() + so * np : nullptr,
                                                qfsum.data() + so,
                                                st, st + G, st + 2 * G, g, v.G,
                                                v.T * sgi / segs, v.T * (sgi + 1) / segs};
