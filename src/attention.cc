@@ -450,8 +450,8 @@ HWY_INLINE void ScoreTile(D d, const uint8_t* tile, size_t lane0, size_t hd, con
 // the codes as the unsigned operand (int8 codes + 128, q4_0 nibbles as they
 // are) and 4 plane values broadcast per lane; the offsets (128 or 8 times the
 // plane's block sums, precomputed by StartValues) are the accumulators' start
-// values. Each plane's sum is
-// exact in int32; the planes are combined as described at CombinePlanes.
+// values. Each plane's sum is exact in int32; the planes are combined as
+// described at CombinePlanes.
 // Results (before the row and query scales) to s[h][b0, b0 + 16).
 template <KvScheme S, int kG, int kP, class D>
 KVQ_VNNI_ATTR HWY_INLINE void ScoreTileInt(D d, const uint8_t* tile, size_t hd, const int8_t* HWY_RESTRICT qi,
