@@ -50,8 +50,9 @@ struct Call {
   const uint8_t* k_header;
   const uint8_t* v_header;
   size_t header_bytes;
-  int k_tile;   // 0: K rows; kKTile: K tiles (kv_scheme.h)
-  int k_first;  // tiles: lane of token 0
+  int k_tile;      // 0: K rows; kKTile: K tiles (kv_scheme.h)
+  int v_tile;      // 0: V rows; kKTile: V tiles
+  int tile_first;  // tiles: lane of token 0
   const Item* items;
   int64_t n_items;
   int threads;
@@ -256,6 +257,46 @@ HWY_INLINE void LoadGroup(D d, const uint8_t* row, size_t x, hn::Vec<D> (&v)[kC]
   }
 }
 
+// V tiles (kv_scheme.h): kC vectors of elements [x, x + kC * N) of lane
+// `lane` of a V tile, as LoadGroup gives them from a row. A lane's codes
+// are byte lane % 4 of each 4-byte word of its quad's units.
+template <KvScheme S, class D, size_t kC>
+HWY_INLINE void LoadVTileGroup(D d, const uint8_t* tile, size_t hd, int lane, size_t x, hn::Vec<D> (&v)[kC]) {
+  constexpr size_t N = hn::MaxLanes(D());
+  const hn::RebindToSigned<D> di;
+  const size_t quad = static_cast<size_t>(lane / 4);
+  const int shift = 8 * (lane % 4);
+  if constexpr (S == KvScheme::Int8 || S == KvScheme::Int8Head) {
+    const auto w = hn::LoadU(di, reinterpret_cast<const int32_t*>(tile + 64 * (4 * (x / 16) + quad) + 4 * (x % 16)));
+    v[0] = hn::ConvertTo(d, hn::ShiftRight<24>(hn::ShiftLeftSame(w, 24 - shift)));
+  } else {
+    const size_t b = x / ggml::kBlock;
+    const uint8_t* codes = tile + 2 * kKTile * (hd / ggml::kBlock);
+    const auto vdb = BlockScaleVec(d, tile + 2 * kKTile * b + 2 * static_cast<size_t>(lane));
+    if constexpr (S == KvScheme::Q8_0) {
+      for (size_t c = 0; c < kC; ++c) {
+        const size_t e = x + c * N;
+        const auto w = hn::LoadU(di, reinterpret_cast<const int32_t*>(codes + 64 * (4 * (e / 16) + quad) + 4 * (e % 16)));
+        v[c] = hn::Mul(hn::ConvertTo(d, hn::ShiftRight<24>(hn::ShiftLeftSame(w, 24 - shift))), vdb);
+      }
+    } else {
+      static_assert(S == KvScheme::Q4_0);
+      const auto tbl = hn::Mul(vdb, hn::Iota(d, -8.0f));
+      const auto value = [&](hn::Vec<D> c) { return hn::MulAdd(c, vdb, hn::Mul(vdb, hn::Set(d, -8.0f))); };
+      for (size_t c = 0; c < kC; ++c) {
+        const size_t j = c * N;  // element x + j of block b: low nibbles for j < 16
+        const auto w = hn::LoadU(di, reinterpret_cast<const int32_t*>(codes + 64 * (4 * b + quad) + 4 * (j % 16)));
+        v[c] = Nibbles(d, hn::ShiftRightSame(w, shift + (j < 16 ? 0 : 4)), tbl, value);
+      }
+    }
+  }
+}
+
+// V tiles exist for int8, int8-head and (block-aligned) q8_0 / q4_0.
+template <KvScheme S, bool kBlocks>
+constexpr bool kVTileable = S == KvScheme::Int8 || S == KvScheme::Int8Head ||
+                            ((S == KvScheme::Q8_0 || S == KvScheme::Q4_0) && kBlocks);
+
 // Tokens per online-softmax block: scores of the block, one max / rescale
 // step, then its V rows. 128 rather than 32 amortises the per-block work
 // (softmax reductions, the V pass set-up, accumulator loads and stores):
@@ -263,29 +304,35 @@ HWY_INLINE void LoadGroup(D d, const uint8_t* row, size_t x, hn::Vec<D> (&v)[kC]
 // a block's V rows (fp32: 64 KiB per KV head) still come from L1 / L2.
 constexpr int kBlockTokens = 128;
 
-// Horizontal sums of kG accumulators, written to out[0..kG). Groups of four
-// share one reduction tree: two interleave levels leave [a0 a1 a2 a3]
-// partials in every 128-bit block, then the blocks are added.
-template <int kG, class D>
-HWY_INLINE void SumLanes(D d, const hn::Vec<D> (&a)[kG], float* HWY_RESTRICT out) {
+// Horizontal sums (kMax: maxima) of kG vectors, written to out[0..kG).
+// Groups of four share one reduction tree: two interleave levels leave
+// [a0 a1 a2 a3] partials in every 128-bit block, then the blocks are combined.
+template <int kG, bool kMax = false, class D>
+HWY_INLINE void ReduceLanes(D d, const hn::Vec<D> (&a)[kG], hn::TFromD<D>* HWY_RESTRICT out) {
+  [[maybe_unused]] const auto op = [](auto x, auto y) {
+    if constexpr (kMax) {
+      return hn::Max(x, y);
+    } else {
+      return hn::Add(x, y);
+    }
+  };
 #if HWY_TARGET != HWY_SCALAR
   constexpr size_t N = hn::MaxLanes(D());
   if constexpr (kG % 4 == 0 && N >= 4) {
     const hn::Repartition<uint64_t, D> d64;
     for (int h = 0; h < kG; h += 4) {
-      const auto t01 = hn::Add(hn::InterleaveLower(d, a[h], a[h + 1]), hn::InterleaveUpper(d, a[h], a[h + 1]));
-      const auto t23 = hn::Add(hn::InterleaveLower(d, a[h + 2], a[h + 3]), hn::InterleaveUpper(d, a[h + 2], a[h + 3]));
+      const auto t01 = op(hn::InterleaveLower(d, a[h], a[h + 1]), hn::InterleaveUpper(d, a[h], a[h + 1]));
+      const auto t23 = op(hn::InterleaveLower(d, a[h + 2], a[h + 3]), hn::InterleaveUpper(d, a[h + 2], a[h + 3]));
       const auto w01 = hn::BitCast(d64, t01), w23 = hn::BitCast(d64, t23);
-      auto u = hn::Add(hn::BitCast(d, hn::InterleaveLower(d64, w01, w23)),
-                       hn::BitCast(d, hn::InterleaveUpper(d64, w01, w23)));
+      auto u = op(hn::BitCast(d, hn::InterleaveLower(d64, w01, w23)), hn::BitCast(d, hn::InterleaveUpper(d64, w01, w23)));
       if constexpr (N == 16) {
         const hn::Half<D> dh;
         const hn::Half<decltype(dh)> dq;
-        const auto v8 = hn::Add(hn::LowerHalf(dh, u), hn::UpperHalf(dh, u));
-        hn::StoreU(hn::Add(hn::LowerHalf(dq, v8), hn::UpperHalf(dq, v8)), dq, out + h);
+        const auto v8 = op(hn::LowerHalf(dh, u), hn::UpperHalf(dh, u));
+        hn::StoreU(op(hn::LowerHalf(dq, v8), hn::UpperHalf(dq, v8)), dq, out + h);
       } else if constexpr (N == 8) {
         const hn::Half<D> dh;
-        hn::StoreU(hn::Add(hn::LowerHalf(dh, u), hn::UpperHalf(dh, u)), dh, out + h);
+        hn::StoreU(op(hn::LowerHalf(dh, u), hn::UpperHalf(dh, u)), dh, out + h);
       } else {
         hn::StoreU(u, d, out + h);
       }
@@ -293,7 +340,13 @@ HWY_INLINE void SumLanes(D d, const hn::Vec<D> (&a)[kG], float* HWY_RESTRICT out
     return;
   }
 #endif
-  for (int h = 0; h < kG; ++h) out[h] = hn::GetLane(hn::SumOfLanes(d, a[h]));
+  for (int h = 0; h < kG; ++h) {
+    if constexpr (kMax) {
+      out[h] = hn::GetLane(hn::MaxOfLanes(d, a[h]));
+    } else {
+      out[h] = hn::GetLane(hn::SumOfLanes(d, a[h]));
+    }
+  }
 }
 
 // Scores of kT consecutive tokens for kG query heads: each loaded query
@@ -317,7 +370,7 @@ HWY_INLINE void ScoreTokens(D d, const uint8_t* row0, size_t sb, size_t xbase, s
       }
     }
   }
-  SumLanes<kT * kG>(d, a, dots);  // dots[t * kG + h]
+  ReduceLanes<kT * kG>(d, a, dots);  // dots[t * kG + h]
 }
 
 #if HWY_TARGET == HWY_AVX3_DL
@@ -332,9 +385,11 @@ constexpr bool kVnni = false;
 
 // acc[h][x, x + kVG * kEG) += sum_b w[h][b] * V_b[x, ...) for one block of
 // tokens: kVG element groups per pass, so kG * kVG * kC accumulator chains
-// stay in registers and each loaded V vector feeds kG FMAs.
-template <KvScheme S, bool kBlocks, int kG, size_t kVG, class D>
-HWY_INLINE void AccumulateV(D d, const uint8_t* row0, size_t sb, int w0, int nb, size_t x, size_t hd,
+// stay in registers and each loaded V vector feeds kG FMAs. Rows: token b at
+// row0 + b * sb. V tiles (kVT): token b at tile position pos0 + b of the
+// slice at row0.
+template <KvScheme S, bool kBlocks, bool kVT, int kG, size_t kVG, class D>
+HWY_INLINE void AccumulateV(D d, const uint8_t* row0, size_t sb, int64_t pos0, int w0, int nb, size_t x, size_t hd,
                             const float (*HWY_RESTRICT w)[kBlockTokens], float* HWY_RESTRICT acc, size_t e) {
   constexpr size_t N = hn::MaxLanes(D());
   constexpr size_t kC = kBlocks ? ggml::kBlock / N : 1;
@@ -344,9 +399,15 @@ HWY_INLINE void AccumulateV(D d, const uint8_t* row0, size_t sb, int w0, int nb,
     for (size_t j = 0; j < kVG * kC; ++j) a[h][j] = hn::LoadU(d, acc + h * hd + e + j * N);
   }
   for (int b = 0; b < nb; ++b) {
-    const uint8_t* row = row0 + static_cast<size_t>(b) * sb;
     hn::Vec<D> vv[kVG][kC];
-    for (size_t g = 0; g < kVG; ++g) LoadGroup<S, kBlocks>(d, row, x + g * kEG, vv[g]);
+    if constexpr (kVT) {
+      const int64_t p = pos0 + b;
+      const uint8_t* tile = row0 + static_cast<size_t>(p / kKTile) * kKTile * sb;
+      for (size_t g = 0; g < kVG; ++g) LoadVTileGroup<S>(d, tile, hd, static_cast<int>(p % kKTile), x + g * kEG, vv[g]);
+    } else {
+      const uint8_t* row = row0 + static_cast<size_t>(b) * sb;
+      for (size_t g = 0; g < kVG; ++g) LoadGroup<S, kBlocks>(d, row, x + g * kEG, vv[g]);
+    }
     for (int h = 0; h < kG; ++h) {
       const auto wv = hn::Set(d, w[h][w0 + b]);
       for (size_t g = 0; g < kVG; ++g) {
@@ -358,7 +419,6 @@ HWY_INLINE void AccumulateV(D d, const uint8_t* row0, size_t sb, int w0, int nb,
     for (size_t j = 0; j < kVG * kC; ++j) hn::StoreU(a[h][j], d, acc + h * hd + e + j * N);
   }
 }
-
 
 // ---- K tiles (kv_scheme.h): lanes are tokens, so a tile's scores need no
 // horizontal sums. `tile` is the tile, `lane0` the first of the N lanes
@@ -548,6 +608,157 @@ KVQ_VNNI_ATTR HWY_INLINE void ScoreTileInt(D d, const uint8_t* tile, size_t hd, 
 }
 #endif
 
+#if HWY_TARGET == HWY_AVX3_DL
+// V tiles on AVX-512 VNNI: acc[h] += sum_t w[h][t] V_t over the block's
+// tiles [v0, v1) (lanes outside [lo, hi) carry weight 0) with integer dot
+// products: 4 tokens' codes per lane against 4 weights per broadcast word.
+// Each scale group (a ggml block; int8: the whole head) folds its fp16
+// block scales into the weights, x_t = w_t d_t, and writes them in 23-bit
+// fixed point, X_t = rne(x_t 2^k) with 2^k chosen so that |X_t| <= 2^22
+// (each within 2^-22 of the group's max |x| of its value), as balanced
+// base-256 digits X = D0 + 256 D1 + 65536 D2 (D0, D1 in [-128, 127],
+// |D2| <= 64: bytes of X + 0x808080, top bits flipped). The codes enter
+// vpdpbusd unsigned (int8 and q8_0 codes + 128, q4_0 nibbles as they are);
+// the offset times sum_t X_t is the accumulators' start value, split over
+// the top and bottom planes. Per 128-token block every plane sum stays below
+// 2^23 and A0 + 256 A1 below 2^31, so the sum is exact before one
+// conversion (two roundings) to float.
+template <KvScheme S, int kG, class D>
+KVQ_VNNI_ATTR HWY_INLINE void AccumulateVInt(D d, const uint8_t* tile0, size_t sb, size_t hd, int v0, int v1, int lo,
+                                             int hi, const float (*HWY_RESTRICT w)[kBlockTokens],
+                                             float* HWY_RESTRICT acc) {
+  if constexpr (kG > 4) {  // 24 integer accumulators per pass at most
+    AccumulateVInt<S, kG / 2>(d, tile0, sb, hd, v0, v1, lo, hi, w, acc);
+    AccumulateVInt<S, kG / 2>(d, tile0, sb, hd, v0, v1, lo, hi, w + kG / 2, acc + kG / 2 * hd);
+    return;
+  } else {
+    constexpr bool kQ4 = S == KvScheme::Q4_0;
+    constexpr bool kBlk = kQ4 || S == KvScheme::Q8_0;
+    constexpr int32_t kOff = kQ4 ? 8 : 128;  // stored code - value
+    const hn::RebindToSigned<D> di;
+    const hn::Repartition<uint8_t, D> du8;
+    const hn::Repartition<uint16_t, D> du16;
+    using VI = hn::Vec<decltype(di)>;
+    const int nt = (v1 - v0) / 16;  // tiles in the block
+    const size_t tile_bytes = kKTile * sb;
+    const size_t codes = kBlk ? 2 * kKTile * (hd / ggml::kBlock) : 0;
+    // Byte i of plane p (i < 16) <- byte p of lane i: the digits of 16 tokens, plane by plane.
+    HWY_ALIGN static constexpr uint8_t kPerm[64] = {
+        0,  4,  8,  12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 1,  5,  9,  13, 17, 21,
+        25, 29, 33, 37, 41, 45, 49, 53, 57, 61, 2,  6,  10, 14, 18, 22, 26, 30, 34, 38, 42, 46,
+        50, 54, 58, 62, 3,  7,  11, 15, 19, 23, 27, 31, 35, 39, 43, 47, 51, 55, 59, 63};
+    const __m512i perm = _mm512_load_si512(kPerm);
+    const auto bias = hn::Set(di, 0x808080);
+    const auto biasf = hn::Set(d, 8421504.0f);  // 0x808080, exact
+    HWY_ALIGN int8_t dig[kG][kBlockTokens / 16][64];
+    const size_t groups = kBlk ? hd / ggml::kBlock : 1;
+    for (size_t sg = 0; sg < groups; ++sg) {
+      // This group's weights x = w d for each tile (lanes outside [lo, hi): 0).
+      hn::Vec<D> sc[kBlockTokens / 16];
+      for (int i = 0; i < nt; ++i) {
+        const int b0 = v0 + 16 * i;
+        const auto in = hn::AndNot(hn::FirstN(d, static_cast<size_t>(std::max(0, lo - b0))),
+                                   hn::FirstN(d, static_cast<size_t>(std::max(0, hi - b0))));
+        sc[i] = kBlk ? hn::IfThenElseZero(in, TileBlockScales(d, tile0 + i * tile_bytes, sg, 0)) : hn::Set(d, 1.0f);
+      }
+      // Each head's max |x| (kG independent chains, one reduction tree).
+      hn::Vec<D> mx[kG];
+      for (int h = 0; h < kG; ++h) mx[h] = hn::Zero(d);
+      for (int i = 0; i < nt; ++i) {
+        for (int h = 0; h < kG; ++h) {
+          const auto wv = hn::Load(d, w[h] + v0 + 16 * i);  // >= 0: int8's weights need no Abs
+          // vrangeps 0x0B: the larger magnitude, sign cleared (max |.| in one op).
+          mx[h] = kBlk ? hn::Vec<D>{_mm512_range_ps(mx[h].raw, hn::Mul(wv, sc[i]).raw, 0x0B)} : hn::Max(mx[h], wv);
+        }
+      }
+      HWY_ALIGN float m[kG];
+      ReduceLanes<kG, true>(d, mx, m);
+      float kf[kG], inv[kG];
+      for (int h = 0; h < kG; ++h) {
+        uint32_t bits;
+        std::memcpy(&bits, &m[h], 4);
+        // m < 2^(E - 126) for biased exponent E: the scale 2^(148 - E) leaves
+        // |X| < 2^22; E >= 22 keeps it and its inverse normal floats.
+        const uint32_t E = std::max<uint32_t>(22, bits >> 23);
+        const uint32_t kbits = (275 - E) << 23, ibits = (E - 21) << 23;
+        std::memcpy(&kf[h], &kbits, 4);
+        std::memcpy(&inv[h], &ibits, 4);
+      }
+      // The digits, and each head's sum of X (for the start values).
+      VI sum[kG];
+      for (int h = 0; h < kG; ++h) sum[h] = hn::Zero(di);
+      for (int i = 0; i < nt; ++i) {
+        for (int h = 0; h < kG; ++h) {
+          // w 2^k is exact; one rounding of w d 2^k + 0x808080 (< 2^24), then
+          // to the nearest integer (in range: no fix-up needed).
+          const auto wk = hn::Mul(hn::Load(d, w[h] + v0 + 16 * i), hn::Set(d, kf[h]));
+          const VI j{_mm512_cvtps_epi32(hn::MulAdd(wk, sc[i], biasf).raw)};
+          sum[h] = hn::Add(sum[h], j);
+          const auto digits = hn::Xor(j, bias);  // bytes: balanced digits D0, D1, D2 of X = j - 0x808080
+          _mm512_store_si512(dig[h][i], _mm512_permutexvar_epi8(perm, digits.raw));
+        }
+      }
+      for (int h = 0; h < kG; ++h) sum[h] = hn::Sub(sum[h], hn::Set(di, nt * 0x808080));  // lanes: sum of X
+      HWY_ALIGN int32_t total[kG];  // sum of X over the block, |.| <= 2^29
+      ReduceLanes<kG>(di, sum, total);
+      int32_t start0[kG], start2[kG];
+      for (int h = 0; h < kG; ++h) {
+        start0[h] = -kOff * (total[h] & 0xFFFF);
+        start2[h] = -kOff * (total[h] >> 16);
+      }
+      // Element groups of 16 (two per pass): q4_0 block sg's low and high
+      // nibbles; int8 / q8_0 units 2u and 2u + 1 (a q8_0 block, sg = u).
+      const size_t units = kQ4 ? 2 : (kBlk ? 2 : hd / 16);
+      for (size_t u0 = 0; u0 < units; u0 += 2) {
+        const size_t x0 = kQ4 ? 0 : (kBlk ? 2 * sg : u0);  // first 16-element unit (int8 / q8_0)
+        const bool two = kQ4 || x0 + 1 < hd / 16;
+        VI a[kG][3][2];
+        for (int h = 0; h < kG; ++h) {
+          for (int j = 0; j < 2; ++j) {
+            a[h][0][j] = hn::Set(di, start0[h]);
+            a[h][1][j] = hn::Zero(di);
+            a[h][2][j] = hn::Set(di, start2[h]);
+          }
+        }
+        for (int i = 0; i < nt; ++i) {
+          const uint8_t* c = tile0 + i * tile_bytes + codes;
+#pragma GCC unroll 4
+          for (size_t r = 0; r < 4; ++r) {  // quads: tokens 4r .. 4r + 3 of the tile
+            hn::Vec<decltype(du8)> cv[2];
+            if constexpr (kQ4) {
+              const auto u = hn::Load(du8, c + 64 * (4 * sg + r));
+              cv[0] = hn::And(u, hn::Set(du8, 0x0F));
+              cv[1] = hn::And(hn::BitCast(du8, hn::ShiftRight<4>(hn::BitCast(du16, u))), hn::Set(du8, 0x0F));
+            } else {
+              cv[0] = hn::Xor(hn::Load(du8, c + 64 * (4 * x0 + r)), hn::Set(du8, 0x80));
+              cv[1] = two ? hn::Xor(hn::Load(du8, c + 64 * (4 * (x0 + 1) + r)), hn::Set(du8, 0x80)) : cv[0];
+            }
+            for (int h = 0; h < kG; ++h) {
+              for (int p = 0; p < 3; ++p) {
+                int32_t word;
+                std::memcpy(&word, &dig[h][i][16 * p + 4 * r], 4);
+                const auto wd = hn::Set(di, word);
+                a[h][p][0].raw = _mm512_dpbusd_epi32(a[h][p][0].raw, cv[0].raw, wd.raw);
+                a[h][p][1].raw = _mm512_dpbusd_epi32(a[h][p][1].raw, cv[1].raw, wd.raw);
+              }
+            }
+          }
+        }
+        for (int h = 0; h < kG; ++h) {
+          for (int j = 0; j < (two ? 2 : 1); ++j) {
+            const size_t e = kQ4 ? 32 * sg + 16 * static_cast<size_t>(j) : 16 * (x0 + static_cast<size_t>(j));
+            const auto low = hn::Add(a[h][0][j], hn::ShiftLeft<8>(a[h][1][j]));
+            const auto val = hn::MulAdd(hn::ConvertTo(d, a[h][2][j]), hn::Set(d, 65536.0f), hn::ConvertTo(d, low));
+            float* o = acc + static_cast<size_t>(h) * hd + e;
+            hn::StoreU(hn::MulAdd(val, hn::Set(d, inv[h]), hn::LoadU(d, o)), d, o);
+          }
+        }
+      }
+    }
+  }
+}
+#endif
+
 // Raw scores of tokens [b, b + kT) of a block of K rows into s[h][b + t].
 template <KvScheme S, bool kBlocks, int kG, int kT, class D>
 HWY_INLINE void ScoreBlock(D d, const uint8_t* krow, size_t sb, size_t xbase, size_t hd,
@@ -590,15 +801,16 @@ KVQ_VNNI_ATTR HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, 
   hn::Vec<D> lv[kG];  // running softmax sums per lane, reduced once at the end
   for (int h = 0; h < kG; ++h) lv[h] = hn::Zero(d);
 
+  // With K or V tiles, blocks start on a tile.
   int64_t tb = it.t0;
-  if constexpr (kTiled) tb -= (c.k_first + it.t0) % kKTile;
+  if (kTiled || c.v_tile) tb -= (c.tile_first + it.t0) % kKTile;
   for (; tb < it.t1; tb += kBlockTokens) {
     const int lo = static_cast<int>(std::max<int64_t>(0, it.t0 - tb));
     const int hi = static_cast<int>(std::min<int64_t>(kBlockTokens, it.t1 - tb));
     // Raw scores (before the row scale) into s[h][lo, hi).
     if constexpr (kTiled) {
       for (int b0 = lo / static_cast<int>(N) * static_cast<int>(N); b0 < hi; b0 += static_cast<int>(N)) {
-        const size_t p = static_cast<size_t>(c.k_first + tb + b0);  // tile position of lane b0
+        const size_t p = static_cast<size_t>(c.tile_first + tb + b0);  // tile position of lane b0
         const uint8_t* tile = kbase + p / kKTile * kKTile * sb;
 #if HWY_TARGET == HWY_AVX3_DL
         if constexpr (kQP > 0 && N == kKTile) {
@@ -618,11 +830,18 @@ KVQ_VNNI_ATTR HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, 
     // The vectors that hold lanes [lo, hi); the rest of the block is not touched.
     const int v0 = lo / static_cast<int>(N) * static_cast<int>(N);
     const int v1 = (hi + static_cast<int>(N) - 1) / static_cast<int>(N) * static_cast<int>(N);
-    for (int bb = v0; bb < v1; ++bb) {
-      const bool in = bb >= lo && bb < hi;
-      ks[bb] = in ? RowScaleAt<S>(c.k_header, hb, tb + bb, it.g) : 0.0f;
-      vs[bb] = in ? RowScaleAt<S>(c.v_header, hb, tb + bb, it.g) : 0.0f;
+    // Per-row scales (schemes with headers); the others fold a constant.
+    constexpr bool kRowScales = S == KvScheme::Int8 || S == KvScheme::Int8Head || S == KvScheme::Fp8E4M3Scaled;
+    if constexpr (kRowScales) {
+      for (int bb = v0; bb < v1; ++bb) {
+        const bool in = bb >= lo && bb < hi;
+        ks[bb] = in ? RowScaleAt<S>(c.k_header, hb, tb + bb, it.g) : 0.0f;
+        vs[bb] = in ? RowScaleAt<S>(c.v_header, hb, tb + bb, it.g) : 0.0f;
+      }
     }
+    const auto RowScales = [&](const float* r, int b0) {
+      return kRowScales ? hn::Load(d, r + b0) : hn::Set(d, kFp8Fold<S>);
+    };
 
     // Online softmax, vectorised over the block; lanes outside [lo, hi)
     // become the lowest float, whose weight is exp(lowest - max) = 0.
@@ -633,7 +852,7 @@ KVQ_VNNI_ATTR HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, 
       const auto vqf = hn::Set(d, qf);
       auto vmax = lowest;
       for (int b0 = v0; b0 < v1; b0 += static_cast<int>(N)) {
-        auto v = hn::Mul(hn::Load(d, s[h] + b0), hn::Mul(hn::Load(d, ks + b0), vqf));
+        auto v = hn::Mul(hn::Load(d, s[h] + b0), hn::Mul(RowScales(ks, b0), vqf));
         const auto in = hn::AndNot(hn::FirstN(d, static_cast<size_t>(std::max(0, lo - b0))),
                                    hn::FirstN(d, static_cast<size_t>(std::max(0, hi - b0))));
         v = hn::IfThenElse(in, v, lowest);
@@ -656,18 +875,36 @@ KVQ_VNNI_ATTR HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, 
       for (int b0 = v0; b0 < v1; b0 += static_cast<int>(N)) {
         const auto w = hn::Exp(d, hn::Sub(hn::Load(d, s[h] + b0), vm));
         vsum = hn::Add(vsum, w);
-        hn::Store(hn::Mul(w, hn::Load(d, vs + b0)), d, s[h] + b0);  // the weight of V row b's codes
+        // The weight of V row b's codes (exp(lowest - max) = 0 outside [lo, hi)).
+        hn::Store(kFp8Fold<S> == 1.0f && !kRowScales ? w : hn::Mul(w, RowScales(vs, b0)), d, s[h] + b0);
       }
       lv[h] = hn::Add(lv[h], vsum);
     }
 
-    const uint8_t* vrow0 = vbase + static_cast<size_t>(tb + lo) * sb;
     const int nb = hi - lo;
+    if constexpr (kVTileable<S, kBlocks>) {
+      if (c.v_tile) {  // V tiles: one slice per head (xbase = 0)
+        const int64_t pos0 = c.tile_first + tb;  // tile position of lane 0, a multiple of 16
+#if HWY_TARGET == HWY_AVX3_DL
+        if constexpr (N == kKTile) {
+          AccumulateVInt<S, kG>(d, vbase + static_cast<size_t>(pos0 + v0) * sb, sb, hd, v0, v1, lo, hi, s, acc);
+          continue;
+        }
+#endif
+        size_t e = 0;
+        for (; e + kVG * kEG <= hd; e += kVG * kEG) {
+          AccumulateV<S, kBlocks, true, kG, kVG>(d, vbase, sb, pos0 + lo, lo, nb, e, hd, s, acc, e);
+        }
+        for (; e < hd; e += kEG) AccumulateV<S, kBlocks, true, kG, 1>(d, vbase, sb, pos0 + lo, lo, nb, e, hd, s, acc, e);
+        continue;
+      }
+    }
+    const uint8_t* vrow0 = vbase + static_cast<size_t>(tb + lo) * sb;
     size_t e = 0;
     for (; e + kVG * kEG <= hd; e += kVG * kEG) {
-      AccumulateV<S, kBlocks, kG, kVG>(d, vrow0, sb, lo, nb, xbase + e, hd, s, acc, e);
+      AccumulateV<S, kBlocks, false, kG, kVG>(d, vrow0, sb, 0, lo, nb, xbase + e, hd, s, acc, e);
     }
-    for (; e < hd; e += kEG) AccumulateV<S, kBlocks, kG, 1>(d, vrow0, sb, lo, nb, xbase + e, hd, s, acc, e);
+    for (; e < hd; e += kEG) AccumulateV<S, kBlocks, false, kG, 1>(d, vrow0, sb, 0, lo, nb, xbase + e, hd, s, acc, e);
   }
   for (int h = 0; h < kG; ++h) l[h] = hn::GetLane(hn::SumOfLanes(d, lv[h]));  // the item's softmax sums
 }
@@ -799,11 +1036,16 @@ Validated Validate(std::span<const float> q, int n_heads, const KvRowsView& kv,
                 "kv.k_tile: expected 0 (rows) or ", codec.k_tile(), " with one slice per KV head for scheme ",
                 kv_scheme_name(kv.scheme), " and head_dim ", kv.head_dim, ", got ", kv.k_tile, " with ", kv.slices,
                 " slices");
-  KVQ_CHECK_ARG(kv.k_first >= 0 && (kv.k_first < kv.k_tile || kv.k_first == 0),
-                "kv.k_first: expected 0..", std::max(0, kv.k_tile - 1), ", got ", kv.k_first);
-  // Positions the slices must hold: K tiles are read whole.
-  const size_t span = kv.k_tile ? static_cast<size_t>((kv.k_first + kv.tokens + kv.k_tile - 1) / kv.k_tile * kv.k_tile)
-                                : static_cast<size_t>(kv.tokens);
+  KVQ_CHECK_ARG(kv.v_tile == 0 || (kv.v_tile == codec.v_tile() && kv.slices == kv.n_kv_heads),
+                "kv.v_tile: expected 0 (rows) or ", codec.v_tile(), " with one slice per KV head for scheme ",
+                kv_scheme_name(kv.scheme), " and head_dim ", kv.head_dim, ", got ", kv.v_tile, " with ", kv.slices,
+                " slices");
+  const bool tiled = kv.k_tile != 0 || kv.v_tile != 0;
+  KVQ_CHECK_ARG(kv.tile_first >= 0 && (tiled ? kv.tile_first < kKTile : kv.tile_first == 0), "kv.tile_first: expected 0..",
+                tiled ? kKTile - 1 : 0, ", got ", kv.tile_first);
+  // Positions the slices must hold: tiles are read whole.
+  const size_t span = tiled ? static_cast<size_t>((kv.tile_first + kv.tokens + kKTile - 1) / kKTile * kKTile)
+                            : static_cast<size_t>(kv.tokens);
   KVQ_CHECK_ARG(kv.slices == 1 || kv.slice_stride >= span * kv.slice_bytes,
                 "kv.slice_stride: expected >= ", span, " positions * kv.slice_bytes = ", span * kv.slice_bytes,
                 ", got ", kv.slice_stride);
@@ -978,7 +1220,7 @@ void DecodeAttention(std::span<const float> q, int n_heads, const KvRowsView& kv
   const attn::Call call{kv.scheme,     kv.n_kv_heads,   kv.head_dim,
                         kv.k,          kv.v,            kv.slice_bytes,
                         kv.slice_stride, kv.n_kv_heads / kv.slices, kv.k_header,
-                        kv.v_header,   kv.header_bytes, kv.k_tile, kv.k_first, items.data(),
+                        kv.v_header,   kv.header_bytes, kv.k_tile, kv.v_tile, kv.tile_first, items.data(),
                         n_items,       threads,         planes};
   HWY_DYNAMIC_DISPATCH(DecodeAttentionKernel)(call);
 

@@ -16,9 +16,9 @@ namespace kvq {
 namespace {
 size_t RoundUp64(size_t n) { return (n + 63) / 64 * 64; }
 
-// K tiles (layout in kv_scheme.h): one head slice's payload in codec order
-// <-> lane `lane` of its tile. Each element's code has a place in both: a
-// byte, or a nibble of one (q4_0); block scales are copied whole.
+// K and V tiles (layouts in kv_scheme.h): one head slice's payload in codec
+// order <-> lane `lane` of its tile. Each element's code has a place in both:
+// a byte, or a nibble of one (q4_0); block scales are copied whole.
 constexpr size_t kTileScaleBytes = 2 * kKTile;  // one block's fp16 scales for all lanes
 constexpr size_t kTileGroupBytes = 4 * kKTile;  // one 4-byte word per lane
 
@@ -37,11 +37,17 @@ CodePlace SlicePlace(KvScheme s, size_t e) {
   return {base + j % 16, j < 16 ? 0 : 4};  // ggml: low nibbles = j < 16
 }
 
-CodePlace TilePlace(KvScheme s, size_t hd, size_t e, int lane) {
+// which: 0 K tile, 1 V tile.
+CodePlace TilePlace(int which, KvScheme s, size_t hd, size_t e, int lane) {
   const size_t codes = IsBlockScheme(s) ? kTileScaleBytes * (hd / ggml::kBlock) : 0;
-  const size_t l = 4 * static_cast<size_t>(lane);
-  if (s == KvScheme::Q4_0) return {codes + kTileGroupBytes * (e / 8) + l + e % 4, e % 8 < 4 ? 0 : 4};
-  return {codes + kTileGroupBytes * (e / 4) + l + e % 4, -1};
+  const size_t l = static_cast<size_t>(lane);
+  if (which == 1) {  // unit (x or b, quad l / 4), byte l % 4 of element e's lane
+    const size_t at = codes + 4 * (e % 16) + l % 4, r = l / 4;
+    if (s == KvScheme::Q4_0) return {at + kTileGroupBytes * (4 * (e / 32) + r), e % 32 < 16 ? 0 : 4};
+    return {at + kTileGroupBytes * (4 * (e / 16) + r), -1};
+  }
+  if (s == KvScheme::Q4_0) return {codes + kTileGroupBytes * (e / 8) + 4 * l + e % 4, e % 8 < 4 ? 0 : 4};
+  return {codes + kTileGroupBytes * (e / 4) + 4 * l + e % 4, -1};
 }
 
 uint8_t GetCode(const uint8_t* p, CodePlace x) { return x.shift < 0 ? p[x.byte] : (p[x.byte] >> x.shift) & 0x0F; }
@@ -49,18 +55,18 @@ void PutCode(uint8_t* p, CodePlace x, uint8_t v) {
   p[x.byte] = x.shift < 0 ? v : static_cast<uint8_t>((p[x.byte] & ~(0x0F << x.shift)) | (v << x.shift));
 }
 
-void SliceToTile(KvScheme s, size_t hd, const uint8_t* src, uint8_t* tile, int lane) {
+void SliceToTile(int which, KvScheme s, size_t hd, const uint8_t* src, uint8_t* tile, int lane) {
   for (size_t b = 0; IsBlockScheme(s) && b < hd / ggml::kBlock; ++b) {
     std::memcpy(tile + kTileScaleBytes * b + 2 * static_cast<size_t>(lane), src + BlockBytes(s) * b, 2);
   }
-  for (size_t e = 0; e < hd; ++e) PutCode(tile, TilePlace(s, hd, e, lane), GetCode(src, SlicePlace(s, e)));
+  for (size_t e = 0; e < hd; ++e) PutCode(tile, TilePlace(which, s, hd, e, lane), GetCode(src, SlicePlace(s, e)));
 }
 
-void TileToSlice(KvScheme s, size_t hd, const uint8_t* tile, int lane, uint8_t* dst) {
+void TileToSlice(int which, KvScheme s, size_t hd, const uint8_t* tile, int lane, uint8_t* dst) {
   for (size_t b = 0; IsBlockScheme(s) && b < hd / ggml::kBlock; ++b) {
     std::memcpy(dst + BlockBytes(s) * b, tile + kTileScaleBytes * b + 2 * static_cast<size_t>(lane), 2);
   }
-  for (size_t e = 0; e < hd; ++e) PutCode(dst, SlicePlace(s, e), GetCode(tile, TilePlace(s, hd, e, lane)));
+  for (size_t e = 0; e < hd; ++e) PutCode(dst, SlicePlace(s, e), GetCode(tile, TilePlace(which, s, hd, e, lane)));
 }
 }  // namespace
 
@@ -164,6 +170,7 @@ KvRowCodec::KvRowCodec(KvScheme scheme, int row_len, int head_dim)
   slices_ = blocks && head_dim % ggml::kBlock != 0 ? 1 : row_len / head_dim;
   const bool int8 = scheme == KvScheme::Int8 || scheme == KvScheme::Int8Head;
   if ((int8 && head_dim % 4 == 0) || (blocks && head_dim % ggml::kBlock == 0)) k_tile_ = kKTile;
+  if ((int8 && head_dim % 16 == 0) || (blocks && head_dim % ggml::kBlock == 0)) v_tile_ = kKTile;
 }
 
 void KvRowCodec::encode(const float* row, uint8_t* dst) const {
@@ -257,7 +264,7 @@ KvCache::KvCache(KvScheme scheme, int n_layers, int max_seq, int n_kv_heads, int
   KVQ_CHECK_ARG(max_seq > 0, "max_seq: expected > 0, got ", max_seq);
   KVQ_CHECK_ARG(n_kv_heads > 0, "n_kv_heads: expected > 0, got ", n_kv_heads);
   const size_t seq = static_cast<size_t>(max_seq);
-  const size_t tiled_seq = (seq + kKTile - 1) / kKTile * kKTile;  // K tiles are whole
+  const size_t tiled_seq = (seq + kKTile - 1) / kKTile * kKTile;  // K and V tiles are whole
   header_region_ = RoundUp64(seq * codec_.header_bytes());
   slice_stride_ = RoundUp64(tiled_seq * codec_.slice_bytes());
   part_bytes_ = header_region_ + static_cast<size_t>(codec_.slices()) * slice_stride_;
@@ -285,6 +292,7 @@ KvRowsView KvCache::view(int layer, int64_t tokens) const {
   v.slice_stride = slice_stride_;
   v.tokens = tokens;
   v.k_tile = codec_.k_tile();
+  v.v_tile = codec_.v_tile();
   return v;
 }
 
@@ -293,14 +301,11 @@ KvRowsView KvRowsView::subview(int64_t t0, int64_t t1) const {
                 ", ", t1, ")");
   KvRowsView r = *this;
   const size_t at = static_cast<size_t>(t0);
-  if (k_tile) {
-    const size_t lane = static_cast<size_t>(k_first) + at, tile = static_cast<size_t>(k_tile);
-    r.k = k + lane / tile * tile * slice_bytes;
-    r.k_first = static_cast<int>(lane % tile);
-  } else {
-    r.k = k + at * slice_bytes;
-  }
-  r.v = v + at * slice_bytes;
+  // Tiled payloads start at the tile holding t0, rows at row t0.
+  const size_t lane = static_cast<size_t>(tile_first) + at, tile = static_cast<size_t>(kKTile);
+  r.k = k_tile ? k + lane / tile * tile * slice_bytes : k + at * slice_bytes;
+  r.v = v_tile ? v + lane / tile * tile * slice_bytes : v + at * slice_bytes;
+  r.tile_first = k_tile || v_tile ? static_cast<int>(lane % tile) : 0;
   if (header_bytes) {
     r.k_header = k_header + at * header_bytes;
     r.v_header = v_header + at * header_bytes;
@@ -312,11 +317,11 @@ KvRowsView KvRowsView::subview(int64_t t0, int64_t t1) const {
 void KvRowsView::gather_row(int which, int64_t t, uint8_t* row) const {
   const uint8_t* header = (which == 0 ? k_header : v_header) + static_cast<size_t>(t) * header_bytes;
   if (header_bytes) std::memcpy(row, header, header_bytes);
-  if (which == 0 && k_tile) {
-    const size_t lane = static_cast<size_t>(k_first + t), tile = static_cast<size_t>(k_tile);
-    const uint8_t* t0 = k + lane / tile * tile * slice_bytes;
+  if (which == 0 ? k_tile : v_tile) {
+    const size_t lane = static_cast<size_t>(tile_first + t), tile = static_cast<size_t>(kKTile);
+    const uint8_t* t0 = (which == 0 ? k : v) + lane / tile * tile * slice_bytes;
     for (int s = 0; s < slices; ++s) {
-      TileToSlice(scheme, static_cast<size_t>(head_dim), t0 + static_cast<size_t>(s) * slice_stride,
+      TileToSlice(which, scheme, static_cast<size_t>(head_dim), t0 + static_cast<size_t>(s) * slice_stride,
                   static_cast<int>(lane % tile), row + header_bytes + static_cast<size_t>(s) * slice_bytes);
     }
     return;
@@ -345,10 +350,10 @@ void KvCache::write(int layer, int pos, std::span<const float> k, std::span<cons
     codec_.encode(kv == 0 ? k.data() : v.data(), row.data());
     uint8_t* part = data_.data_as<uint8_t>() + PartOffset(layer, kv);
     if (hb) std::memcpy(part + static_cast<size_t>(pos) * hb, row.data(), hb);
-    if (kv == 0 && codec_.k_tile()) {
-      const size_t tile = static_cast<size_t>(codec_.k_tile()), p = static_cast<size_t>(pos);
+    if (kv == 0 ? codec_.k_tile() : codec_.v_tile()) {
+      const size_t tile = static_cast<size_t>(kKTile), p = static_cast<size_t>(pos);
       for (int s = 0; s < codec_.slices(); ++s) {
-        SliceToTile(scheme(), static_cast<size_t>(head_dim_), row.data() + hb + static_cast<size_t>(s) * sb,
+        SliceToTile(kv, scheme(), static_cast<size_t>(head_dim_), row.data() + hb + static_cast<size_t>(s) * sb,
                     part + header_region_ + static_cast<size_t>(s) * slice_stride_ + p / tile * tile * sb,
                     static_cast<int>(p % tile));
       }

@@ -58,9 +58,15 @@ KvCache MakeCache(const Case& c, Rng& rng, float k_scale = 1.0f) {
 // With query digits (DigitsApply) each scaled query element is rounded to a
 // multiple of 2^-e <= 2^-21 max|q_h|: a score moves by at most
 // ds = 2^-22 max|q_h| sum_e |k_e| more, the weights by a factor exp(+-2 ds).
+// With V digits (VDigitsApply) each weight times its block / row scale a_t
+// is rounded to within 2^-21 of the largest such product in its softmax
+// block (<= 128 consecutive tokens), and multiplies a code |c| <= a_t^-1
+// max|v_t|: the output moves by at most
+// 2^-21 v_max sum_t max_{|t' - t| <= 127} p_t' (p: the softmax weights;
+// a small margin covers the fp16 scales and the weights' own error).
 double Tolerance(const std::vector<float>& q, const std::vector<float>& K, const std::vector<float>& V,
                  int h, int G, int d, int row, int64_t T, float scale, bool q4_tiles = false,
-                 bool digits = false) {
+                 bool digits = false, bool v_digits = false) {
   const int g = h / G;
   double S = 0.0, vmax = 0.0, ds = 0.0, qmax = 0.0;
   for (int e = 0; e < d; ++e) qmax = std::max(qmax, std::fabs(double(q[static_cast<size_t>(h * d + e)]) * scale));
@@ -79,13 +85,36 @@ double Tolerance(const std::vector<float>& q, const std::vector<float>& K, const
     S = std::max(S, s * scale);
     if (digits) ds = std::max(ds, 0x1p-22 * qmax * sk * (1 + 1e-5));
   }
-  return vmax * (4.0 * (d + 4) * kU * S + (2.0 * static_cast<double>(T) + 64.0) * kU + std::expm1(2 * ds));
+  double vd = 0.0;
+  if (v_digits) {
+    std::vector<double> p(static_cast<size_t>(T));
+    double mx = -INFINITY, l = 0.0;
+    for (int64_t t = 0; t < T; ++t) {
+      double sc = 0.0;
+      for (int e = 0; e < d; ++e) sc += double(q[static_cast<size_t>(h * d + e)]) * K[static_cast<size_t>(t * row + g * d + e)];
+      p[static_cast<size_t>(t)] = sc * scale;
+      mx = std::max(mx, sc * scale);
+    }
+    for (auto& x : p) l += (x = std::exp(x - mx));
+    for (int64_t t = 0; t < T; ++t) {
+      double m = 0.0;
+      for (int64_t u = std::max<int64_t>(0, t - 127); u < std::min<int64_t>(T, t + 128); ++u) m = std::max(m, p[static_cast<size_t>(u)]);
+      vd += m / l;
+    }
+    vd *= 0x1p-21 * 1.01;
+  }
+  return vmax * (4.0 * (d + 4) * kU * S + (2.0 * static_cast<double>(T) + 64.0) * kU + std::expm1(2 * ds) + vd);
 }
 
 // Whether the exact kernel takes K-tile scores from query digits: AVX-512
 // VNNI among the (test-selected) targets, K tiles, 16-lane vectors.
 bool DigitsApply(const KvCache& cache, int d) {
   return (hwy::SupportedTargets() & HWY_AVX3_DL) != 0 && cache.codec().k_tile() != 0 && d % 16 == 0 && d <= 512;
+}
+
+// Whether V is accumulated from weight digits: AVX-512 VNNI and V tiles.
+bool VDigitsApply(const KvCache& cache) {
+  return (hwy::SupportedTargets() & HWY_AVX3_DL) != 0 && cache.codec().v_tile() != 0;
 }
 
 void CheckAgainstReference(const Case& c, int threads, Rng& rng, float q_scale = 1.0f) {
@@ -108,7 +137,8 @@ void CheckAgainstReference(const Case& c, int threads, Rng& rng, float q_scale =
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
   const bool q4_tiles = c.scheme == KvScheme::Q4_0 && cache.codec().k_tile() != 0;
   for (int h = 0; h < n_heads; ++h) {
-    const double tol = Tolerance(q, K, V, h, c.ratio, c.d, row, c.T, scale, q4_tiles, DigitsApply(cache, c.d));
+    const double tol =
+        Tolerance(q, K, V, h, c.ratio, c.d, row, c.T, scale, q4_tiles, DigitsApply(cache, c.d), VDigitsApply(cache));
     for (int e = 0; e < c.d; ++e) {
       const size_t i = static_cast<size_t>(h * c.d + e);
       ASSERT_TRUE(std::isfinite(out[i]));
@@ -150,6 +180,7 @@ TEST(DecodeAttention, EveryCompiledTargetMatchesTheReference) {
     Rng rng(3);
     for (KvScheme s : all_kv_schemes()) {
       for (int d : {8, 128}) CheckAgainstReference({s, KvHeadsFor(d), 2, d, 65}, 1, rng);
+      CheckAgainstReference({s, 2, 8, 128, 300}, 2, rng);  // groups of 8, partial tiles, 2 threads
     }
   });
 }
@@ -189,7 +220,8 @@ TEST(DecodeAttention, ExactQueryDigitsRunAndDoNotOverflow) {
     }
     EXPECT_TRUE(DigitsApply(cache, c.d));
     for (int h = 0; h < n_heads; ++h) {
-      const double tol = Tolerance(q, K, V, h, c.ratio, c.d, row, c.T, scale, c.scheme == KvScheme::Q4_0, true);
+      const double tol =
+          Tolerance(q, K, V, h, c.ratio, c.d, row, c.T, scale, c.scheme == KvScheme::Q4_0, true, VDigitsApply(cache));
       for (int e = 0; e < c.d; ++e) {
         const size_t i = static_cast<size_t>(h * c.d + e);
         if (!(std::fabs(double(out[i]) - ref[i]) <= tol)) {
@@ -345,7 +377,8 @@ TEST(DecodeAttention, Int8QueryIsWithinItsDerivedBound) {
               ds = std::max(ds, qmax / 127 / 2 * sk * (1 + 1e-5));
             }
             const double tol = vmax * std::expm1(2 * ds) +
-                               Tolerance(q, K, V, h, ratio, d, row, T, scale, s == KvScheme::Q4_0 && applies);
+                               Tolerance(q, K, V, h, ratio, d, row, T, scale, s == KvScheme::Q4_0 && applies, false,
+                                         VDigitsApply(cache));
             for (int e = 0; e < d; ++e) {
               const size_t i = static_cast<size_t>(h * d + e);
               ASSERT_NEAR(iq[i], ref[i], tol) << "head " << h << " elem " << e;
@@ -437,7 +470,7 @@ TEST(DecodeAttention, WholeRowLayoutMatchesHeadMajorSlices) {
       }
     }
     KvRowsView whole = hm;
-    whole.k_tile = whole.k_first = 0;
+    whole.k_tile = whole.v_tile = whole.tile_first = 0;
     whole.k = rows_k.data();
     whole.v = rows_v.data();
     whole.slices = 1;
@@ -466,7 +499,8 @@ TEST(DecodeAttention, WholeRowLayoutMatchesHeadMajorSlices) {
       cache.read_v(0, static_cast<int>(t), {V.data() + t * 256, 256});
     }
     for (int h = 0; h < 8; ++h) {
-      const double tol = Tolerance(q, K, V, h, 2, 64, 256, c.T, 0.125f, s == KvScheme::Q4_0, DigitsApply(cache, 64));
+      const double tol = Tolerance(q, K, V, h, 2, 64, 256, c.T, 0.125f, s == KvScheme::Q4_0, DigitsApply(cache, 64),
+                                   VDigitsApply(cache));
       for (int e = 0; e < 64; ++e) {
         ASSERT_NEAR(a[h * 64 + e], ref[h * 64 + e], tol);
         ASSERT_NEAR(b[h * 64 + e], ref[h * 64 + e], tol);
@@ -517,6 +551,19 @@ TEST(DecodeAttention, BadArgumentsAreClearErrors) {
   bad = good;
   bad.n_kv_heads = 0;
   EXPECT_NE(err(bad).find("kv.n_kv_heads"), std::string::npos);
+  bad = good;
+  bad.k_tile = 8;
+  EXPECT_NE(err(bad).find("kv.k_tile: expected 0 (rows) or 16"), std::string::npos);
+  bad = good;
+  bad.v_tile = 8;
+  EXPECT_NE(err(bad).find("kv.v_tile: expected 0 (rows) or 16"), std::string::npos);
+  bad = good;
+  bad.tile_first = 16;
+  EXPECT_NE(err(bad).find("kv.tile_first: expected 0..15"), std::string::npos);
+  bad = good;
+  bad.k_tile = bad.v_tile = 0;
+  bad.tile_first = 3;  // rows have no first lane
+  EXPECT_NE(err(bad).find("kv.tile_first: expected 0..0"), std::string::npos);
   DecodeAttentionOptions o;
   o.threads = -1;
   EXPECT_NE(err(good, 4, o).find("threads"), std::string::npos);

@@ -206,42 +206,50 @@ TEST(KvCache, StoresHeadMajorSlicesWhereTheSchemeAllows) {
   }
 }
 
-// The K tile layout of kv_scheme.h, element by element: `slice` is one head's
-// codec payload, `tile` the tile holding lane `lane`.
-void ExpectTileLane(KvScheme s, int hd, const uint8_t* slice, const uint8_t* tile, int lane) {
+// The K (which = 0) and V (1) tile layouts of kv_scheme.h, element by
+// element: `slice` is one head's codec payload, `tile` the tile holding lane
+// `lane`.
+void ExpectTileLane(int which, KvScheme s, int hd, const uint8_t* slice, const uint8_t* tile, int lane) {
   const bool q4 = s == KvScheme::Q4_0, blocks = s == KvScheme::Q8_0 || q4;
   const int nblk = blocks ? hd / 32 : 0, bb = q4 ? 18 : 34;
   const uint8_t* codes = tile + 32 * nblk;
   for (int b = 0; b < nblk; ++b) {
     ASSERT_EQ(0, std::memcmp(tile + 32 * b + 2 * lane, slice + bb * b, 2)) << "scale of block " << b;
   }
+  const int quad = lane / 4, k = lane % 4;
   for (int e = 0; e < hd; ++e) {
     if (!q4) {
       const uint8_t want = blocks ? slice[bb * (e / 32) + 2 + e % 32] : slice[e];
-      ASSERT_EQ(codes[64 * (e / 4) + 4 * lane + e % 4], want) << "element " << e;
+      const int at = which == 0 ? 64 * (e / 4) + 4 * lane + e % 4 : 64 * (4 * (e / 16) + quad) + 4 * (e % 16) + k;
+      ASSERT_EQ(codes[at], want) << "element " << e;
     } else {
       const uint8_t* qs = slice + bb * (e / 32) + 2;
       const int j = e % 32;
       const int want = j < 16 ? (qs[j] & 15) : (qs[j - 16] >> 4);
-      const uint8_t byte = codes[64 * (e / 8) + 4 * lane + e % 4];
-      ASSERT_EQ(e % 8 < 4 ? (byte & 15) : (byte >> 4), want) << "element " << e;
+      const int at = which == 0 ? 64 * (e / 8) + 4 * lane + e % 4 : 64 * (4 * (e / 32) + quad) + 4 * (j % 16) + k;
+      const bool low = which == 0 ? e % 8 < 4 : j < 16;
+      ASSERT_EQ(low ? (codes[at] & 15) : (codes[at] >> 4), want) << "element " << e;
     }
   }
 }
 
-// Which schemes tile K, and the tile layout for every tiled scheme with
-// block-aligned heads: positions written out of order, read back through
-// unaligned subviews.
-TEST(KvCache, KTilesHoldTheCodecBytes) {
+// Which schemes tile K and V, and both tile layouts for every tiled scheme
+// with block-aligned heads: positions written out of order, read back
+// through unaligned subviews.
+TEST(KvCache, KAndVTilesHoldTheCodecBytes) {
   for (KvScheme s : all_kv_schemes()) {
     const bool int8 = s == KvScheme::Int8 || s == KvScheme::Int8Head;
     const bool blocks = s == KvScheme::Q8_0 || s == KvScheme::Q4_0;
     EXPECT_EQ(KvRowCodec(s, 64, 32).k_tile(), int8 || blocks ? kKTile : 0) << kv_scheme_name(s);
+    EXPECT_EQ(KvRowCodec(s, 64, 32).v_tile(), int8 || blocks ? kKTile : 0) << kv_scheme_name(s);
     if (blocks) {
       EXPECT_EQ(KvRowCodec(s, 64, 16).k_tile(), 0) << "blocks straddle heads";
+      EXPECT_EQ(KvRowCodec(s, 64, 16).v_tile(), 0) << "blocks straddle heads";
     }
     if (int8) {
       EXPECT_EQ(KvRowCodec(s, 12, 6).k_tile(), 0) << "head_dim % 4 != 0";
+      EXPECT_EQ(KvRowCodec(s, 16, 8).k_tile(), kKTile);
+      EXPECT_EQ(KvRowCodec(s, 16, 8).v_tile(), 0) << "head_dim % 16 != 0";
     }
   }
   test::Rng rng(8);
@@ -250,34 +258,42 @@ TEST(KvCache, KTilesHoldTheCodecBytes) {
     const int hd = 64, n_kv = 2, T = 37;
     KvCache cache(s, 1, T, n_kv, hd);
     const KvRowCodec& codec = cache.codec();
-    std::vector<std::vector<uint8_t>> enc(T, std::vector<uint8_t>(codec.row_bytes()));
+    std::vector<std::vector<uint8_t>> enc[2];
+    for (auto& e : enc) e.assign(T, std::vector<uint8_t>(codec.row_bytes()));
     std::vector<float> k(n_kv * hd), v(k.size());
     for (int i = 0; i < T; ++i) {
       const int pos = (i * 11) % T;  // every position once, out of order
       for (auto& f : k) f = static_cast<float>(rng.Gaussian());
       for (auto& f : v) f = static_cast<float>(rng.Gaussian());
       cache.write(0, pos, k, v);
-      codec.encode(k.data(), enc[pos].data());
+      codec.encode(k.data(), enc[0][pos].data());
+      codec.encode(v.data(), enc[1][pos].data());
     }
     const KvRowsView view = cache.view(0, T);
     ASSERT_EQ(view.k_tile, kKTile);
-    for (int pos = 0; pos < T; ++pos) {
-      for (int sl = 0; sl < n_kv; ++sl) {
-        ExpectTileLane(s, hd, enc[pos].data() + view.header_bytes + sl * view.slice_bytes,
-                       view.k + sl * view.slice_stride + pos / 16 * 16 * view.slice_bytes, pos % 16);
+    ASSERT_EQ(view.v_tile, kKTile);
+    for (int which = 0; which < 2; ++which) {
+      for (int pos = 0; pos < T; ++pos) {
+        for (int sl = 0; sl < n_kv; ++sl) {
+          ExpectTileLane(which, s, hd, enc[which][pos].data() + view.header_bytes + sl * view.slice_bytes,
+                         (which ? view.v : view.k) + sl * view.slice_stride + pos / 16 * 16 * view.slice_bytes,
+                         pos % 16);
+        }
       }
     }
     std::vector<uint8_t> got(codec.row_bytes());
     for (int t0 : {0, 5, 16, 21}) {
       const KvRowsView sub = view.subview(t0, T);
-      EXPECT_EQ(sub.k_first, t0 % 16);
-      for (int t = 0; t < T - t0; ++t) {
-        sub.gather_row(0, t, got.data());
-        ASSERT_EQ(got, enc[t0 + t]) << "subview at " << t0 << ", token " << t;
+      EXPECT_EQ(sub.tile_first, t0 % 16);
+      for (int which = 0; which < 2; ++which) {
+        for (int t = 0; t < T - t0; ++t) {
+          sub.gather_row(which, t, got.data());
+          ASSERT_EQ(got, enc[which][t0 + t]) << "subview at " << t0 << ", token " << t << ", which " << which;
+        }
+        const KvRowsView sub2 = sub.subview(3, T - t0);  // a subview of a subview
+        sub2.gather_row(which, 0, got.data());
+        ASSERT_EQ(got, enc[which][t0 + 3]);
       }
-      const KvRowsView sub2 = sub.subview(3, T - t0);  // a subview of a subview
-      sub2.gather_row(0, 0, got.data());
-      ASSERT_EQ(got, enc[t0 + 3]);
     }
   }
 }
@@ -309,9 +325,10 @@ TEST(KvCache, WritesRowsAndReadsThemBack) {
         }
         for (int sl = 0; sl < view.slices; ++sl) {
           const uint8_t* piece = (which == 0 ? view.k : view.v) + sl * view.slice_stride + pos * view.slice_bytes;
-          if (which == 0 && view.k_tile) {  // K tiles: checked element by element below
-            ExpectTileLane(s, 16, enc.data() + view.header_bytes + sl * view.slice_bytes,
-                           view.k + sl * view.slice_stride + pos / 16 * 16 * view.slice_bytes, pos % 16);
+          if (which == 0 ? view.k_tile : view.v_tile) {  // tiles: checked element by element
+            ExpectTileLane(which, s, 16, enc.data() + view.header_bytes + sl * view.slice_bytes,
+                           (which == 0 ? view.k : view.v) + sl * view.slice_stride + pos / 16 * 16 * view.slice_bytes,
+                           pos % 16);
           } else {
             ASSERT_EQ(0, std::memcmp(piece, enc.data() + view.header_bytes + sl * view.slice_bytes, view.slice_bytes));
           }

@@ -2,8 +2,8 @@
 //
 // One new query position attends over T cached tokens whose K and V rows are
 // stored in a KvScheme (kv_scheme.h row layouts), laid out as a KvRowsView
-// describes (KvCache: head-major payload slices, scales apart, K of int8 /
-// int8-head / q8_0 / q4_0 in 16-token tiles). The kernel reads the codes
+// describes (KvCache: head-major payload slices, scales apart, K and V of
+// int8 / int8-head / q8_0 / q4_0 in 16-token tiles). The kernel reads the codes
 // directly, streaming each KV head's slice: each K/V vector is dequantized in
 // registers (per-row and per-head scales are folded into the score and the
 // softmax weight, ggml block scales are applied per 32-value block); K tiles
@@ -15,7 +15,13 @@
 // products (vpdpbusd) of the codes with the scaled query in 23-bit fixed
 // point (Q = rne(q 2^e), |Q| <= 2^22, as three base-256 digits): each sum is
 // exact in int32, and a score differs from the float one by at most
-// 2^-22 max|q_h| sum_e |k_e| plus float rounding. Highway SIMD,
+// 2^-22 max|q_h| sum_e |k_e| plus float rounding. V tiles on the same CPUs
+// are accumulated the same way, 4 tokens per vpdpbusd lane: per softmax
+// block (<= 128 tokens), head and scale group (a ggml block of 32 values, or
+// a whole int8 head) the weights times their block / row scales,
+// x_t = w_t a_t, are written in 23-bit fixed point (each within 2^-21
+// max_t |x_t| of its value) as three base-256 digits, and every sum is exact
+// in int32 before one conversion to float. Highway SIMD,
 // one dispatch per call; OpenMP over (KV head, token segment) work items,
 // whose partial softmax states are merged exactly.
 //

@@ -37,6 +37,19 @@
 //                    at 32 * blocks + 64 u, lane l's 4 bytes at + 4 l, byte j
 //                    holding element 8u+j in its low nibble and 8u+4+j in its
 //                    high nibble (nibble = ggml's code, value = (code - 8) * d)
+// V tiles. The V payload of int8 / int8-head (head_dim % 16 == 0) and of
+// q8_0 / q4_0 (head_dim % 32 == 0) is stored in tiles of the same 16
+// positions, each position's codes spread over 4-position quads, so one
+// 4-byte lane holds 4 positions' codes of one element and an int8 dot
+// product (vpdpbusd) sums the weighted V of 4 tokens per lane. Lane l of the
+// tile is quad r = l / 4, byte k = l % 4:
+//   int8, int8-head, q8_0  unit (x, r) = elements [16x, 16x+16) of quad r:
+//                    64 bytes at codes + 64 (4x + r); element e's code at
+//                    + 4 (e % 16) + k. codes = 0 (int8) or, for q8_0, after
+//                    the block scales (as K tiles, 32 bytes per block)
+//   q4_0             scales as q8_0; unit (b, r) = block b of quad r: 64 bytes
+//                    at 32 * blocks + 64 (4b + r); element 32b + j's nibble
+//                    at + 4 (j % 16) + k, low nibble for j < 16, high else
 // The codes and scales are exactly the codec row's; only their places differ.
 #pragma once
 
@@ -50,7 +63,7 @@
 
 namespace kvq {
 
-inline constexpr int kKTile = 16;  // positions per K tile (see above)
+inline constexpr int kKTile = 16;  // positions per K or V tile (see above)
 
 // Append-only values (format identity).
 enum class KvScheme : uint8_t {
@@ -89,6 +102,8 @@ class KvRowCodec {
   size_t slice_bytes() const { return (row_bytes_ - header_bytes_) / static_cast<size_t>(slices_); }
   // Positions per K tile (kKTile) when K is stored in tiles, else 0 (rows).
   int k_tile() const { return k_tile_; }
+  // Positions per V tile (kKTile) when V is stored in tiles, else 0 (rows).
+  int v_tile() const { return v_tile_; }
   // Bits per stored value, everything counted (codes, scales).
   double bits_per_element() const { return 8.0 * static_cast<double>(row_bytes_) / row_len_; }
 
@@ -105,14 +120,16 @@ class KvRowCodec {
   size_t header_bytes_ = 0;
   int slices_ = 1;
   int k_tile_ = 0;
+  int v_tile_ = 0;
 };
 
 // Read-only view of the stored K and V of one layer (the input of the fused
 // attention kernel, attention.h), in KvCache's layout: token t's header at
-// k_header + t * header_bytes; its payload piece s at
-// v + s * slice_stride + t * slice_bytes for V, and for K the same when
-// k_tile == 0 (rows), else lane (k_first + t) % 16 of the tile at
-// k + s * slice_stride + ((k_first + t) / 16) * 16 * slice_bytes.
+// k_header + t * header_bytes; its K payload piece s at
+// k + s * slice_stride + t * slice_bytes when k_tile == 0 (rows), else
+// lane (tile_first + t) % 16 of the K tile at
+// k + s * slice_stride + ((tile_first + t) / 16) * 16 * slice_bytes;
+// V the same with v and v_tile.
 struct KvRowsView {
   KvScheme scheme = KvScheme::Fp32;
   int n_kv_heads = 0;
@@ -126,8 +143,9 @@ struct KvRowsView {
   const uint8_t* v_header = nullptr;
   size_t header_bytes = 0;
   int64_t tokens = 0;          // positions available
-  int k_tile = 0;              // 0: K payload in rows; kKTile: in tiles
-  int k_first = 0;             // tiles: lane of token 0 in the tile at k
+  int k_tile = 0;              // 0: K payload in rows; kKTile: in K tiles
+  int v_tile = 0;              // 0: V payload in rows; kKTile: in V tiles
+  int tile_first = 0;          // tiles: lane of token 0 in the tile at k (and at v)
 
   // Assembles token t's codec row (header | payload) of K (which = 0) or
   // V (1) into row[0, row_bytes). No validation (a kernel).
