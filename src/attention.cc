@@ -625,11 +625,11 @@ KVQ_VNNI_ATTR HWY_INLINE void ScoreTileInt(D d, const uint8_t* tile, size_t hd, 
 // conversion (two roundings) to float.
 template <KvScheme S, int kG, class D>
 KVQ_VNNI_ATTR HWY_INLINE void AccumulateVInt(D d, const uint8_t* tile0, size_t sb, size_t hd, int v0, int v1, int lo,
-                                             int hi, const float (*HWY_RESTRICT w)[kBlockTokens],
-                                             float* HWY_RESTRICT acc) {
+                                             int hi, hn::Mask<D> first_in, hn::Mask<D> last_in,
+                                             const float (*HWY_RESTRICT w)[kBlockTokens], float* HWY_RESTRICT acc) {
   if constexpr (kG > 4) {  // 24 integer accumulators per pass at most
-    AccumulateVInt<S, kG / 2>(d, tile0, sb, hd, v0, v1, lo, hi, w, acc);
-    AccumulateVInt<S, kG / 2>(d, tile0, sb, hd, v0, v1, lo, hi, w + kG / 2, acc + kG / 2 * hd);
+    AccumulateVInt<S, kG / 2>(d, tile0, sb, hd, v0, v1, lo, hi, first_in, last_in, w, acc);
+    AccumulateVInt<S, kG / 2>(d, tile0, sb, hd, v0, v1, lo, hi, first_in, last_in, w + kG / 2, acc + kG / 2 * hd);
     return;
   } else {
     constexpr bool kQ4 = S == KvScheme::Q4_0;
@@ -653,13 +653,14 @@ KVQ_VNNI_ATTR HWY_INLINE void AccumulateVInt(D d, const uint8_t* tile0, size_t s
     HWY_ALIGN int8_t dig[kG][kBlockTokens / 16][64];
     const size_t groups = kBlk ? hd / ggml::kBlock : 1;
     for (size_t sg = 0; sg < groups; ++sg) {
-      // This group's weights x = w d for each tile (lanes outside [lo, hi): 0).
+      // This group's block scales (int8: 1), zero in lanes outside [lo, hi)
+      // (any bits there: unwritten or not attended), which only the first
+      // and the last tile have (first_in, last_in: the lanes inside).
       hn::Vec<D> sc[kBlockTokens / 16];
-      for (int i = 0; i < nt; ++i) {
-        const int b0 = v0 + 16 * i;
-        const auto in = hn::AndNot(hn::FirstN(d, static_cast<size_t>(std::max(0, lo - b0))),
-                                   hn::FirstN(d, static_cast<size_t>(std::max(0, hi - b0))));
-        sc[i] = kBlk ? hn::IfThenElseZero(in, TileBlockScales(d, tile0 + i * tile_bytes, sg, 0)) : hn::Set(d, 1.0f);
+      for (int i = 0; i < nt; ++i) sc[i] = kBlk ? TileBlockScales(d, tile0 + i * tile_bytes, sg, 0) : hn::Set(d, 1.0f);
+      if constexpr (kBlk) {
+        if (lo > v0) sc[0] = hn::IfThenElseZero(first_in, sc[0]);
+        if (hi < v1) sc[nt - 1] = hn::IfThenElseZero(last_in, sc[nt - 1]);
       }
       // Each head's max |x| (kG independent chains, one reduction tree).
       hn::Vec<D> mx[kG];
@@ -844,8 +845,12 @@ KVQ_VNNI_ATTR HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, 
     };
 
     // Online softmax, vectorised over the block; lanes outside [lo, hi)
-    // become the lowest float, whose weight is exp(lowest - max) = 0.
+    // (only in the first and the last vector) become the lowest float,
+    // whose weight is exp(lowest - max) = 0.
     const auto lowest = hn::Set(d, -std::numeric_limits<float>::max());
+    const int vlast = v1 - static_cast<int>(N);
+    const auto first_in = hn::Not(hn::FirstN(d, static_cast<size_t>(lo - v0)));  // lanes >= lo
+    const auto last_in = hn::FirstN(d, static_cast<size_t>(hi - vlast));         // lanes < hi
     for (int h = 0; h < kG; ++h) {
       float qf = 1.0f;
       if constexpr (kQP > 0) qf = it.qscale[h0 + h];
@@ -853,9 +858,8 @@ KVQ_VNNI_ATTR HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, 
       auto vmax = lowest;
       for (int b0 = v0; b0 < v1; b0 += static_cast<int>(N)) {
         auto v = hn::Mul(hn::Load(d, s[h] + b0), hn::Mul(RowScales(ks, b0), vqf));
-        const auto in = hn::AndNot(hn::FirstN(d, static_cast<size_t>(std::max(0, lo - b0))),
-                                   hn::FirstN(d, static_cast<size_t>(std::max(0, hi - b0))));
-        v = hn::IfThenElse(in, v, lowest);
+        if (b0 == v0 && lo > v0) v = hn::IfThenElse(first_in, v, lowest);
+        if (b0 == vlast && hi < v1) v = hn::IfThenElse(last_in, v, lowest);
         hn::Store(v, d, s[h] + b0);
         vmax = hn::Max(vmax, v);
       }
@@ -887,7 +891,8 @@ KVQ_VNNI_ATTR HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, 
         const int64_t pos0 = c.tile_first + tb;  // tile position of lane 0, a multiple of 16
 #if HWY_TARGET == HWY_AVX3_DL
         if constexpr (N == kKTile) {
-          AccumulateVInt<S, kG>(d, vbase + static_cast<size_t>(pos0 + v0) * sb, sb, hd, v0, v1, lo, hi, s, acc);
+          AccumulateVInt<S, kG>(d, vbase + static_cast<size_t>(pos0 + v0) * sb, sb, hd, v0, v1, lo, hi, first_in,
+                                last_in, s, acc);
           continue;
         }
 #endif
