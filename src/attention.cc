@@ -624,9 +624,9 @@ KVQ_VNNI_ATTR HWY_INLINE void ScoreTileInt(D d, const uint8_t* tile, size_t hd, 
 // 2^23 and A0 + 256 A1 below 2^31, so the sum is exact before one
 // conversion (two roundings) to float.
 template <KvScheme S, int kG, class D>
-KVQ_VNNI_ATTR HWY_INLINE void AccumulateVInt(D d, const uint8_t* tile0, size_t sb, size_t hd, int v0, int v1, int lo,
-                                             int hi, hn::Mask<D> first_in, hn::Mask<D> last_in,
-                                             const float (*HWY_RESTRICT w)[kBlockTokens], float* HWY_RESTRICT acc) {
+KVQ_VNNI_ATTR HWY_NOINLINE void AccumulateVInt(D d, const uint8_t* tile0, size_t sb, size_t hd, int v0, int v1, int lo,
+                                              int hi, hn::Mask<D> first_in, hn::Mask<D> last_in,
+                                              const float (*HWY_RESTRICT w)[kBlockTokens], float* HWY_RESTRICT acc) {
   if constexpr (kG > 4) {  // 24 integer accumulators per pass at most
     AccumulateVInt<S, kG / 2>(d, tile0, sb, hd, v0, v1, lo, hi, first_in, last_in, w, acc);
     AccumulateVInt<S, kG / 2>(d, tile0, sb, hd, v0, v1, lo, hi, first_in, last_in, w + kG / 2, acc + kG / 2 * hd);
@@ -727,12 +727,12 @@ KVQ_VNNI_ATTR HWY_INLINE void AccumulateVInt(D d, const uint8_t* tile0, size_t s
           for (size_t r = 0; r < 4; ++r) {  // quads: tokens 4r .. 4r + 3 of the tile
             hn::Vec<decltype(du8)> cv[2];
             if constexpr (kQ4) {
-              const auto u = hn::Load(du8, c + 64 * (4 * sg + r));
+              const auto u = hn::LoadU(du8, c + 64 * (4 * sg + r));
               cv[0] = hn::And(u, hn::Set(du8, 0x0F));
               cv[1] = hn::And(hn::BitCast(du8, hn::ShiftRight<4>(hn::BitCast(du16, u))), hn::Set(du8, 0x0F));
             } else {
-              cv[0] = hn::Xor(hn::Load(du8, c + 64 * (4 * x0 + r)), hn::Set(du8, 0x80));
-              cv[1] = two ? hn::Xor(hn::Load(du8, c + 64 * (4 * (x0 + 1) + r)), hn::Set(du8, 0x80)) : cv[0];
+              cv[0] = hn::Xor(hn::LoadU(du8, c + 64 * (4 * x0 + r)), hn::Set(du8, 0x80));
+              cv[1] = two ? hn::Xor(hn::LoadU(du8, c + 64 * (4 * (x0 + 1) + r)), hn::Set(du8, 0x80)) : cv[0];
             }
             for (int h = 0; h < kG; ++h) {
               for (int p = 0; p < 3; ++p) {
@@ -893,14 +893,17 @@ KVQ_VNNI_ATTR HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, 
         if constexpr (N == kKTile) {
           AccumulateVInt<S, kG>(d, vbase + static_cast<size_t>(pos0 + v0) * sb, sb, hd, v0, v1, lo, hi, first_in,
                                 last_in, s, acc);
-          continue;
-        }
+        } else  // NOLINT: the float tile path below is not instantiated here
 #endif
-        size_t e = 0;
-        for (; e + kVG * kEG <= hd; e += kVG * kEG) {
-          AccumulateV<S, kBlocks, true, kG, kVG>(d, vbase, sb, pos0 + lo, lo, nb, e, hd, s, acc, e);
+        {
+          size_t e = 0;
+          for (; e + kVG * kEG <= hd; e += kVG * kEG) {
+            AccumulateV<S, kBlocks, true, kG, kVG>(d, vbase, sb, pos0 + lo, lo, nb, e, hd, s, acc, e);
+          }
+          for (; e < hd; e += kEG) {
+            AccumulateV<S, kBlocks, true, kG, 1>(d, vbase, sb, pos0 + lo, lo, nb, e, hd, s, acc, e);
+          }
         }
-        for (; e < hd; e += kEG) AccumulateV<S, kBlocks, true, kG, 1>(d, vbase, sb, pos0 + lo, lo, nb, e, hd, s, acc, e);
         continue;
       }
     }

@@ -175,6 +175,22 @@ TEST(DecodeAttention, OddGroupSizesAndSplitSegments) {
   }
 }
 
+// V tiles hold head_dim / 16 element units (int8) or head_dim / 32 blocks:
+// odd counts and a single unit, at partial and whole tiles.
+TEST(DecodeAttention, VTilesOfEveryUnitCount) {
+  Rng rng(9);
+  for (KvScheme s : {KvScheme::Int8, KvScheme::Int8Head}) {
+    for (int d : {16, 48, 80}) {
+      for (int64_t T : {5, 200}) CheckAgainstReference({s, 2, 4, d, T}, 1, rng);
+    }
+  }
+  for (KvScheme s : {KvScheme::Q8_0, KvScheme::Q4_0}) {
+    for (int d : {32, 96}) {
+      for (int64_t T : {5, 200}) CheckAgainstReference({s, 2, 4, d, T}, 1, rng);
+    }
+  }
+}
+
 TEST(DecodeAttention, EveryCompiledTargetMatchesTheReference) {
   test::ForEachTarget([&](const char*) {
     Rng rng(3);
