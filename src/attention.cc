@@ -292,10 +292,11 @@ HWY_INLINE void LoadVTileGroup(D d, const uint8_t* tile, size_t hd, int lane, si
   }
 }
 
-// V tiles exist for int8, int8-head and (block-aligned) q8_0 / q4_0.
+// K and V tiles exist for int8, int8-head and (block-aligned) q8_0 / q4_0
+// (int8 V tiles: head_dim % 16 == 0 too, checked at run time).
 template <KvScheme S, bool kBlocks>
-constexpr bool kVTileable = S == KvScheme::Int8 || S == KvScheme::Int8Head ||
-                            ((S == KvScheme::Q8_0 || S == KvScheme::Q4_0) && kBlocks);
+constexpr bool kTileable = S == KvScheme::Int8 || S == KvScheme::Int8Head ||
+                           ((S == KvScheme::Q8_0 || S == KvScheme::Q4_0) && kBlocks);
 
 // Tokens per online-softmax block: scores of the block, one max / rescale
 // step, then its V rows. 128 rather than 32 amortises the per-block work
@@ -614,8 +615,8 @@ KVQ_VNNI_ATTR HWY_INLINE void ScoreTileInt(D d, const uint8_t* tile, size_t hd, 
 // products: 4 tokens' codes per lane against 4 weights per broadcast word.
 // Each scale group (a ggml block; int8: the whole head) folds its fp16
 // block scales into the weights, x_t = w_t d_t, and writes them in 23-bit
-// fixed point, X_t = rne(x_t 2^k) with 2^k chosen so that |X_t| <= 2^22
-// (each within 2^-22 of the group's max |x| of its value), as balanced
+// fixed point, X_t ~ x_t 2^k with 2^k chosen so that |X_t| <= 2^22 (two
+// roundings: each within 2^-21 of the group's max |x| of x_t), as balanced
 // base-256 digits X = D0 + 256 D1 + 65536 D2 (D0, D1 in [-128, 127],
 // |D2| <= 64: bytes of X + 0x808080, top bits flipped). The codes enter
 // vpdpbusd unsigned (int8 and q8_0 codes + 128, q4_0 nibbles as they are);
@@ -886,7 +887,7 @@ KVQ_VNNI_ATTR HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, 
     }
 
     const int nb = hi - lo;
-    if constexpr (kVTileable<S, kBlocks>) {
+    if constexpr (kTileable<S, kBlocks>) {
       if (c.v_tile) {  // V tiles: one slice per head (xbase = 0)
         const int64_t pos0 = c.tile_first + tb;  // tile position of lane 0, a multiple of 16
 #if HWY_TARGET == HWY_AVX3_DL
@@ -942,11 +943,6 @@ void AttendSchemeWith(D d, const Call& c) {
     for (int64_t i = 0; i < n; ++i) attend(c.items[i]);
   }
 }
-
-// K tiles exist for int8, int8-head and (block-aligned) q8_0 / q4_0.
-template <KvScheme S, bool kBlocks>
-constexpr bool kTileable = S == KvScheme::Int8 || S == KvScheme::Int8Head ||
-                           ((S == KvScheme::Q8_0 || S == KvScheme::Q4_0) && kBlocks);
 
 template <KvScheme S, bool kBlocks, class D>
 void AttendScheme(D d, const Call& c) {
