@@ -218,6 +218,15 @@ HWY_INLINE hn::Vec<D> BlockScaleVec(D d, const uint8_t* blk) {
   return hn::Set(d, BlockScale(blk));
 }
 
+// q4_0 values d (c - 8) of the nibbles in bits [3:0] of each 32-bit lane
+// of idx, for a block scale d in every lane: each rounded once, as c d - 8 d
+// is (Nibbles: a 16-entry table on 16-lane x86 targets).
+template <class D, class VI>
+HWY_INLINE hn::Vec<D> Q4Values(D d, VI idx, hn::Vec<D> vdb) {
+  const auto value = [&](hn::Vec<D> c) { return hn::MulAdd(c, vdb, hn::Mul(vdb, hn::Set(d, -8.0f))); };
+  return Nibbles(d, idx, hn::Mul(vdb, hn::Iota(d, -8.0f)), value);
+}
+
 // A whole ggml block (32 values, kC = 32 / N vectors) with its scale
 // decoded once. Used when heads are block-aligned (head_dim % 32 == 0).
 template <KvScheme S, class D, size_t kC>
@@ -234,13 +243,10 @@ HWY_INLINE void LoadBlock(D d, const uint8_t* blk, hn::Vec<D> (&v)[kC]) {
   } else {
     static_assert(S == KvScheme::Q4_0);
     const hn::Rebind<uint8_t, D> du8;
-    // The block's 16 values d (c - 8), each rounded once, as c d - 8 d is.
-    const auto tbl = hn::Mul(vdb, hn::Iota(d, -8.0f));
-    const auto value = [&](hn::Vec<D> c) { return hn::MulAdd(c, vdb, hn::Mul(vdb, hn::Set(d, -8.0f))); };
     for (size_t c = 0; c < kC / 2; ++c) {  // one load feeds a low- and a high-nibble vector
       const auto w = hn::PromoteTo(di, hn::LoadU(du8, blk + 2 + c * N));  // widen first: 32-bit shifts
-      v[c] = Nibbles(d, w, tbl, value);
-      v[c + kC / 2] = Nibbles(d, hn::ShiftRight<4>(w), tbl, value);
+      v[c] = Q4Values(d, w, vdb);
+      v[c + kC / 2] = Q4Values(d, hn::ShiftRight<4>(w), vdb);
     }
   }
 }
@@ -266,28 +272,24 @@ HWY_INLINE void LoadVTileGroup(D d, const uint8_t* tile, size_t hd, int lane, si
   const hn::RebindToSigned<D> di;
   const size_t quad = static_cast<size_t>(lane / 4);
   const int shift = 8 * (lane % 4);
-  if constexpr (S == KvScheme::Int8 || S == KvScheme::Int8Head) {
-    const auto w = hn::LoadU(di, reinterpret_cast<const int32_t*>(tile + 64 * (4 * (x / 16) + quad) + 4 * (x % 16)));
-    v[0] = hn::ConvertTo(d, hn::ShiftRight<24>(hn::ShiftLeftSame(w, 24 - shift)));
-  } else {
-    const size_t b = x / ggml::kBlock;
-    const uint8_t* codes = tile + 2 * kKTile * (hd / ggml::kBlock);
+  constexpr bool kBlk = S == KvScheme::Q8_0 || S == KvScheme::Q4_0;
+  const size_t b = x / ggml::kBlock;
+  const uint8_t* codes = tile + (kBlk ? 2 * kKTile * (hd / ggml::kBlock) : 0);
+  // The lane's words of element unit u (4 tokens' codes per word), from element offset j % 16.
+  const auto Words = [&](size_t u, size_t j) {
+    return hn::LoadU(di, reinterpret_cast<const int32_t*>(codes + 64 * (4 * u + quad) + 4 * (j % 16)));
+  };
+  if constexpr (S == KvScheme::Q4_0) {
     const auto vdb = BlockScaleVec(d, tile + 2 * kKTile * b + 2 * static_cast<size_t>(lane));
-    if constexpr (S == KvScheme::Q8_0) {
-      for (size_t c = 0; c < kC; ++c) {
-        const size_t e = x + c * N;
-        const auto w = hn::LoadU(di, reinterpret_cast<const int32_t*>(codes + 64 * (4 * (e / 16) + quad) + 4 * (e % 16)));
-        v[c] = hn::Mul(hn::ConvertTo(d, hn::ShiftRight<24>(hn::ShiftLeftSame(w, 24 - shift))), vdb);
-      }
-    } else {
-      static_assert(S == KvScheme::Q4_0);
-      const auto tbl = hn::Mul(vdb, hn::Iota(d, -8.0f));
-      const auto value = [&](hn::Vec<D> c) { return hn::MulAdd(c, vdb, hn::Mul(vdb, hn::Set(d, -8.0f))); };
-      for (size_t c = 0; c < kC; ++c) {
-        const size_t j = c * N;  // element x + j of block b: low nibbles for j < 16
-        const auto w = hn::LoadU(di, reinterpret_cast<const int32_t*>(codes + 64 * (4 * b + quad) + 4 * (j % 16)));
-        v[c] = Nibbles(d, hn::ShiftRightSame(w, shift + (j < 16 ? 0 : 4)), tbl, value);
-      }
+    for (size_t c = 0; c < kC; ++c) {
+      const size_t j = c * N;  // element x + j of block b: low nibbles for j < 16
+      v[c] = Q4Values(d, hn::ShiftRightSame(Words(b, j), shift + (j < 16 ? 0 : 4)), vdb);
+    }
+  } else {  // int8 (kC = 1) or q8_0: signed bytes, times the block scale
+    for (size_t c = 0; c < kC; ++c) {
+      const size_t e = x + c * N;
+      v[c] = hn::ConvertTo(d, hn::ShiftRight<24>(hn::ShiftLeftSame(Words(e / 16, e), 24 - shift)));
+      if constexpr (kBlk) v[c] = hn::Mul(v[c], BlockScaleVec(d, tile + 2 * kKTile * b + 2 * static_cast<size_t>(lane)));
     }
   }
 }
