@@ -351,7 +351,7 @@ uint64_t Transformer::attention_state_bytes() const {
       const uint64_t d = static_cast<uint64_t>(cfg_.head_size());
       total += row * static_cast<uint64_t>(policy_.sinks + (T - lb.banked_end));
       total += static_cast<uint64_t>(lb.bank->num_clusters()) * static_cast<uint64_t>(cfg_.n_kv_heads) *
-               (2 * d + 2 * d * d + 1) * sizeof(float);
+               (6 * d + 2 * d * d + 1) * sizeof(float);  // mu_k, mu_v, ranges, Sigma, A, n
       total += (lb.out_k.size() + lb.out_v.size()) * sizeof(float);
     }
   }

@@ -168,10 +168,10 @@ std::string format_receipts(const ReceiptReport& r) {
   std::snprintf(buf, sizeof buf,
                 "model: %s (dim %d, %d layers, %d kv heads x %d)\n"
                 "text: %s: %d windows of ctx %d, chunks of %d tokens, one bank per layer and window, %d threads\n"
-                "bank: max_clusters %d, birth_distance %g, merge_distance %g, outlier_top_k %d, ridge %g\n\n",
+                "bank: max_clusters %d, birth_distance %g, merge_distance %g, outlier_top_k %d, ridge %g, closure %s\n\n",
                 r.model_path.c_str(), r.config.dim, r.config.n_layers, r.config.n_kv_heads, r.config.head_size(),
                 r.text_path.c_str(), r.windows, r.ctx, r.chunk, r.threads, r.bank.max_clusters, r.bank.birth_distance,
-                r.bank.merge_distance, r.bank.outlier_top_k, r.bank.ridge);
+                r.bank.merge_distance, r.bank.outlier_top_k, r.bank.ridge, far_field_closure_name(r.bank.closure));
   out += buf;
   out +=
       "| layer | clusters (mean/max) | births | merges | outliers % | mean residual | rho int8 K | rho int8 V | "

@@ -238,17 +238,19 @@ PYBIND11_MODULE(_kvq, m) {
   // ---- E2 ---------------------------------------------------------------------
   py::class_<ClusterBank>(m, "ClusterBank")
       .def(py::init([](int n_head, int d_head, int max_clusters, double birth_distance, double merge_distance,
-                       int outlier_top_k, double ridge) {
+                       int outlier_top_k, double ridge, const std::string& closure) {
              ClusterBankOptions o;
              o.max_clusters = max_clusters;
              o.birth_distance = birth_distance;
              o.merge_distance = merge_distance;
              o.outlier_top_k = outlier_top_k;
              o.ridge = ridge;
+             o.closure = parse_far_field_closure(closure);
              return ClusterBank(n_head, d_head, o);
            }),
            py::arg("n_head"), py::arg("d_head"), py::arg("max_clusters"), py::arg("birth_distance"),
-           py::arg("merge_distance"), py::arg("outlier_top_k"), py::arg("ridge"))
+           py::arg("merge_distance"), py::arg("outlier_top_k"), py::arg("ridge"), py::arg("closure"))
+      .def_property_readonly("key_scale", &ClusterBank::key_scale)
       .def("birth_and_merge",
            [](ClusterBank& b, const py::array& k, const std::string& kd, const py::array& v, const std::string& vd) {
              const TensorView kv = FloatView(k, kd, "chunk_k"), vv = FloatView(v, vd, "chunk_v");
@@ -280,6 +282,7 @@ PYBIND11_MODULE(_kvq, m) {
     d["merge_distance"] = o.merge_distance;
     d["outlier_top_k"] = o.outlier_top_k;
     d["ridge"] = o.ridge;
+    d["closure"] = far_field_closure_name(o.closure);
     return d;
   });
   m.attr("DEFAULT_KS_MAX") = kDefaultKsMax;

@@ -73,14 +73,43 @@ struct Planted {
   }
 };
 
+// The default birth and merge rules; fewer outliers, a smaller ridge.
 ClusterBankOptions PlantedOptions() {
   ClusterBankOptions o;
   o.max_clusters = 8;
-  o.birth_distance = 0.5;
-  o.merge_distance = 0.1;
   o.outlier_top_k = 2;
   o.ridge = 1e-3;
   return o;
+}
+
+// Clusters found versus planted labels: how many, and whether the
+// clustering is the planted labelling up to a renaming.
+struct Recovery {
+  size_t clusters = 0;
+  bool exact = false;
+  double purity = 0;  // share of tokens in their cluster's majority label
+};
+Recovery Recover(const std::vector<int>& assignments, const std::vector<int>& label) {
+  std::map<int, std::map<int, int64_t>> by_cluster;
+  for (size_t t = 0; t < assignments.size(); ++t) ++by_cluster[assignments[t]][label[t]];
+  std::set<int> labels(label.begin(), label.end());
+  Recovery r;
+  r.clusters = by_cluster.size();
+  int64_t majority = 0;
+  std::set<int> majority_labels;
+  bool pure = true;
+  for (const auto& [id, counts] : by_cluster) {
+    int64_t best = 0;
+    int best_label = -1;
+    for (auto [l, n] : counts)
+      if (n > best) best = n, best_label = l;
+    majority += best;
+    majority_labels.insert(best_label);
+    pure = pure && counts.size() == 1;
+  }
+  r.purity = static_cast<double>(majority) / static_cast<double>(assignments.size());
+  r.exact = pure && r.clusters == labels.size() && majority_labels.size() == labels.size();
+  return r;
 }
 
 // Moments computed directly from a set of token positions.
@@ -109,8 +138,9 @@ TEST(ClusterBank, FindsPlantedClustersRecoversTheAffineMapsAndFlagsAnomalies) {
   const Planted p(3, 2, 8, 3000, 11);
   ClusterBank bank(p.H, p.D, PlantedOptions());
   const BirthMergeReceipt r = bank.birth_and_merge(p.kv(0, p.T, false), p.kv(0, p.T, true));
-  EXPECT_EQ(r.births, 3);
-  EXPECT_EQ(r.merges, 0);
+  // Tail tokens may birth clusters that the merge rule folds back.
+  EXPECT_GE(r.births, 3);
+  EXPECT_EQ(r.births - r.merges, 3);
   ASSERT_EQ(bank.num_clusters(), 3);
   ASSERT_EQ(r.assignments.size(), static_cast<size_t>(p.T));
   ASSERT_EQ(r.per_token_residual.size(), static_cast<size_t>(p.T));
@@ -209,10 +239,11 @@ TEST(ClusterBank, StatePersistsAcrossChunks) {
   ClusterBank bank(p.H, p.D, PlantedOptions());
   const auto r1 = bank.birth_and_merge(p.kv(0, 1500, false), p.kv(0, 1500, true));
   const auto r2 = bank.birth_and_merge(p.kv(1500, 3000, false), p.kv(1500, 3000, true));
-  EXPECT_EQ(r1.births, 3);
-  EXPECT_EQ(r2.births, 0) << "the second chunk must reuse the clusters of the first";
-  EXPECT_EQ(r2.merges, 0);
-  EXPECT_EQ(bank.total_births(), 3);
+  EXPECT_EQ(r1.births - r1.merges, 3);
+  const std::vector<int> ids = bank.cluster_ids();
+  EXPECT_EQ(r2.births, r2.merges) << "the second chunk must reuse the clusters of the first";
+  for (auto [keep, gone] : r2.merged) EXPECT_TRUE(std::count(r2.born.begin(), r2.born.end(), gone)) << gone;
+  EXPECT_EQ(bank.total_births() - bank.total_merges(), 3);
   for (int id : bank.cluster_ids()) {
     std::vector<int64_t> tokens;
     auto collect = [&](const BirthMergeReceipt& r, int64_t offset) {
@@ -235,9 +266,12 @@ TEST(ClusterBank, StatePersistsAcrossChunks) {
     for (int j = 0; j < 16; ++j) k3[t * 16 + j] = 40.0f + static_cast<float>(rng.Gaussian());
   const auto r3 = bank.birth_and_merge(TensorView(k3.data(), {200, 2, 8}, DType::F32),
                                        TensorView(v3.data(), {200, 2, 8}, DType::F32));
-  EXPECT_EQ(r3.births, 1);
-  for (int t = 0; t < 50; ++t) EXPECT_EQ(r3.assignments[t], r3.born.at(0));
-  EXPECT_EQ(bank.num_clusters(), 4);
+  EXPECT_EQ(r3.births - r3.merges, 1);
+  ASSERT_EQ(bank.num_clusters(), 4);
+  const int fresh = r3.assignments[0];
+  EXPECT_FALSE(std::count(ids.begin(), ids.end(), fresh));
+  for (int t = 0; t < 50; ++t) EXPECT_EQ(r3.assignments[t], fresh);
+  for (int t = 50; t < 200; ++t) EXPECT_NE(r3.assignments[t], fresh);
 }
 
 TEST(ClusterBank, NeverExceedsMaxClusters) {
@@ -354,6 +388,116 @@ TEST(ClusterBank, BadInputIsAClearErrorAndLeavesTheBankUnchanged) {
   EXPECT_NE(ErrorOf([] { ClusterBank b(2, 0); }).find("d_head: expected >= 1"), std::string::npos);
 }
 
+// SPEC §4: the default rules find planted structure without tuning, and
+// do not depend on the data's units or on how many groups a chunk holds.
+// Well separated (centre coordinates ~ N(0, sep^2) in units of the
+// within-cluster sigma, so centres lie ~sep sqrt(2 W) sigma apart): found
+// exactly; overlapping (sep <= 0.1: centres < 0.6 sigma apart in W = 16):
+// one cluster. The first version normalised by the chunk's total variance
+// and found 2 clusters of 4 at purity 0.50 here.
+TEST(ClusterBank, DefaultsFindPlantedClustersAtAnyCountAndSeparation) {
+  for (int c : {2, 4, 8}) {
+    for (float sep : {4.0f, 8.0f, 32.0f}) {
+      for (uint64_t seed : {1u, 2u, 3u}) {
+        const Planted p(c, 2, 8, 800, 100 * c + seed, sep);
+        ClusterBankOptions o;  // defaults
+        ClusterBank bank(p.H, p.D, o);
+        const BirthMergeReceipt r = bank.birth_and_merge(p.kv(0, p.T, false), p.kv(0, p.T, true));
+        const Recovery rec = Recover(r.assignments, p.label);
+        EXPECT_TRUE(rec.exact) << c << " clusters, separation " << sep << ", seed " << seed << ": found "
+                               << rec.clusters << ", purity " << rec.purity;
+        // Every planted anomaly (a value far off its cluster's map) is flagged.
+        std::set<int64_t> flagged;
+        for (const auto& [id, set] : r.per_cluster_outlier_tokens) flagged.insert(set.indices.begin(), set.indices.end());
+        for (int64_t t : p.anomalies) EXPECT_TRUE(flagged.count(t)) << c << " clusters, sep " << sep << ": " << t;
+      }
+    }
+  }
+  // Separation 2: the closest of 28 pairs of centres may lie ~5 sigma
+  // apart, where nearest-mean assignment has a Bayes error of ~0.6%: every
+  // group found, a split at most, purity >= 0.98.
+  for (int c : {2, 4, 8}) {
+    for (uint64_t seed : {1u, 2u, 3u}) {
+      const Planted p(c, 2, 8, 800, 100 * c + seed, 2.0f);
+      ClusterBank bank(p.H, p.D);
+      const BirthMergeReceipt r = bank.birth_and_merge(p.kv(0, p.T, false), p.kv(0, p.T, true));
+      const Recovery rec = Recover(r.assignments, p.label);
+      EXPECT_GE(rec.clusters, static_cast<size_t>(c)) << c << " clusters, separation 2, seed " << seed;
+      EXPECT_LE(rec.clusters, static_cast<size_t>(c + 1)) << c << " clusters, separation 2, seed " << seed;
+      EXPECT_GE(rec.purity, 0.98) << c << " clusters, separation 2, seed " << seed;
+    }
+  }
+  for (int c : {2, 4, 8}) {
+    for (float sep : {0.0f, 0.05f, 0.1f}) {
+      const Planted p(c, 2, 8, 800, 7 * c, sep);
+      ClusterBank bank(p.H, p.D);
+      const BirthMergeReceipt r = bank.birth_and_merge(p.kv(0, p.T, false), p.kv(0, p.T, true));
+      EXPECT_EQ(bank.num_clusters(), 1) << c << " overlapping clusters, separation " << sep;
+    }
+  }
+}
+
+TEST(ClusterBank, OneGaussianIsOneClusterAtEveryWidthAndLength) {
+  for (auto [h, d] : {std::pair{1, 2}, std::pair{1, 4}, std::pair{2, 8}, std::pair{4, 8}, std::pair{1, 64}}) {
+    for (int64_t t : {2, 3, 64, 128, 800, 3000}) {
+      const Planted p(1, h, d, t, 1000 + t + d, 0.0f);
+      ClusterBank bank(h, d);
+      bank.birth_and_merge(p.kv(0, t, false), p.kv(0, t, true));
+      EXPECT_EQ(bank.num_clusters(), 1) << h << " x " << d << ", T = " << t;
+      // More chunks from the same Gaussian keep it one cluster.
+      const Planted more(1, h, d, 256, 77 + t, 0.0f);
+      for (int64_t t0 = 0; t0 < 256; t0 += 64) bank.birth_and_merge(more.kv(t0, t0 + 64, false), more.kv(t0, t0 + 64, true));
+      EXPECT_EQ(bank.num_clusters(), 1) << h << " x " << d << ", T = " << t << ", later chunks";
+    }
+  }
+}
+
+TEST(ClusterBank, ClusteringIsInvariantToTheDataUnits) {
+  for (int c : {2, 4, 8}) {
+    const Planted p(c, 2, 8, 800, 300 + c, 8.0f);
+    std::vector<int> want;
+    for (float unit : {1.0f, 1e-3f, 1e3f, 1e-20f, 1e20f}) {
+      std::vector<float> k(p.k), v(p.v);
+      for (auto& x : k) x *= unit;
+      for (auto& x : v) x *= unit;
+      ClusterBank bank(p.H, p.D);
+      const BirthMergeReceipt r = bank.birth_and_merge(TensorView(k.data(), {p.T, p.H, p.D}, DType::F32),
+                                                       TensorView(v.data(), {p.T, p.H, p.D}, DType::F32));
+      if (want.empty()) want = r.assignments;
+      EXPECT_EQ(r.assignments, want) << c << " clusters, unit " << unit;
+      ASSERT_EQ(bank.key_scale().size(), 2u);
+      // sigma_h^2 is the within-cluster variance (1 in the planted units).
+      for (double s : bank.key_scale()) EXPECT_NEAR(s / (double(unit) * unit), 1.0, 0.15) << unit;
+    }
+  }
+}
+
+TEST(ClusterBank, LaterChunksBirthNewGroupsOnTheWithinClusterScale) {
+  // The first chunk holds 2 groups; a later chunk adds 2 more, 6 sigma per
+  // coordinate from the others: found, not merged into the old ones.
+  const Planted p(4, 2, 8, 1600, 17, 6.0f);
+  std::vector<int64_t> first, second;
+  for (int64_t t = 0; t < p.T; ++t) (p.label[t] < 2 ? first : second).push_back(t);
+  auto gather = [&](const std::vector<int64_t>& idx, const std::vector<float>& x) {
+    std::vector<float> out;
+    for (int64_t t : idx) out.insert(out.end(), x.begin() + t * 16, x.begin() + (t + 1) * 16);
+    return out;
+  };
+  ClusterBank bank(2, 8);
+  std::vector<int> labels;
+  std::vector<int> assignments;
+  for (const auto* idx : {&first, &second}) {
+    std::vector<float> k = gather(*idx, p.k), v = gather(*idx, p.v);
+    const int64_t n = static_cast<int64_t>(idx->size());
+    const auto r = bank.birth_and_merge(TensorView(k.data(), {n, 2, 8}, DType::F32),
+                                        TensorView(v.data(), {n, 2, 8}, DType::F32));
+    for (int64_t t : *idx) labels.push_back(p.label[t]);
+    assignments.insert(assignments.end(), r.assignments.begin(), r.assignments.end());
+  }
+  EXPECT_EQ(bank.num_clusters(), 4);
+  EXPECT_TRUE(Recover(assignments, labels).exact);
+}
+
 // ---- far-field attention (moment closure) ----------------------------------
 
 // Exact attention of one query head over tokens [t0, t1) of (T, H, D) arrays,
@@ -425,20 +569,105 @@ TEST(FarField, MatchesExactAttentionOnGaussianClustersWithAffineValues) {
   std::vector<float> v = p.v;
   for (int64_t a : p.anomalies)  // remove the planted anomalies
     for (int j = 0; j < 8; ++j) v[a * 8 + j] -= 6.0f;
-  ClusterBankOptions o = PlantedOptions();
-  o.outlier_top_k = 0;
-  ClusterBank bank(2, 4, o);
-  bank.birth_and_merge(p.kv(0, p.T, false), TensorView(v.data(), {p.T, 2, 4}, DType::F32));
-  ASSERT_EQ(bank.num_clusters(), 2);
-  Rng rng(52);
-  std::vector<float> q(4 * 4);  // 4 query heads over 2 bank heads (GQA 2)
-  for (auto& x : q) x = static_cast<float>(0.5 * rng.Gaussian());
-  const AttentionPart far = bank.far_field(q, 4);
-  for (int h = 0; h < 4; ++h) {
-    const AttentionPart want = BruteForce(p.k, v, 2, 4, h / 2, q.data() + h * 4, 0.5, 0, p.T);
-    EXPECT_NEAR(far.log_mass[h], want.log_mass[0], 0.02) << "head " << h;
-    for (int e = 0; e < 4; ++e) EXPECT_NEAR(far.value[h * 4 + e], want.value[e], 0.05) << "head " << h;
+  // The two-point closure trades the Gaussian's exactness here for
+  // exactness on two keys: log cosh(sd) = sd^2/2 - sd^4/12 + ..., and its
+  // tilt is tanh(sd)/sd of the Gaussian's (sd = 0.5 |q| ~ 0.5 here: ~0.005
+  // in log-mass, ~8% of s A Sigma q in value).
+  for (FarFieldClosure closure : {FarFieldClosure::kGaussian, FarFieldClosure::kTwoPoint}) {
+    const bool gauss = closure == FarFieldClosure::kGaussian;
+    ClusterBankOptions o = PlantedOptions();
+    o.outlier_top_k = 0;
+    o.closure = closure;
+    ClusterBank bank(2, 4, o);
+    bank.birth_and_merge(p.kv(0, p.T, false), TensorView(v.data(), {p.T, 2, 4}, DType::F32));
+    ASSERT_EQ(bank.num_clusters(), 2);
+    Rng rng(52);
+    std::vector<float> q(4 * 4);  // 4 query heads over 2 bank heads (GQA 2)
+    for (auto& x : q) x = static_cast<float>(0.5 * rng.Gaussian());
+    const AttentionPart far = bank.far_field(q, 4);
+    for (int h = 0; h < 4; ++h) {
+      const AttentionPart want = BruteForce(p.k, v, 2, 4, h / 2, q.data() + h * 4, 0.5, 0, p.T);
+      EXPECT_NEAR(far.log_mass[h], want.log_mass[0], gauss ? 0.02 : 0.03) << "head " << h;
+      for (int e = 0; e < 4; ++e) EXPECT_NEAR(far.value[h * 4 + e], want.value[e], gauss ? 0.05 : 0.12) << "head " << h;
+    }
   }
+}
+
+// The far field's bounds (SPEC §4): a cluster's log-mass never below
+// Jensen's log n + s q.mu nor above log n + s max over its key box, and its
+// value inside its value box, whatever the keys. Clusters here are forced
+// (max_clusters 1) to hold what a closure handles worst.
+std::vector<float> RandomQuery(Rng& rng, int n, double sd) {
+  std::vector<float> q(static_cast<size_t>(n));
+  for (auto& x : q) x = static_cast<float>(sd * rng.Gaussian());
+  return q;
+}
+
+TEST(FarField, BoundedOnAdversarialClustersForEveryClosure) {
+  const int D = 8;
+  Rng rng(61);
+  for (FarFieldClosure closure : {FarFieldClosure::kTwoPoint, FarFieldClosure::kGaussian}) {
+    for (int kind = 0; kind < 3; ++kind) {  // two far keys, heavy tails, one token
+      const int T = kind == 2 ? 1 : 400;
+      std::vector<float> k(static_cast<size_t>(T) * D), v(k.size());
+      for (int t = 0; t < T; ++t)
+        for (int e = 0; e < D; ++e) {
+          double x;
+          if (kind == 0) {
+            x = (t % 2 ? 20.0 : -20.0) + e;
+          } else {  // Cauchy: no moments, scores spread by thousands
+            x = std::tan(3.14159265358979 * (rng.Uniform() - 0.5));
+          }
+          k[t * D + e] = static_cast<float>(x);
+          v[t * D + e] = static_cast<float>(rng.Gaussian() + (kind == 0 ? 5.0 * (t % 2) : 0.0));
+        }
+      ClusterBankOptions o;
+      o.max_clusters = 1;
+      o.outlier_top_k = 0;
+      o.closure = closure;
+      ClusterBank bank(1, D, o);
+      bank.birth_and_merge(TensorView(k.data(), {T, 1, D}, DType::F32), TensorView(v.data(), {T, 1, D}, DType::F32));
+      ASSERT_EQ(bank.num_clusters(), 1);
+      const ClusterMoments& m = bank.moments(0, 0);
+      for (int trial = 0; trial < 50; ++trial) {
+        const std::vector<float> q = RandomQuery(rng, D, trial < 25 ? 0.3 : 3.0);
+        const double s = 1.0 / std::sqrt(double(D));
+        const AttentionPart far = bank.far_field(q, 1);
+        const AttentionPart truth = BruteForce(k, v, 1, D, 0, q.data(), s, 0, T);
+        double qmu = 0, smax = 0;
+        for (int e = 0; e < D; ++e) {
+          qmu += double(q[e]) * m.sum_k[e] / m.count;
+          smax += std::max(double(q[e]) * m.k_lo[e], double(q[e]) * m.k_hi[e]);
+        }
+        const double jensen = std::log(double(T)) + s * qmu, upper = std::log(double(T)) + s * smax;
+        const double slack = 1e-9 * (1 + std::abs(upper));
+        // The bounds hold for the truth (they are bounds) and for the estimate.
+        EXPECT_GE(truth.log_mass[0], jensen - slack);
+        EXPECT_LE(truth.log_mass[0], upper + slack);
+        EXPECT_GE(far.log_mass[0], jensen - slack) << far_field_closure_name(closure) << " kind " << kind;
+        EXPECT_LE(far.log_mass[0], upper + slack) << far_field_closure_name(closure) << " kind " << kind;
+        for (int e = 0; e < D; ++e) {
+          EXPECT_GE(far.value[e], m.v_lo[e]);
+          EXPECT_LE(far.value[e], m.v_hi[e]);
+        }
+        if (kind == 2) {  // a cluster of one is exact
+          EXPECT_NEAR(far.log_mass[0], truth.log_mass[0], 1e-9);
+          for (int e = 0; e < D; ++e) EXPECT_NEAR(far.value[e], truth.value[e], 1e-5);
+        }
+        if (kind == 0 && closure == FarFieldClosure::kTwoPoint) {
+          // Two keys, equally many: the two-point closure is their exact
+          // mass; the value is exact up to the ridge's pull on A.
+          EXPECT_NEAR(far.log_mass[0], truth.log_mass[0], 1e-9);
+          for (int e = 0; e < D; ++e) EXPECT_NEAR(far.value[e], truth.value[e], 0.05);
+        }
+      }
+    }
+  }
+  // The Gaussian closure alone would claim mass e^{sd^2/2}: far above the
+  // upper bound for two keys 2 x 20 sqrt(8) apart; clipped, it stays at it.
+  EXPECT_EQ(parse_far_field_closure("gaussian"), FarFieldClosure::kGaussian);
+  EXPECT_EQ(parse_far_field_closure("two-point"), FarFieldClosure::kTwoPoint);
+  EXPECT_NE(ErrorOf([] { parse_far_field_closure("gauss"); }).find("closure: expected"), std::string::npos);
 }
 
 TEST(FarField, EmptyBankAndBadArguments) {
@@ -673,6 +902,24 @@ TEST(Stats, SpearmanWithTies) {
             std::string::npos);
   EXPECT_NE(ErrorOf([&] { spearman(up, std::vector<float>{1, NAN, 2, 3}); }).find("b: expected no NaN, element 1"),
             std::string::npos);
+}
+
+TEST(Stats, ChiSquareAgainstTables) {
+  // chi^2_2 is exponential: P(X <= x) = 1 - exp(-x / 2).
+  for (double x : {0.01, 0.5, 2.0, 10.0, 60.0}) EXPECT_NEAR(chi_square_cdf(x, 2), -std::expm1(-x / 2), 1e-14) << x;
+  // Table values (Abramowitz & Stegun 26.4): 95% of chi^2_1, 99% of
+  // chi^2_10, medians of chi^2_16 and chi^2_100, 1% of chi^2_8.
+  EXPECT_NEAR(chi_square_quantile(0.95, 1), 3.841459, 1e-6);
+  EXPECT_NEAR(chi_square_quantile(0.99, 10), 23.20925, 1e-5);
+  EXPECT_NEAR(chi_square_quantile(0.5, 16), 15.33849, 1e-5);
+  EXPECT_NEAR(chi_square_quantile(0.5, 100), 99.33412, 1e-5);
+  EXPECT_NEAR(chi_square_quantile(0.01, 8), 1.646497, 1e-6);
+  EXPECT_NEAR(chi_square_cdf(chi_square_quantile(1e-6, 4), 4), 1e-6, 1e-15);
+  EXPECT_EQ(chi_square_cdf(0, 3), 0.0);
+  EXPECT_EQ(chi_square_cdf(INFINITY, 3), 1.0);
+  EXPECT_NE(ErrorOf([] { chi_square_cdf(1, 0); }).find("dof"), std::string::npos);
+  EXPECT_NE(ErrorOf([] { chi_square_cdf(NAN, 1); }).find("x"), std::string::npos);
+  EXPECT_NE(ErrorOf([] { chi_square_quantile(1, 1); }).find("p: expected 0 < p < 1"), std::string::npos);
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 
 #include "CLI/CLI.hpp"
 #include "kvq/error.h"
@@ -86,6 +87,12 @@ void AddBankOptions(CLI::App* c, ClusterBankOptions& b) {
   c->add_option("--merge-distance", b.merge_distance, "ClusterBankOptions::merge_distance")->capture_default_str();
   c->add_option("--outlier-top-k", b.outlier_top_k, "ClusterBankOptions::outlier_top_k")->capture_default_str();
   c->add_option("--ridge", b.ridge, "ClusterBankOptions::ridge")->capture_default_str();
+  const std::map<std::string, FarFieldClosure> closures{
+      {far_field_closure_name(FarFieldClosure::kTwoPoint), FarFieldClosure::kTwoPoint},
+      {far_field_closure_name(FarFieldClosure::kGaussian), FarFieldClosure::kGaussian}};
+  c->add_option("--closure", b.closure, "ClusterBankOptions::closure: far-field closure (two-point or gaussian)")
+      ->transform(CLI::CheckedTransformer(closures))
+      ->default_str(far_field_closure_name(b.closure));
 }
 
 void AddEvalCommand(CLI::App& app, EvalCliOptions& o) {
@@ -162,7 +169,7 @@ int RunReceipts(const ReceiptsCliOptions& o) {
     j["chunk"] = rep.chunk;
     j["bank"] = {{"max_clusters", rep.bank.max_clusters},   {"birth_distance", rep.bank.birth_distance},
                  {"merge_distance", rep.bank.merge_distance}, {"outlier_top_k", rep.bank.outlier_top_k},
-                 {"ridge", rep.bank.ridge}};
+                 {"ridge", rep.bank.ridge}, {"closure", far_field_closure_name(rep.bank.closure)}};
     j["layers"] = nlohmann::json::array();
     for (const auto& l : rep.layers) {
       j["layers"].push_back({{"layer", l.layer},

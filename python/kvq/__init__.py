@@ -288,7 +288,7 @@ class ClusterBank:
     """E2: one layer's tokens summarised as clusters with Gaussian-affine V|K fits.
 
     ClusterBank(n_head, d_head, *, max_clusters=16, birth_distance=2.0,
-                merge_distance=0.25, outlier_top_k=4, ridge=0.01)
+                merge_distance=2.0, outlier_top_k=4, ridge=0.01, closure="two-point")
 
     birth_and_merge(chunk_k, chunk_v) consumes a chunk of shape
     (T, n_head, d_head) (or (b, t, n_head, d_head), flattened to b*t tokens)
@@ -296,16 +296,23 @@ class ClusterBank:
       assignments (T,), per_token_residual (T,), per_cluster_misfit {id: float},
       births, merges, born [ids], merged [(kept, absorbed)],
       per_cluster_outlier_tokens {id: {"k": (n_out, n_head, d_head), "v": ..., "indices": (n_out,)}}.
-    Distances are normalised by the chunk's mean key variance; the bank's
-    state persists across chunks. See include/kvq/cluster_bank.h.
+    Distances are measured on the within-cluster key scale (key_scale: one
+    variance per head), so the clustering does not depend on the data's units
+    or on how many groups a chunk holds; births and merges follow
+    include/kvq/cluster_bank.h. far_field uses the bounded "two-point" (default)
+    or "gaussian" closure. The bank's state persists across chunks.
     """
 
     def __init__(self, n_head, d_head, *, max_clusters=_BANK_DEFAULTS["max_clusters"],
                  birth_distance=_BANK_DEFAULTS["birth_distance"], merge_distance=_BANK_DEFAULTS["merge_distance"],
-                 outlier_top_k=_BANK_DEFAULTS["outlier_top_k"], ridge=_BANK_DEFAULTS["ridge"]):
+                 outlier_top_k=_BANK_DEFAULTS["outlier_top_k"], ridge=_BANK_DEFAULTS["ridge"],
+                 closure=_BANK_DEFAULTS["closure"]):
+        if not isinstance(closure, str):
+            raise Error(f"closure: expected \"two-point\" or \"gaussian\", got {closure!r}")
         self._bank = _kvq.ClusterBank(_int(n_head, "n_head"), _int(d_head, "d_head"),
                                       _int(max_clusters, "max_clusters"), float(birth_distance),
-                                      float(merge_distance), _int(outlier_top_k, "outlier_top_k"), float(ridge))
+                                      float(merge_distance), _int(outlier_top_k, "outlier_top_k"), float(ridge),
+                                      closure)
 
     n_head = property(lambda self: self._bank.n_head)
     d_head = property(lambda self: self._bank.d_head)
@@ -313,6 +320,8 @@ class ClusterBank:
     cluster_ids = property(lambda self: self._bank.cluster_ids, doc="Live cluster ids, ascending.")
     total_births = property(lambda self: self._bank.total_births)
     total_merges = property(lambda self: self._bank.total_merges)
+    key_scale = property(lambda self: list(self._bank.key_scale),
+                         doc="Per-head within-cluster key variance used for the last chunk.")
 
     def cluster_count(self, cluster_id):
         """Tokens in the cluster's moments (outliers excluded)."""

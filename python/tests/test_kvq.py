@@ -165,11 +165,15 @@ def planted(T=1200, H=2, D=4, C=2, seed=7):
 
 def test_cluster_bank_finds_planted_clusters_and_flags_anomalies():
     k, v, label, A, anomalies = planted()
-    bank = kvq.ClusterBank(2, 4, birth_distance=0.5, merge_distance=0.1, outlier_top_k=2, ridge=1e-3)
+    bank = kvq.ClusterBank(2, 4, outlier_top_k=2, ridge=1e-3)  # default birth and merge rules
     r = bank.birth_and_merge(k, v)
     assert set(r) >= {"assignments", "per_token_residual", "per_cluster_misfit", "births", "merges",
                       "per_cluster_outlier_tokens"}
-    assert r["births"] == 2 and r["merges"] == 0 and bank.num_clusters == 2
+    assert r["births"] - r["merges"] == 2 and bank.num_clusters == 2
+    # The within-cluster scale is the planted unit variance, in any units.
+    assert bank.key_scale == pytest.approx([1.0, 1.0], rel=0.15)
+    scaled = kvq.ClusterBank(2, 4, outlier_top_k=2, ridge=1e-3)
+    np.testing.assert_array_equal(scaled.birth_and_merge(k * 1e3, v * 1e3)["assignments"], r["assignments"])
     a = r["assignments"]
     assert a.shape == (1200,) and r["per_token_residual"].shape == (1200,)
     for c in range(2):
@@ -203,11 +207,18 @@ def test_far_field_matches_exact_attention_for_identical_keys():
     np.testing.assert_allclose(r["value"][0], (w[:, None] * v[:, 0]).sum(0) / w.sum(), atol=1e-5)
     with pytest.raises(ValueError, match="n_q_heads"):
         kvq.ClusterBank(2, 4).far_field(np.zeros((3, 4), np.float32))
+    # The Gaussian closure is exact here too (Sigma = 0); a bad name is kvq.Error.
+    g = kvq.ClusterBank(1, 4, outlier_top_k=0, closure="gaussian")
+    g.birth_and_merge(k, v)
+    assert g.far_field(q)["log_mass"][0] == pytest.approx(r["log_mass"][0], abs=1e-9)
+    for bad in ("gauss", 3):
+        with pytest.raises(kvq.Error, match="closure"):
+            kvq.ClusterBank(1, 4, closure=bad)
 
 
 def test_quantize_cluster_outliers_round_trip_and_the_seeds_dict_shapes():
     k, v, label, _, _ = planted()
-    bank = kvq.ClusterBank(2, 4, birth_distance=0.5, outlier_top_k=3)
+    bank = kvq.ClusterBank(2, 4, outlier_top_k=3)
     r = bank.birth_and_merge(k, v)
     q = kvq.quantize_cluster_outliers(r["per_cluster_outlier_tokens"], k, v)
     assert set(q) == set(r["per_cluster_outlier_tokens"])
