@@ -1,16 +1,21 @@
 #include "model/eval.h"
 
 #include <omp.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include "kvq/error.h"
+#include "model/parallel.h"
 
 namespace kvq::model {
 
@@ -19,7 +24,17 @@ std::vector<int> tokenize_stories(const Tokenizer& tok, const std::string& text)
   std::vector<int> out;
   size_t start = 0;
   int stories = 0;
+  // Large text says what it does: a live line on a terminal, else one line.
+  const bool large = text.size() >= (size_t{4} << 20), tty = large && isatty(2);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto last = t0;
+  if (large && !tty) std::fprintf(stderr, "[kvq] tokenizing %.1f MiB of text\n", text.size() / 1048576.0);
   while (start <= text.size()) {
+    if (tty && std::chrono::steady_clock::now() - last > std::chrono::milliseconds(250)) {
+      last = std::chrono::steady_clock::now();
+      std::fprintf(stderr, "\r[kvq] tokenizing: %.0f%% of %.1f MiB", 100.0 * start / text.size(),
+                   text.size() / 1048576.0);
+    }
     size_t end = text.find(kSep, start);
     if (end == std::string::npos) end = text.size();
     std::string story = text.substr(start, end - start);
@@ -33,16 +48,29 @@ std::vector<int> tokenize_stories(const Tokenizer& tok, const std::string& text)
     }
     start = end + kSep.size();
   }
+  if (large) {
+    std::fprintf(stderr, "%s[kvq] tokenized %.1f MiB: %zu tokens in %.1f s\n", tty ? "\r" : "",
+                 text.size() / 1048576.0, out.size(),
+                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
   KVQ_CHECK_ARG(stories > 0, "text: no stories found (expected text separated by <|endoftext|>)");
   return out;
 }
 
 std::string read_text_file(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) Fail("text '", path, "': cannot open (", std::strerror(errno), ")");
+  if (!S_ISREG(st.st_mode)) Fail("text '", path, "': not a regular file");
+  if (static_cast<uint64_t>(st.st_size) > kMaxTextBytes) {
+    Fail("text '", path, "': ", static_cast<uint64_t>(st.st_size), " bytes, more than the limit of ", kMaxTextBytes,
+         " (256 MiB)");
+  }
   std::ifstream f(path, std::ios::binary);
   if (!f) Fail("text '", path, "': cannot open");
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
+  std::string out(static_cast<size_t>(st.st_size), '\0');
+  f.read(out.data(), static_cast<std::streamsize>(out.size()));
+  out.resize(static_cast<size_t>(f.gcount()));  // a file that shrank meanwhile
+  return out;
 }
 
 EvalText load_eval_text(const Config& cfg, const std::string& tokenizer_path, const std::string& text_path,
@@ -81,7 +109,8 @@ int Argmax(const float* x, int n) {
 EvalReport run_eval(const EvalOptions& o) {
   Checkpoint ckpt(o.model_path);
   const Config& cfg = ckpt.config();
-  KVQ_CHECK_ARG(o.threads >= 0, "threads: expected >= 0, got ", o.threads);
+  KVQ_CHECK_ARG(o.threads >= 0 && o.threads <= kMaxThreads, "threads: expected 0..", kMaxThreads, " (0: default), got ",
+                o.threads);
   KVQ_CHECK_ARG(!o.schemes.empty(), "kv: expected at least one scheme");
   const EvalText text = load_eval_text(cfg, o.tokenizer_path, o.text_path, o.ctx, o.max_windows);
   const int ctx = text.ctx, windows = text.windows;
@@ -111,16 +140,24 @@ EvalReport run_eval(const EvalOptions& o) {
     std::vector<WindowStats> stats(static_cast<size_t>(windows));
     int done = 0;
     const auto t0 = std::chrono::steady_clock::now();
+    { Transformer check(ckpt, scheme, ctx, policy); }  // scheme, geometry and options, before any thread starts
+    ParallelErrors errors;
 #pragma omp parallel num_threads(threads)
     {
-      Transformer tf(ckpt, scheme, ctx, policy);
-      std::vector<float> logp(static_cast<size_t>(V));
+      // Every thread reaches the worksharing loop, failed or not.
+      std::optional<Transformer> tf;
+      std::vector<float> logp;
+      errors.run([&] {
+        tf.emplace(ckpt, scheme, ctx, policy);
+        logp.resize(static_cast<size_t>(V));
+      });
 #pragma omp for schedule(dynamic, 1)
-      for (int w = 0; w < windows; ++w) {
+      for (int w = 0; w < windows; ++w) errors.run([&] {
+        if (!tf) return;
         const int* win = text.window(w);
-        const std::span<const float> logits = tf.forward_window({win, static_cast<size_t>(ctx)});
+        const std::span<const float> logits = tf->forward_window({win, static_cast<size_t>(ctx)});
         WindowStats& st = stats[static_cast<size_t>(w)];
-        st.state_bytes = static_cast<double>(tf.attention_state_bytes());
+        st.state_bytes = static_cast<double>(tf->attention_state_bytes());
         for (int t = 0; t < ctx; ++t) {
           const float* lg = logits.data() + static_cast<size_t>(t) * static_cast<size_t>(V);
           const size_t at = static_cast<size_t>(w) * per_window + static_cast<size_t>(t) * static_cast<size_t>(V);
@@ -153,8 +190,9 @@ EvalReport run_eval(const EvalOptions& o) {
             std::fflush(stderr);
           }
         }
-      }
+      });
     }
+    errors.rethrow();
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     SchemeResult r;
     r.scheme = scheme;
@@ -214,6 +252,16 @@ EvalReport run_eval(const EvalOptions& o) {
   return rep;
 }
 
+std::string format_bounded(double v, int decimals, bool sign) {
+  char buf[64];
+  if (std::isfinite(v) && std::abs(v) < 1e6) {
+    std::snprintf(buf, sizeof buf, sign ? "%+.*f" : "%.*f", decimals, v);
+  } else {  // a broken model's PPL (say 3e240) stays one short column
+    std::snprintf(buf, sizeof buf, sign ? "%+.2e" : "%.3e", v);
+  }
+  return buf;
+}
+
 std::string format_report(const EvalReport& r) {
   std::ostringstream os;
   char buf[512];
@@ -229,10 +277,11 @@ std::string format_report(const EvalReport& r) {
   os << buf;
   os << "|-----------------|--------|------------|----------|-----------|----------|-----------|----------|---------|-----------|\n";
   for (const SchemeResult& s : r.results) {
-    std::snprintf(buf, sizeof buf,
-                  "| %-15s | %6.3f | %10llu | %8.5f | %+9.5f | %+7.3f%% | %9.3e | %8.2e | %7.3f | %9.0f |\n",
-                  s.label.c_str(), s.bits_per_element, static_cast<unsigned long long>(s.kv_bytes), s.ppl,
-                  s.delta_ppl, s.delta_ppl_pct, s.kld_mean, s.kld_max, s.top1_pct, s.tokens_per_s);
+    std::snprintf(buf, sizeof buf, "| %-15s | %6.3f | %10llu | %8s | %9s | %7s%% | %9.3e | %8.2e | %7.3f | %9.0f |\n",
+                  s.label.c_str(), s.bits_per_element, static_cast<unsigned long long>(s.kv_bytes),
+                  format_bounded(s.ppl, 5, false).c_str(), format_bounded(s.delta_ppl, 5, true).c_str(),
+                  format_bounded(s.delta_ppl_pct, 3, true).c_str(), s.kld_mean, s.kld_max, s.top1_pct,
+                  s.tokens_per_s);
     os << buf;
   }
   std::snprintf(buf, sizeof buf, "fp32 mean loss (NLL/token): %.4f\n", r.results.front().mean_nll);

@@ -11,10 +11,18 @@
 
 namespace kvq::model {
 
+// Limits of a run, checked before any work: evaluation text (a regular
+// file, read whole) and threads (0: OpenMP's default).
+inline constexpr uint64_t kMaxTextBytes = uint64_t{256} << 20;
+inline constexpr int kMaxThreads = 1024;
+
 // Splits on "<|endoftext|>", strips each story, skips empty ones, encodes
 // each as [BOS] + tokens and concatenates. Throws kvq::Error when no story.
+// Text of 4 MiB or more reports its progress on stderr.
 std::vector<int> tokenize_stories(const Tokenizer& tok, const std::string& text);
-// The whole file; throws kvq::Error naming the path when it cannot be read.
+// The whole file; throws kvq::Error naming the path when it cannot be read,
+// is not a regular file (a FIFO, /dev/zero, a directory) or is larger than
+// kMaxTextBytes.
 std::string read_text_file(const std::string& path);
 
 // The evaluation stream cut into non-overlapping windows of ctx + 1 tokens
@@ -26,6 +34,10 @@ struct EvalText {
 };
 EvalText load_eval_text(const Config& cfg, const std::string& tokenizer_path, const std::string& text_path, int ctx,
                         int max_windows);
+
+// v with `decimals` decimals (and a sign when asked) while |v| < 1e6, else
+// in scientific notation: at most 10 characters for any double.
+std::string format_bounded(double v, int decimals, bool sign);
 
 struct EvalOptions {
   std::string model_path, tokenizer_path, text_path;

@@ -106,7 +106,9 @@ Checkpoint::Checkpoint(const std::string& path) : file_(path) {
 // ---- Tokenizer ------------------------------------------------------------
 
 Tokenizer::Tokenizer(const std::string& path, int vocab_size) {
-  KVQ_CHECK_ARG(vocab_size > 0, "vocab_size: expected > 0, got ", vocab_size);
+  KVQ_CHECK_ARG(vocab_size >= kMinVocab, "tokenizer '", path, "': the model's vocab_size ", vocab_size,
+                " is below ", kMinVocab, ", the ids BOS (1), EOS (2) and the byte fallback <0x00>..<0xFF> (3..258) "
+                "need; not a llama2.c sentencepiece vocabulary");
   MappedFile f(path);
   size_t off = 0;
   auto read = [&](void* dst, size_t n, const char* what) {
@@ -145,7 +147,7 @@ int Tokenizer::lookup(const std::string& s) const {
   return (it != sorted_.end() && it->first == s) ? it->second : -1;
 }
 
-std::vector<int> Tokenizer::encode(const std::string& text, bool bos) const {
+std::vector<int> Tokenizer::Symbols(const std::string& text, bool bos) const {
   std::vector<int> ids;
   if (bos) ids.push_back(kBos);
   if (!text.empty()) {
@@ -165,14 +167,74 @@ std::vector<int> Tokenizer::encode(const std::string& text, bool bos) const {
     }
     i = j;
   }
-  // Merge the leftmost best-scoring adjacent pair until none merges. Pair
-  // merge results are cached per position and refreshed around each merge.
+  return ids;
+}
+
+namespace {
+
+// Pairs scoring at or below this never merge (llama2.c's sentinel).
+constexpr float kNoMerge = -1e10f;
+
+}  // namespace
+
+std::vector<int> Tokenizer::encode(const std::string& text, bool bos) const {
+  std::vector<int> ids = Symbols(text, bos);
+  const size_t first = bos ? 1 : 0;
+  const size_t n = ids.size();
+  if (n < first + 2) return ids;
+  // Symbols [first, n) as a doubly linked list; a heap of candidate merges
+  // ordered by score (higher first), then by the left symbol's index (which
+  // keeps the order of the text: lower first). An entry is stale once
+  // either symbol has changed since it was pushed (stamps).
+  std::vector<size_t> prev(n), next(n);
+  std::vector<uint32_t> stamp(n, 0);
+  for (size_t i = first; i < n; ++i) prev[i] = i - 1, next[i] = i + 1;
+  struct Cand {
+    float score;
+    size_t left, right;
+    uint32_t left_stamp, right_stamp;
+    int id;
+  };
+  auto worse = [](const Cand& a, const Cand& b) { return a.score != b.score ? a.score < b.score : a.left > b.left; };
+  std::vector<Cand> heap;
+  heap.reserve(n);
+  auto push = [&](size_t l, size_t r) {
+    const int id = lookup(pieces_[static_cast<size_t>(ids[l])] + pieces_[static_cast<size_t>(ids[r])]);
+    if (id < 0) return;
+    const float sc = scores_[static_cast<size_t>(id)];
+    if (!(sc > kNoMerge)) return;
+    heap.push_back({sc, l, r, stamp[l], stamp[r], id});
+    std::push_heap(heap.begin(), heap.end(), worse);
+  };
+  for (size_t i = first; i + 1 < n; ++i) push(i, i + 1);
+  while (!heap.empty()) {
+    std::pop_heap(heap.begin(), heap.end(), worse);
+    const Cand c = heap.back();
+    heap.pop_back();
+    if (stamp[c.left] != c.left_stamp || stamp[c.right] != c.right_stamp || next[c.left] != c.right) continue;
+    ids[c.left] = c.id;  // the left symbol absorbs the right one
+    ++stamp[c.left];
+    ++stamp[c.right];
+    ids[c.right] = -1;
+    next[c.left] = next[c.right];
+    if (next[c.left] < n) prev[next[c.left]] = c.left;
+    if (c.left > first) push(prev[c.left], c.left);
+    if (next[c.left] < n) push(c.left, next[c.left]);
+  }
+  std::vector<int> out(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(first));
+  for (size_t i = first; i < n; i = next[i]) out.push_back(ids[i]);
+  return out;
+}
+
+std::vector<int> Tokenizer::encode_reference(const std::string& text, bool bos) const {
+  std::vector<int> ids = Symbols(text, bos);
+  // Merge the leftmost best-scoring adjacent pair until none merges.
   const size_t first = bos ? 1 : 0;
   auto pair_id = [&](size_t a) { return lookup(pieces_[static_cast<size_t>(ids[a])] + pieces_[static_cast<size_t>(ids[a + 1])]); };
   std::vector<int> merged(ids.size(), -1);
   for (size_t a = first; a + 1 < ids.size(); ++a) merged[a] = pair_id(a);
   while (true) {
-    float best = -1e10f;
+    float best = kNoMerge;
     int best_id = -1;
     size_t best_at = 0;
     for (size_t a = first; a + 1 < ids.size(); ++a) {

@@ -5,6 +5,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <optional>
 #include <cmath>
 #include <cstdio>
 #include <unistd.h>
@@ -13,6 +14,7 @@
 #include "kvq/cluster_outliers.h"
 #include "kvq/stats.h"
 #include "model/eval.h"
+#include "model/parallel.h"
 
 namespace kvq::model {
 namespace {
@@ -84,7 +86,8 @@ WindowLayer RunLayer(const KvRowsView& rows, int ctx, const ReceiptOptions& o) {
 
 ReceiptReport run_receipts(const ReceiptOptions& o) {
   KVQ_CHECK_ARG(o.chunk >= 1, "chunk: expected >= 1, got ", o.chunk);
-  KVQ_CHECK_ARG(o.threads >= 0, "threads: expected >= 0, got ", o.threads);
+  KVQ_CHECK_ARG(o.threads >= 0 && o.threads <= kMaxThreads, "threads: expected 0..", kMaxThreads, " (0: default), got ",
+                o.threads);
   KVQ_CHECK_ARG(o.bank.max_clusters <= 256, "max_clusters: expected <= 256 (assignments are stored as one byte), got ",
                 o.bank.max_clusters);
   Checkpoint ckpt(o.model_path);
@@ -96,22 +99,27 @@ ReceiptReport run_receipts(const ReceiptOptions& o) {
   std::vector<WindowLayer> per(static_cast<size_t>(text.windows) * static_cast<size_t>(L));
   const bool tty = o.progress && isatty(fileno(stderr));
   int done = 0;
+  { Transformer check(ckpt, KvScheme::Fp32, text.ctx); }  // geometry, before any thread starts
+  ParallelErrors errors;
 #pragma omp parallel num_threads(threads)
   {
-    Transformer tf(ckpt, KvScheme::Fp32, text.ctx);
+    std::optional<Transformer> tf;  // every thread reaches the loop, failed or not
+    errors.run([&] { tf.emplace(ckpt, KvScheme::Fp32, text.ctx); });
 #pragma omp for schedule(dynamic, 1)
-    for (int w = 0; w < text.windows; ++w) {
-      tf.forward_window({text.window(w), static_cast<size_t>(text.ctx)});
+    for (int w = 0; w < text.windows; ++w) errors.run([&] {
+      if (!tf) return;
+      tf->forward_window({text.window(w), static_cast<size_t>(text.ctx)});
       for (int l = 0; l < L; ++l)
         per[static_cast<size_t>(w) * static_cast<size_t>(L) + static_cast<size_t>(l)] =
-            RunLayer(tf.cache().view(l, text.ctx), text.ctx, o);
+            RunLayer(tf->cache().view(l, text.ctx), text.ctx, o);
       if (tty) {
 #pragma omp critical(kvq_progress)
         std::fprintf(stderr, "\r[kvq receipts] window %d/%d", ++done, text.windows);
       }
-    }
+    });
   }
   if (tty) std::fprintf(stderr, "\n");
+  errors.rethrow();
 
   ReceiptReport rep;
   rep.model_path = o.model_path;

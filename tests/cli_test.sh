@@ -64,6 +64,55 @@ assert all(l[\"tokens\"]==128 and -1<=l[\"spearman_int8_v\"]<=1 for l in j[\"lay
 "$KVQ" receipts --max-clusters 0 >/dev/null 2>"$T/err"; rc=$?
 check "receipts --max-clusters 0 exits 2 naming it" '[ $rc -eq 2 ] && grep -q "max_clusters" "$T/err"'
 
+# ---- hostile input (issue 19): exit 2 with one line, never a crash or abort
+one_line() { [ "$(wc -l < "$T/err")" -eq 1 ] && grep -q "^kvq: error: " "$T/err"; }
+for n in 100000 1000000000 -1; do
+  "$KVQ" eval --kv fp32 --threads "$n" >/dev/null 2>"$T/err"; rc=$?
+  check "--threads $n exits 2 naming threads" '[ $rc -eq 2 ] && grep -q "threads" "$T/err" && one_line'
+done
+for opt in "--max-clusters 0" "--ridge -1" "--birth-distance nan" "--closure gauss"; do
+  "$KVQ" eval --kv fp32 --ctx 32 --max-windows 2 --window 8 $opt --json "$T/w.json" >/dev/null 2>"$T/err"; rc=$?
+  check "eval --window 8 $opt exits 2 with one line, no JSON" '[ $rc -eq 2 ] && one_line && [ ! -e "$T/w.json" ]'
+done
+"$KVQ" eval --kv fp32 --text /dev/zero >/dev/null 2>"$T/err"; rc=$?
+check "--text /dev/zero is refused" '[ $rc -eq 2 ] && grep -q "not a regular file" "$T/err"'
+"$KVQ" eval --kv fp32 --text "$T" >/dev/null 2>"$T/err"; rc=$?
+check "--text DIR is refused" '[ $rc -eq 2 ] && grep -q "not a regular file" "$T/err"'
+# --json never destroys an input, nor follows what sits beside it.
+cp "$SHARED/data/tinystories-valid-dev.txt" "$T/text.txt"; cp "$MODEL" "$T/model.bin"
+"$KVQ" eval --kv fp32 --ctx 32 --max-windows 2 --text "$T/text.txt" --json "$T/text.txt" >/dev/null 2>"$T/err"; rc=$?
+check "--json naming the text is refused" '[ $rc -eq 2 ] && grep -q "input" "$T/err" && cmp -s "$T/text.txt" "$SHARED/data/tinystories-valid-dev.txt"'
+ln -s "$T/model.bin" "$T/link.json"
+"$KVQ" eval --kv fp32 --ctx 32 --max-windows 2 --model "$T/model.bin" --json "$T/link.json" >/dev/null 2>"$T/err"; rc=$?
+check "--json linking to the model is refused" '[ $rc -eq 2 ] && cmp -s "$T/model.bin" "$MODEL"'
+"$KVQ" eval --kv fp32 --ctx 32 --max-windows 2 --json "$T" >/dev/null 2>"$T/err"; rc=$?
+check "--json DIR is refused before the run" '[ $rc -eq 2 ] && grep -q "directory" "$T/err"'
+"$KVQ" eval --kv fp32 --ctx 32 --max-windows 2 --json "$T/no/such/dir/x.json" >/dev/null 2>"$T/err"; rc=$?
+check "--json in a missing directory is refused" '[ $rc -eq 2 ] && grep -q "does not exist" "$T/err"'
+echo victim > "$T/victim"; ln -s "$T/victim" "$T/ok2.json.tmp"
+"$KVQ" eval --kv fp32 --ctx 32 --max-windows 2 --json "$T/ok2.json" >/dev/null 2>"$T/err"; rc=$?
+check "--json leaves a symlink beside it alone and no temp file" '[ $rc -eq 0 ] && [ "$(cat "$T/victim")" = victim ] && [ -s "$T/ok2.json" ] && [ -z "$(ls -A "$T" | grep -E "^ok2[.]json[.].{6}$|^[.]kvq-json")" ]'
+# Small, odd or broken models: a clear error, never a read past a table.
+PY=/usr/bin/python3; MK="$(dirname "$0")/make_checkpoint.py"
+for v in 10 100; do
+  $PY "$MK" model "$T/m$v.bin" --vocab $v && $PY "$MK" tokenizer "$T/t$v.bin" --vocab $v
+  for cmd in eval generate; do
+    "$KVQ" $cmd --model "$T/m$v.bin" --tokenizer "$T/t$v.bin" >/dev/null 2>"$T/err"; rc=$?
+    check "$cmd with vocab $v exits 2 naming the vocabulary" '[ $rc -eq 2 ] && grep -q "vocab_size $v is below 259" "$T/err"'
+  done
+done
+$PY "$MK" tokenizer "$T/t300.bin" --vocab 300; $PY "$MK" model "$T/nan.bin" --vocab 300 --nan-bos
+"$KVQ" eval --model "$T/nan.bin" --tokenizer "$T/t300.bin" --kv fp32,int8 --ctx 16 --json "$T/n.json" >/dev/null 2>"$T/err"; rc=$?
+check "a NaN BOS embedding exits 2, no JSON" '[ $rc -eq 2 ] && one_line && grep -q "finite" "$T/err" && [ ! -e "$T/n.json" ]'
+$PY "$MK" model "$T/hs6.bin" --vocab 300 --dim 12 --heads 2 --kv-heads 2
+"$KVQ" eval --model "$T/hs6.bin" --tokenizer "$T/t300.bin" --kv int8 --ctx 16 >/dev/null 2>"$T/err"; rc=$?
+check "a head size the KV layout rejects exits 2" '[ $rc -eq 2 ] && one_line && grep -q "head_dim" "$T/err"'
+"$KVQ" receipts --model "$T/hs6.bin" --tokenizer "$T/t300.bin" --ctx 16 >/dev/null 2>"$T/err"; rc=$?
+check "receipts: the same, exit 2" '[ $rc -eq 2 ] && one_line'
+$PY "$MK" model "$T/m300.bin" --vocab 300
+"$KVQ" eval --model "$T/m300.bin" --tokenizer "$T/t300.bin" --kv fp32,int8 --ctx 16 --max-windows 4 >"$T/out" 2>"$T/err"; rc=$?
+check "a small random model evaluates" '[ $rc -eq 0 ] && grep -q "| int8" "$T/out"'
+
 "$KVQ" generate --steps 20 >"$T/gen" 2>"$T/err"; rc=$?
 check "generate succeeds" '[ $rc -eq 0 ]'
 check "generate stdout is the text only" 'head -c 16 "$T/gen" | grep -q "^Once upon a time" && ! grep -q "tok/s" "$T/gen"'

@@ -21,8 +21,9 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    const int rc = app.exit(e);
-    return rc == 0 ? 0 : 2;
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help
+    std::fprintf(stderr, "kvq: error: %s (see --help)\n", e.what());  // the CLI contract: one line, exit 2
+    return 2;
   }
   try {
     if (app.got_subcommand("demo")) return kvq::tools::RunDemo(demo);

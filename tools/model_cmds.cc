@@ -1,11 +1,16 @@
 // `kvq eval` and `kvq generate`.
 #include <omp.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cctype>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <initializer_list>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -28,24 +33,61 @@ std::string DefaultModel() { return SharedDir() + "/models/stories260K/stories26
 std::string DefaultTokenizer() { return SharedDir() + "/models/stories260K/tok512.bin"; }
 std::string DefaultText() { return SharedDir() + "/data/tinystories-valid-dev.txt"; }
 
-// --json's directory must exist before any work starts.
-void CheckJsonPath(const std::string& path) {
+// --json is checked before any work starts: not a directory, not one of the
+// run's inputs (same device and inode, so a link to an input counts), and its
+// directory exists and takes a new file (one is created there and removed).
+void CheckJsonPath(const std::string& path, std::initializer_list<std::string> inputs) {
   if (path.empty()) return;
+  struct stat out {};
+  if (::stat(path.c_str(), &out) == 0) {
+    KVQ_CHECK_ARG(!S_ISDIR(out.st_mode), "--json: '", path, "' is a directory");
+    for (const std::string& in : inputs) {
+      struct stat st {};
+      KVQ_CHECK_ARG(!(::stat(in.c_str(), &st) == 0 && st.st_dev == out.st_dev && st.st_ino == out.st_ino),
+                    "--json: '", path, "' is this run's input '", in, "'; refusing to overwrite it");
+    }
+  }
   const auto dir = std::filesystem::path(path).parent_path();
   KVQ_CHECK_ARG(dir.empty() || std::filesystem::is_directory(dir), "--json: directory '", dir.string(),
                 "' does not exist");
+  std::string probe = (dir.empty() ? std::string(".kvq-json-XXXXXX") : (dir / ".kvq-json-XXXXXX").string());
+  const int fd = ::mkstemp(probe.data());
+  KVQ_CHECK_ARG(fd >= 0, "--json: cannot create a file in '", dir.empty() ? "." : dir.string(), "' (",
+                std::strerror(errno), ")");
+  ::close(fd);
+  ::unlink(probe.c_str());
 }
 
-// Written to a temporary file and renamed: never a partial JSON file.
+// Written to a new temporary file beside it (mkstemp: O_EXCL, so nothing
+// that already sits there, a symlink included, is followed) and renamed over
+// it: never a partial JSON file, never a temporary file left behind.
 void WriteJson(const std::string& path, const nlohmann::json& j) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp);
-    if (!f) Fail("--json: cannot write '", tmp, "'");
-    f << j.dump(2) << "\n";
-    if (!f.good()) Fail("--json: write to '", tmp, "' failed");
+  const auto target = std::filesystem::path(path);
+  const auto dir = target.parent_path();
+  std::string tmp = (dir / (target.filename().string() + ".XXXXXX")).string();
+  const int fd = ::mkstemp(tmp.data());
+  if (fd < 0) Fail("--json: cannot create a temporary file beside '", path, "' (", std::strerror(errno), ")");
+  const mode_t mask = ::umask(0);
+  ::umask(mask);
+  ::fchmod(fd, 0666 & ~mask);  // as an ordinary new file, not mkstemp's 0600
+  const std::string text = j.dump(2) + "\n";
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int err = errno;
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      Fail("--json: write to '", tmp, "' failed (", std::strerror(err), ")");
+    }
+    done += static_cast<size_t>(n);
   }
-  std::filesystem::rename(tmp, path);
+  if (::close(fd) != 0 || ::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    Fail("--json: cannot write '", path, "' (", std::strerror(err), ")");
+  }
 }
 
 void AddModelTextOptions(CLI::App* c, ModelTextOptions& o) {
@@ -55,7 +97,7 @@ void AddModelTextOptions(CLI::App* c, ModelTextOptions& o) {
   c->add_option("--ctx", o.ctx, "context length (default: the model's seq_len)");
   c->add_option("--max-windows", o.max_windows, "at most N windows of ctx + 1 tokens (0: all)");
   c->add_option("--json", o.json, "also write the results as JSON to FILE");
-  c->add_option("--threads", o.threads, "threads (0: OpenMP default)");
+  c->add_option("--threads", o.threads, "threads, 0..1024 (0: OpenMP default)");
 }
 
 // The model/text fields shared by model::EvalOptions and model::ReceiptOptions.
@@ -119,7 +161,7 @@ int RunEval(const EvalCliOptions& o) {
   KVQ_CHECK_ARG(o.window >= 0, "--window: expected >= 0, got ", o.window);
   KVQ_CHECK_ARG(o.sinks >= 0, "--sinks: expected >= 0, got ", o.sinks);
   KVQ_CHECK_ARG(o.window_chunk >= 1, "--window-chunk: expected >= 1, got ", o.window_chunk);
-  CheckJsonPath(o.json);
+  CheckJsonPath(o.json, {e.model_path, e.tokenizer_path, e.text_path});
   const model::EvalReport r = model::run_eval(e);
   std::fputs(model::format_report(r).c_str(), stdout);
   if (!o.json.empty()) {
@@ -161,7 +203,7 @@ int RunReceipts(const ReceiptsCliOptions& o) {
   FillModelText(o, r);
   r.chunk = o.chunk;
   r.bank = o.bank;
-  CheckJsonPath(o.json);
+  CheckJsonPath(o.json, {r.model_path, r.tokenizer_path, r.text_path});
   const model::ReceiptReport rep = model::run_receipts(r);
   std::fputs(model::format_receipts(rep).c_str(), stdout);
   if (!o.json.empty()) {
