@@ -229,6 +229,38 @@ TEST(Model, TokenizerEncodesAndDecodes) {
   EXPECT_EQ(tok.encode("", true), std::vector<int>{Tokenizer::kBos});
 }
 
+// The heap-ordered merge (O(n log n)) gives exactly the tokens of the
+// original rescan loop: on every dev-text story, on the whole dev text as
+// one story (no separators: the case that took the old loop minutes), and on
+// random byte strings (invalid UTF-8, byte fallbacks, long runs of one
+// piece, where merge ties are everywhere).
+TEST(Model, FastEncoderMatchesTheReferenceLoop) {
+  KVQ_MODEL_FILES();
+  const Tokenizer tok(tok_path, 512);
+  const std::string text = Slurp(text_path);
+  size_t start = 0, stories = 0;
+  while (start < text.size()) {
+    size_t end = text.find("<|endoftext|>", start);
+    if (end == std::string::npos) end = text.size();
+    const std::string story = text.substr(start, end - start);
+    ASSERT_EQ(tok.encode(story, true), tok.encode_reference(story, true)) << "story " << stories;
+    ++stories;
+    start = end + 13;
+  }
+  EXPECT_GT(stories, 100u);
+  const std::string head = text.substr(0, 40000);
+  EXPECT_EQ(tok.encode(head, false), tok.encode_reference(head, false));
+  const std::vector<int> whole = tok.encode(text, true);
+  EXPECT_GT(whole.size(), 50000u);
+  test::Rng rng(7);
+  for (int trial = 0; trial < 300; ++trial) {
+    std::string r(static_cast<size_t>(rng.Next() % 300), ' ');
+    const int alphabet = trial % 3 == 0 ? 256 : trial % 3 == 1 ? 4 : 1;
+    for (char& c : r) c = trial % 3 == 2 ? 'a' : static_cast<char>(trial % 3 == 1 ? "ab e"[rng.Next() % 4] : rng.Next() % alphabet);
+    ASSERT_EQ(tok.encode(r, trial % 2 == 0), tok.encode_reference(r, trial % 2 == 0)) << "trial " << trial;
+  }
+}
+
 TEST(Model, StoriesAreSplitStrippedAndPrefixedWithBos) {
   KVQ_MODEL_FILES();
   const Tokenizer tok(tok_path, 512);
@@ -262,6 +294,15 @@ TEST(Model, BadFilesAreClearErrors) {
   std::ofstream(ttrunc, std::ios::binary).write(tb.data(), static_cast<std::streamsize>(tb.size() / 2));
   EXPECT_NE(test::ErrorOf([&] { Tokenizer t(ttrunc, 512); }).find("truncated"), std::string::npos);
   EXPECT_NE(test::ErrorOf([&] { Tokenizer t(tok_path, 300); }).find("trailing bytes"), std::string::npos);
+  // Byte fallback ids reach 258: a smaller vocabulary is refused at load.
+  EXPECT_NE(test::ErrorOf([&] { Tokenizer t(tok_path, 258); }).find("below 259"), std::string::npos);
+  // Evaluation text must be a regular file.
+  EXPECT_NE(test::ErrorOf([&] { read_text_file("/dev/zero"); }).find("not a regular file"), std::string::npos);
+  EXPECT_NE(test::ErrorOf([&] { read_text_file("/nonexistent.txt"); }).find("cannot open"), std::string::npos);
+  EXPECT_EQ(format_bounded(3e240, 5, false), "3.000e+240");
+  EXPECT_EQ(format_bounded(3.68767, 5, false), "3.68767");
+  EXPECT_EQ(format_bounded(-0.02, 3, true), "-0.020");
+  EXPECT_EQ(format_bounded(1e300, 3, true), "+1.00e+300");
   for (const auto& p : {trunc, tiny, badp, ttrunc}) std::filesystem::remove(p);
 
   const Checkpoint ckpt(model_path);
