@@ -415,8 +415,13 @@ AffineQuantized quantize_kv_cache(const TensorView& x, QuantMode mode) {
 }
 
 void dequantize_kv_cache_into(const AffineQuantized& q, Tensor& out) {
-  KVQ_CHECK_ARG(std::isfinite(q.scale) && q.scale >= 0.0f,
-                "q.scale: expected a finite value >= 0, got ", q.scale);
+  // The largest code times the scale must stay finite (int8 127, fp8 448):
+  // a scale of 3e38 would turn codes into infinities. fp8 NaN codes (which
+  // the quantizer never writes, its input being finite) decode to NaN, as
+  // E4M3FN defines them; int8 -128 decodes to -128 * scale.
+  KVQ_CHECK_ARG(std::isfinite(q.scale) && q.scale >= 0.0f &&
+                    std::isfinite(q.scale * (q.mode == QuantMode::Int8 ? 127.0f : 448.0f)),
+                "q.scale: expected a finite value >= 0 whose product with the largest code is finite, got ", q.scale);
   KVQ_CHECK_ARG(q.mode == QuantMode::Int8 || q.mode == QuantMode::Fp8,
                 "q.mode: expected QuantMode::Int8 or QuantMode::Fp8, got ", static_cast<int>(q.mode));
   const DType want = q.mode == QuantMode::Int8 ? DType::I8 : DType::F8_E4M3;

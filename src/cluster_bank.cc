@@ -432,9 +432,13 @@ BirthMergeReceipt ClusterBank::birth_and_merge(const TensorView& chunk_k, const 
   const int64_t W = static_cast<int64_t>(n_head_) * d_head_;  // floats per token
   const int d = d_head_;
   for (const auto& [x, arg] : {std::pair{&kt, "chunk_k"}, std::pair{&vt, "chunk_v"}}) {
-    const int64_t bad = first_non_finite({x->data_as<float>(), static_cast<size_t>(x->numel())});
+    const std::span<const float> xs(x->data_as<float>(), static_cast<size_t>(x->numel()));
+    const int64_t bad = first_non_finite(xs);
     KVQ_CHECK_ARG(bad < 0, "birth_and_merge: ", arg, ": expected finite values, element ", bad, " is ",
                   x->data_as<float>()[bad]);
+    const float amax = max_abs(xs);
+    KVQ_CHECK_ARG(amax <= kMaxBankMagnitude, "birth_and_merge: ", arg, ": expected |values| <= ", kMaxBankMagnitude,
+                  " (residuals are float sums of squares), got ", amax);
   }
   // No throwing beyond this point: the bank is only modified below.
 

@@ -27,6 +27,18 @@ void CheckFinite(const TensorView& x, const char* arg, int id) {
        ": expected finite values, element ", bad, " is non-finite");
 }
 
+// The largest code magnitude of a mode: int8 127, fp8 E4M3 448.
+float MaxCode(QuantMode mode) { return mode == QuantMode::Int8 ? 127.0f : 448.0f; }
+
+// The first code the quantizer never writes (int8 -128; fp8 NaN, S.1111.111),
+// or -1.
+int64_t FirstBadCode(std::span<const uint8_t> codes, QuantMode mode) {
+  for (size_t i = 0; i < codes.size(); ++i) {
+    if (mode == QuantMode::Int8 ? codes[i] == 0x80 : (codes[i] & 0x7F) == 0x7F) return static_cast<int64_t>(i);
+  }
+  return -1;
+}
+
 constexpr char kMagic[4] = {'K', 'V', 'Q', 'C'};
 constexpr uint16_t kVersion = 1;
 constexpr const char* kWhat = "cluster outliers";
@@ -98,15 +110,24 @@ QuantizedClusterOutliers deserialize_cluster_outliers(std::span<const uint8_t> b
   q.tail_tokens = r.get<int64_t>();
   const uint8_t flags = r.get<uint8_t>();
   if (q.n_head < 1 || q.d_head < 1) r.corrupt(detail::Concat("n_head ", q.n_head, ", d_head ", q.d_head));
-  if (q.tail_tokens < 0) r.corrupt(detail::Concat("tail_tokens ", q.tail_tokens));
-  if (flags > 7) r.corrupt(detail::Concat("flags ", int{flags}));
+  // Both factors are < 2^31, so W fits; every count below is bounded by
+  // kMaxProfileValues before it is multiplied.
   const int64_t W = static_cast<int64_t>(q.n_head) * q.d_head;
+  if (W > kMaxProfileValues) r.corrupt(detail::Concat("n_head * d_head = ", W, " above ", kMaxProfileValues));
+  if (q.tail_tokens < 0 || q.tail_tokens > kMaxProfileValues / W) {
+    r.corrupt(detail::Concat("tail_tokens ", q.tail_tokens, " outside 0..", kMaxProfileValues / W,
+                             " (kMaxProfileValues / (n_head * d_head))"));
+  }
+  if (flags > 7) r.corrupt(detail::Concat("flags ", int{flags}));
   if (flags & 1) {
     const uint8_t mode = r.get<uint8_t>();
     if (mode > 1) r.corrupt(detail::Concat("mode ", int{mode}));
     const float sk = r.get<float>(), sv = r.get<float>();
     const uint32_t n_out = r.get<uint32_t>();
     if (n_out == 0) r.corrupt("outlier flag with no outliers");
+    if (static_cast<int64_t>(n_out) > kMaxProfileValues / W) {
+      r.corrupt(detail::Concat(n_out, " outlier tokens of ", W, " values, above ", kMaxProfileValues));
+    }
     const auto idx = r.get_array<uint32_t>(n_out);
     for (size_t i = 0; i < idx.size(); ++i) {
       if (i > 0 && idx[i] <= idx[i - 1]) r.corrupt("outlier indices are not ascending and unique");
@@ -116,8 +137,14 @@ QuantizedClusterOutliers deserialize_cluster_outliers(std::span<const uint8_t> b
     const uint64_t count = static_cast<uint64_t>(n_out) * static_cast<uint64_t>(W);
     const Shape shape{static_cast<int64_t>(n_out), q.n_head, q.d_head};
     for (auto [part, scale] : {std::pair{&q.outlier_k, sk}, std::pair{&q.outlier_v, sv}}) {
-      if (!std::isfinite(scale) || scale < 0) r.corrupt(detail::Concat("outlier scale ", scale));
+      if (!std::isfinite(scale) || scale < 0 || !std::isfinite(scale * MaxCode(static_cast<QuantMode>(mode)))) {
+        r.corrupt(detail::Concat("outlier scale ", scale));
+      }
       const auto codes = r.get_array<uint8_t>(count);
+      if (const int64_t bad = FirstBadCode(codes, static_cast<QuantMode>(mode)); bad >= 0) {
+        r.corrupt(detail::Concat("outlier code ", int{codes[static_cast<size_t>(bad)]}, " at ", bad,
+                                 static_cast<QuantMode>(mode) == QuantMode::Int8 ? " (int8 -128)" : " (fp8 NaN)"));
+      }
       AffineQuantized a;
       a.mode = static_cast<QuantMode>(mode);
       a.scale = scale;
@@ -233,9 +260,12 @@ std::map<int, QuantizedClusterOutliers> quantize_cluster_outliers(const OutlierT
 }
 
 DequantizedClusterOutliers dequantize_cluster_outliers(const QuantizedClusterOutliers& q) {
-  const int64_t W = static_cast<int64_t>(q.n_head) * q.d_head;
   KVQ_CHECK_ARG(q.n_head >= 1 && q.d_head >= 1, "dequantize_cluster_outliers: q: expected n_head, d_head >= 1, got ",
                 q.n_head, ", ", q.d_head);
+  const int64_t W = static_cast<int64_t>(q.n_head) * q.d_head;
+  KVQ_CHECK_ARG(W <= kMaxProfileValues && q.tail_tokens >= 0 && q.tail_tokens <= kMaxProfileValues / W,
+                "dequantize_cluster_outliers: q.tail_tokens: expected 0..", kMaxProfileValues / W,
+                " (kMaxProfileValues / (n_head * d_head)), got ", q.tail_tokens);
   DequantizedClusterOutliers d;
   if (q.outlier_k) d.outlier_k = dequantize_kv_cache(*q.outlier_k);
   if (q.outlier_v) d.outlier_v = dequantize_kv_cache(*q.outlier_v);

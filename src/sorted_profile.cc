@@ -67,8 +67,19 @@ double Estimator::conditional_mean(double a, double b, const LocScale& p) const 
 
 // ---- Gaussian ------------------------------------------------------------
 
+namespace {
+
+void CheckFitInput(std::span<const float> v, const char* who) {
+  KVQ_CHECK_ARG(!v.empty(), "values: ", who, " needs at least one value");
+  const int64_t bad = first_non_finite(v);
+  KVQ_CHECK_ARG(bad < 0, "values: ", who, " expected finite values, element ", bad, " is ",
+                bad >= 0 ? v[static_cast<size_t>(bad)] : 0.0f);
+}
+
+}  // namespace
+
 LocScale GaussianEstimator::fit(std::span<const float> v) const {
-  KVQ_CHECK_ARG(!v.empty(), "values: GaussianEstimator::fit needs at least one value");
+  CheckFitInput(v, "GaussianEstimator::fit");
   double sum = 0.0;
   for (float x : v) sum += x;
   const double mean = sum / static_cast<double>(v.size());
@@ -90,7 +101,7 @@ double GaussianEstimator::std_partial_mean(double a, double b) const {
 // ---- Laplace -------------------------------------------------------------
 
 LocScale LaplaceEstimator::fit(std::span<const float> v) const {
-  KVQ_CHECK_ARG(!v.empty(), "values: LaplaceEstimator::fit needs at least one value");
+  CheckFitInput(v, "LaplaceEstimator::fit");
   std::vector<float> s(v.begin(), v.end());
   const size_t mid = s.size() / 2;
   std::nth_element(s.begin(), s.begin() + static_cast<ptrdiff_t>(mid), s.end());
@@ -235,7 +246,10 @@ double ks_p_value(double d, int64_t m) {
 
 namespace {
 
+// count <= kMaxProfileValues and bits <= 8 (checked by every caller), so
+// count * bits cannot overflow.
 size_t PackedBytes(int64_t count, int bits) {
+  KVQ_ASSERT(count >= 0 && count <= kMaxProfileValues && bits >= 1 && bits <= 8);
   return static_cast<size_t>((count * bits + 7) / 8);
 }
 
@@ -360,6 +374,8 @@ std::string SortedProfileEncoding::why() const {
 SortedProfileEncoding fit_sorted_profile(std::span<const float> values, const Estimator& family,
                                          const SortedProfileOptions& opts) {
   ValidateOptions(opts);
+  KVQ_CHECK_ARG(static_cast<int64_t>(values.size()) <= kMaxProfileValues, "values: expected at most ",
+                kMaxProfileValues, " values (kMaxProfileValues), got ", values.size());
   if (const int64_t bad = first_non_finite(values); bad >= 0) {
     Fail("values: expected finite values, found ", values[static_cast<size_t>(bad)],
          " at flat index ", bad);
@@ -453,6 +469,8 @@ void decode_into(const SortedProfileEncoding& enc, std::span<float> out) {
                 " elements, got ", out.size());
   KVQ_CHECK_ARG(enc.head_indices.size() == enc.head_values.size(),
                 "enc: head_indices and head_values differ in length");
+  KVQ_CHECK_ARG(enc.n >= 0 && enc.n <= kMaxProfileValues, "enc.n: expected 0..", kMaxProfileValues,
+                " (kMaxProfileValues), got ", enc.n);
   const int64_t m = enc.tail_count();
   KVQ_CHECK_ARG(m >= 0, "enc: more head values than n");
   // Decode the tail (original order) into the front of `out`, then spread it
@@ -496,7 +514,8 @@ void decode_into(const SortedProfileEncoding& enc, std::span<float> out) {
 }
 
 std::vector<float> decode(const SortedProfileEncoding& enc) {
-  KVQ_CHECK_ARG(enc.n >= 0, "enc: negative n");
+  KVQ_CHECK_ARG(enc.n >= 0 && enc.n <= kMaxProfileValues, "enc.n: expected 0..", kMaxProfileValues,
+                " (kMaxProfileValues), got ", enc.n);
   std::vector<float> out(static_cast<size_t>(enc.n));
   decode_into(enc, out);
   return out;
@@ -573,11 +592,13 @@ SortedProfileEncoding deserialize_sorted_profile(std::span<const uint8_t> bytes)
   e.ks_statistic = r.get<double>();
   e.p_value = r.get<double>();
   const uint64_t heads = r.get<uint64_t>();
-  if (e.n < 0 || heads > static_cast<uint64_t>(e.n)) {
-    r.corrupt(detail::Concat("n ", e.n, " with ", heads, " head values"));
+  if (e.n < 0 || e.n > kMaxProfileValues) {
+    r.corrupt(detail::Concat("n ", e.n, " outside 0..", kMaxProfileValues, " (kMaxProfileValues)"));
   }
+  if (heads > static_cast<uint64_t>(e.n)) r.corrupt(detail::Concat("n ", e.n, " with ", heads, " head values"));
   e.head_indices = r.get_array<int64_t>(heads);
   e.head_values = r.get_array<float>(heads);
+  if (first_non_finite(e.head_values) >= 0) r.corrupt("non-finite head value");
   for (size_t i = 0; i < e.head_indices.size(); ++i) {
     if (e.head_indices[i] < 0 || e.head_indices[i] >= e.n ||
         (i > 0 && e.head_indices[i] <= e.head_indices[i - 1])) {

@@ -4,11 +4,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <set>
 
+#include "kvq/affine.h"
 #include "kvq/cluster_bank.h"
 #include "kvq/cluster_outliers.h"
 #include "kvq/stats.h"
+#include "src/container.h"
 #include "tests/test_util.h"
 
 namespace kvq {
@@ -456,7 +459,7 @@ TEST(ClusterBank, ClusteringIsInvariantToTheDataUnits) {
   for (int c : {2, 4, 8}) {
     const Planted p(c, 2, 8, 800, 300 + c, 8.0f);
     std::vector<int> want;
-    for (float unit : {1.0f, 1e-3f, 1e3f, 1e-20f, 1e20f}) {
+    for (float unit : {1.0f, 1e-3f, 1e3f, 1e-20f, 1e12f}) {
       std::vector<float> k(p.k), v(p.v);
       for (auto& x : k) x *= unit;
       for (auto& x : v) x *= unit;
@@ -839,6 +842,65 @@ TEST(ClusterOutliers, SerialisesAndRejectsTruncatedOrCorruptedBytes) {
   broken.tail_tokens = 3;
   broken.tail_k = fit_sorted_profile(std::span<const float>(p.k.data(), 16), GaussianEstimator());
   EXPECT_NE(ErrorOf([&] { serialize(broken); }).find("expected 48 values"), std::string::npos);
+}
+
+// Crafted KVQC containers (valid CRC around an edited payload; issue 19:
+// tail_tokens near 2^63 segfaulted dequantize_cluster_outliers).
+std::vector<uint8_t> EditedKvqc(const std::vector<uint8_t>& bytes, size_t at, const void* value, size_t n) {
+  std::vector<uint8_t> payload(bytes.begin() + detail::kContainerHeaderBytes, bytes.end());
+  std::memcpy(payload.data() + (at - detail::kContainerHeaderBytes), value, n);
+  const char magic[4] = {'K', 'V', 'Q', 'C'};
+  return detail::WrapContainer(magic, 1, payload);
+}
+
+TEST(ClusterOutliers, CraftedCountsScalesAndCodesAreRejected) {
+  const Planted p(2, 2, 8, 400, 31);
+  ClusterBank bank(p.H, p.D, PlantedOptions());
+  const auto r = bank.birth_and_merge(p.kv(0, p.T, false), p.kv(0, p.T, true));
+  for (QuantMode mode : {QuantMode::Int8, QuantMode::Fp8}) {
+    const auto q = quantize_cluster_outliers(r.per_cluster_outlier_tokens, p.kv(0, p.T, false), p.kv(0, p.T, true),
+                                             mode, GaussianEstimator(), 0, std::span<const int>(r.assignments));
+    const QuantizedClusterOutliers& c = q.begin()->second;
+    ASSERT_TRUE(c.outlier_k.has_value());
+    const std::vector<uint8_t> b = serialize(c);
+    const size_t h = detail::kContainerHeaderBytes;
+    for (int64_t tail : {std::numeric_limits<int64_t>::max(), std::numeric_limits<int64_t>::max() / 16 + 1,
+                         kMaxProfileValues, c.tail_tokens + 1}) {
+      const std::string err = ErrorOf([&] { dequantize_cluster_outliers(deserialize_cluster_outliers(EditedKvqc(b, h + 12, &tail, 8))); });
+      EXPECT_NE(err, "<no error>") << tail;
+    }
+    const int32_t huge_head = 1 << 30;
+    EXPECT_NE(ErrorOf([&] { deserialize_cluster_outliers(EditedKvqc(b, h + 4, &huge_head, 4)); }), "<no error>");
+    const float big_scale = 3e38f;  // 127 or 448 times it is inf
+    EXPECT_NE(ErrorOf([&] { deserialize_cluster_outliers(EditedKvqc(b, h + 21 + 1, &big_scale, 4)); })
+                  .find("outlier scale"),
+              std::string::npos);
+    const size_t codes_at = h + 21 + 1 + 4 + 4 + 4 + 4 * c.outlier_indices.size();
+    const uint8_t bad_code = mode == QuantMode::Int8 ? 0x80 : 0x7F;
+    EXPECT_NE(ErrorOf([&] { deserialize_cluster_outliers(EditedKvqc(b, codes_at + 3, &bad_code, 1)); })
+                  .find("outlier code"),
+              std::string::npos);
+    // Hand-built: the same bound.
+    QuantizedClusterOutliers hand = deserialize_cluster_outliers(b);
+    hand.tail_tokens = std::numeric_limits<int64_t>::max() / 3;
+    EXPECT_NE(ErrorOf([&] { dequantize_cluster_outliers(hand); }).find("tail_tokens"), std::string::npos);
+  }
+  // dequantize_kv_cache: a scale whose product with the largest code
+  // overflows is an error; fp8 NaN codes decode to NaN (E4M3FN's NaN).
+  AffineQuantized a = quantize_kv_cache(p.kv(0, 4, false), QuantMode::Int8);
+  a.scale = 3e38f;
+  EXPECT_NE(ErrorOf([&] { dequantize_kv_cache(a); }).find("q.scale"), std::string::npos);
+  AffineQuantized f = quantize_kv_cache(p.kv(0, 4, false), QuantMode::Fp8);
+  f.codes.data_as<uint8_t>()[5] = 0xFF;
+  EXPECT_TRUE(std::isnan(dequantize_kv_cache(f).data_as<float>()[5]));
+  // birth_and_merge bounds magnitudes so residuals stay finite.
+  std::vector<float> huge(p.k.begin(), p.k.begin() + 10 * 16);
+  for (auto& x : huge) x *= 1e30f;
+  ClusterBank b2(p.H, p.D);
+  EXPECT_NE(ErrorOf([&] { b2.birth_and_merge(TensorView(huge.data(), {10, 2, 8}, DType::F32),
+                                            p.kv(0, 10, true)); }).find("|values| <="),
+            std::string::npos);
+  EXPECT_EQ(b2.num_clusters(), 0);
 }
 
 TEST(ClusterOutliers, BadInputIsAClearError) {

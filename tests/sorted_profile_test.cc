@@ -5,12 +5,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
 
 #include "kvq/crc32c.h"
 #include "kvq/half.h"
+#include "src/container.h"
 #include "tests/test_util.h"
 
 namespace kvq {
@@ -462,6 +464,56 @@ TEST(SortedProfilePersistence, RejectsTruncatedCorruptedAndWrongVersion) {
     EXPECT_NE(ErrorOf([&] { deserialize_sorted_profile(longer); }).find("trailing"), std::string::npos);
   }
   EXPECT_NE(ErrorOf([] { deserialize_sorted_profile(std::vector<uint8_t>(40, 0)); }).find("bad magic"),
+            std::string::npos);
+}
+
+// A container whose CRC is valid around a payload edited in place: what a
+// crafted file looks like (issue 19: these decoded to a segfault).
+std::vector<uint8_t> Edited(const std::vector<uint8_t>& bytes, size_t at, const void* value, size_t n) {
+  std::vector<uint8_t> payload(bytes.begin() + detail::kContainerHeaderBytes, bytes.end());
+  std::memcpy(payload.data() + (at - detail::kContainerHeaderBytes), value, n);
+  const char magic[4] = {'K', 'V', 'Q', 'P'};
+  return detail::WrapContainer(magic, 1, payload);
+}
+
+TEST(SortedProfilePersistence, CountsMustFitTheirBytesAndTheLimit) {
+  const auto all = EveryPath();
+  for (const auto& e : all) {
+    SCOPED_TRACE(tail_path_name(e.path));
+    const auto bytes = serialize(e);
+    const size_t n_at = detail::kContainerHeaderBytes + 4 + 2 + e.family.size();
+    for (int64_t n : {std::numeric_limits<int64_t>::max(), kMaxProfileValues + 1, int64_t{1} << 40, e.n + 1000}) {
+      const auto bad = Edited(bytes, n_at, &n, 8);
+      const std::string err = ErrorOf([&] { decode(deserialize_sorted_profile(bad)); });
+      if (e.path == TailPath::Constant && n <= kMaxProfileValues) {  // n values in no bytes: valid up to the limit
+        EXPECT_EQ(err, "<no error>");
+        EXPECT_EQ(decode(deserialize_sorted_profile(bad)).size(), static_cast<size_t>(n));
+        continue;
+      }
+      EXPECT_NE(err, "<no error>") << n;
+      if (n > kMaxProfileValues) EXPECT_NE(err.find("kMaxProfileValues"), std::string::npos) << err;
+    }
+  }
+  // A non-finite exact head value is corruption, not a value to decode.
+  const auto& p = all[0];
+  const auto bytes = serialize(p);
+  const size_t head_values_at = detail::kContainerHeaderBytes + 4 + 2 + p.family.size() + 8 + 40 + 8 + 3 * 8;
+  const float nan = NAN;
+  EXPECT_NE(ErrorOf([&] { deserialize_sorted_profile(Edited(bytes, head_values_at + 4, &nan, 4)); })
+                .find("non-finite head value"),
+            std::string::npos);
+  // Hand-built encodings are held to the same limit.
+  SortedProfileEncoding big = fit_sorted_profile(std::vector<float>(50, -2.0f), LaplaceEstimator());
+  big.n = kMaxProfileValues + 1;
+  EXPECT_NE(ErrorOf([&] { decode(big); }).find("kMaxProfileValues"), std::string::npos);
+  std::vector<float> out(4);
+  EXPECT_NE(ErrorOf([&] { decode_into(big, out); }), "<no error>");
+}
+
+TEST(Estimators, FitRejectsNonFiniteValues) {
+  const std::vector<float> v{NAN, 1.0f};
+  EXPECT_NE(ErrorOf([&] { GaussianEstimator().fit(v); }).find("finite"), std::string::npos);
+  EXPECT_NE(ErrorOf([&] { LaplaceEstimator().fit(std::vector<float>{1.0f, INFINITY}); }).find("element 1"),
             std::string::npos);
 }
 

@@ -86,6 +86,10 @@
 
 namespace kvq {
 
+// The largest |key| or |value| birth_and_merge takes: a residual, a float
+// sum of W squared differences, stays finite up to W ~ 8e7.
+inline constexpr float kMaxBankMagnitude = 1e15f;
+
 // Append-only values.
 enum class FarFieldClosure : int { kTwoPoint = 0, kGaussian = 1 };
 const char* far_field_closure_name(FarFieldClosure c);
@@ -161,7 +165,8 @@ class ClusterBank {
   ClusterBank(int n_head, int d_head, const ClusterBankOptions& options = {});
 
   // chunk_k, chunk_v: F32/F16/BF16 of shape (T, n_head, d_head), T >= 1,
-  // finite. Throws kvq::Error (and leaves the bank unchanged) otherwise.
+  // finite, |values| <= kMaxBankMagnitude. Throws kvq::Error (and leaves the
+  // bank unchanged) otherwise.
   BirthMergeReceipt birth_and_merge(const TensorView& chunk_k, const TensorView& chunk_v);
 
   int n_head() const { return n_head_; }

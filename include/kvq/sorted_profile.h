@@ -111,6 +111,12 @@ const StdCodebook& standard_codebook(const Estimator& family, Codebook kind, int
 // 0.04 at n ~ 490). Smaller populations usually go dense, which is the safe
 // side: int8 never assumes a shape.
 inline constexpr double kDefaultKsMax = 0.04;
+// The most values one encoding holds (2^28, 1 GiB as float32): fit refuses
+// more, a KVQP container claiming more is rejected before anything is
+// allocated, and decode never allocates more than n floats. A constant or
+// empty tail holds its n values in no bytes, so this limit, not the
+// container's size, bounds what decoding one may allocate.
+inline constexpr int64_t kMaxProfileValues = int64_t{1} << 28;
 
 struct SortedProfileOptions {
   int top_k = 0;   // >= 0; values kept exact
