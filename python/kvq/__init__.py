@@ -76,10 +76,10 @@ def _input(x, arg):
     if _is_torch(x):
         torch = _torch()
         if x.device.type != "cpu":
-            raise ValueError(f"{arg}: expected a CPU tensor, got device {x.device}")
+            raise Error(f"{arg}: expected a CPU tensor, got device {x.device}")
         t = x.detach()
         if t.is_complex() or t.dtype == torch.bool:
-            raise ValueError(f"{arg}: expected a real-valued tensor, got dtype {t.dtype}")
+            raise Error(f"{arg}: expected a real-valued tensor, got dtype {t.dtype}")
         if t.dtype == torch.bfloat16:
             return _contiguous(t.contiguous().view(torch.int16).numpy().view(_np.uint16)), "bfloat16", True
         if t.dtype not in (torch.float32, torch.float16):
@@ -89,9 +89,9 @@ def _input(x, arg):
     try:
         a = _np.asarray(x)
     except Exception as e:  # ragged lists and the like
-        raise ValueError(f"{arg}: expected an array-like of real numbers ({e})") from None
+        raise Error(f"{arg}: expected an array-like of real numbers ({e})") from None
     if a.dtype.kind not in "fiu":
-        raise ValueError(f"{arg}: expected a real-valued array, got dtype {a.dtype}")
+        raise Error(f"{arg}: expected a real-valued array, got dtype {a.dtype}")
     if a.dtype not in (_np.float32, _np.float16):
         a = a.astype(_np.float32)
     return _contiguous(a), str(a.dtype), False
@@ -112,14 +112,29 @@ def _numpy(x):
 
 def _mode(mode):
     if mode not in _MODES:
-        raise ValueError(f"mode: expected 'int8' or 'fp8', got {mode!r}")
+        raise Error(f"mode: expected 'int8' or 'fp8', got {mode!r}")
     return mode
 
 
-def _int(v, arg):
+def _int(v, arg, lo=-2 ** 31, hi=2 ** 31 - 1):
+    """An int that fits the C++ parameter it is passed to (int32 unless told)."""
     if isinstance(v, bool) or not isinstance(v, (int, _np.integer)):
-        raise ValueError(f"{arg}: expected an integer, got {v!r}")
+        raise Error(f"{arg}: expected an integer, got {v!r}")
+    if not lo <= int(v) <= hi:
+        raise Error(f"{arg}: expected an integer in [{lo}, {hi}], got {int(v)}")
     return int(v)
+
+
+def _str(v, arg):
+    if not isinstance(v, str):
+        raise Error(f"{arg}: expected a string, got {v!r}")
+    return v
+
+
+def _float(v, arg):
+    if isinstance(v, bool) or not isinstance(v, (int, float, _np.integer, _np.floating)):
+        raise Error(f"{arg}: expected a number, got {v!r}")
+    return float(v)
 
 
 def _indices(x, arg):
@@ -127,7 +142,7 @@ def _indices(x, arg):
     if a.size == 0:
         return _np.zeros(0, dtype=_np.int64)
     if a.dtype.kind not in "iu":
-        raise ValueError(f"{arg}: expected integer token positions, got dtype {a.dtype}")
+        raise Error(f"{arg}: expected integer token positions, got dtype {a.dtype}")
     return _np.ascontiguousarray(a.astype(_np.int64))
 
 
@@ -151,7 +166,7 @@ class AffineQuantized:
 
     def __init__(self, codes, scale, mode):
         self.codes = codes
-        self.scale = float(scale)
+        self.scale = _float(scale, "scale")
         self.mode = _mode(mode)
 
     @property
@@ -180,7 +195,7 @@ def quantize_kv_cache(x, *, mode="int8"):
 def dequantize_kv_cache(q):
     """Inverse of quantize_kv_cache: float32 of the original shape (codes * scale)."""
     if not isinstance(q, AffineQuantized):
-        raise ValueError(f"q: expected an AffineQuantized, got {type(q).__name__}")
+        raise Error(f"q: expected an AffineQuantized, got {type(q).__name__}")
     codes = q.codes
     as_torch = _is_torch(codes)
     c = _contiguous(_numpy(codes))
@@ -211,7 +226,7 @@ class SortedProfileEncoding:
 
     def __init__(self, enc, as_torch=False):
         if not isinstance(enc, _kvq.SortedProfileEncoding):
-            raise ValueError("enc: expected an encoding made by fit_sorted_profile or SortedProfileEncoding.from_bytes")
+            raise Error("enc: expected an encoding made by fit_sorted_profile or SortedProfileEncoding.from_bytes")
         self._enc = enc
         self._torch = as_torch
 
@@ -248,7 +263,9 @@ class SortedProfileEncoding:
 
     @staticmethod
     def from_bytes(data):
-        """Inverse of serialize(); raises ValueError on truncated or corrupted input."""
+        """Inverse of serialize(); raises kvq.Error on truncated or corrupted input."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise Error(f"data: expected bytes, got {type(data).__name__}")
         return SortedProfileEncoding(_kvq.SortedProfileEncoding.deserialize(bytes(data)))
 
     def __repr__(self):
@@ -260,7 +277,7 @@ def _family(family, arg):
     if family is None:
         return GaussianEstimator()
     if not isinstance(family, Estimator):
-        raise ValueError(f"{arg}: expected GaussianEstimator(), LaplaceEstimator() or None, got {family!r}")
+        raise Error(f"{arg}: expected GaussianEstimator(), LaplaceEstimator() or None, got {family!r}")
     return family
 
 
@@ -275,7 +292,7 @@ def fit_sorted_profile(values, family=None, *, top_k=0, bits=4, codebook="lloyd_
     """
     a, dt, as_torch = _input(values, "values")
     enc = _kvq.fit_sorted_profile(a, dt, _family(family, "family"), _int(top_k, "top_k"), _int(bits, "bits"),
-                                  str(codebook), float(ks_max))
+                                  _str(codebook, "codebook"), _float(ks_max, "ks_max"))
     return SortedProfileEncoding(enc, as_torch)
 
 
@@ -310,9 +327,9 @@ class ClusterBank:
         if not isinstance(closure, str):
             raise Error(f"closure: expected \"two-point\" or \"gaussian\", got {closure!r}")
         self._bank = _kvq.ClusterBank(_int(n_head, "n_head"), _int(d_head, "d_head"),
-                                      _int(max_clusters, "max_clusters"), float(birth_distance),
-                                      float(merge_distance), _int(outlier_top_k, "outlier_top_k"), float(ridge),
-                                      closure)
+                                      _int(max_clusters, "max_clusters"), _float(birth_distance, "birth_distance"),
+                                      _float(merge_distance, "merge_distance"), _int(outlier_top_k, "outlier_top_k"),
+                                      _float(ridge, "ridge"), closure)
 
     n_head = property(lambda self: self._bank.n_head)
     d_head = property(lambda self: self._bank.d_head)
@@ -335,17 +352,18 @@ class ClusterBank:
         """Moment-closure attention of queries q (n_q_heads, d_head) over the bank's clusters.
 
         n_q_heads must be a multiple of n_head (GQA). A cluster of n tokens with
-        key mean mu and covariance Sigma carries log-mass log n + s q.mu +
-        s^2 q'Sigma q / 2 and value mu_v + s A Sigma q; clusters combine by
-        log-sum-exp. Returns {"log_mass": (n_q_heads,), "value": (n_q_heads, d_head)}
+        key mean mu, covariance Sigma and key range [lo, hi] carries, with the
+        default two-point closure, log-mass log n + s q.mu + log cosh(s sqrt(q'Sigma q))
+        (the "gaussian" closure: s^2 q'Sigma q / 2), clipped to [log n + s q.mu,
+        log n + s max over the range]; clusters combine by log-sum-exp. Returns {"log_mass": (n_q_heads,), "value": (n_q_heads, d_head)}
         (log_mass -inf and value 0 for an empty bank). scale 0 means 1/sqrt(d_head).
         """
         a, dt, as_torch = _input(q, "q")
         if dt != "float32":
             a = a.astype(_np.float32)
         if a.ndim != 2:
-            raise ValueError(f"q: expected shape (n_q_heads, {self.d_head}), got {tuple(a.shape)}")
-        r = self._bank.far_field(_contiguous(a), int(a.shape[0]), float(scale))
+            raise Error(f"q: expected shape (n_q_heads, {self.d_head}), got {tuple(a.shape)}")
+        r = self._bank.far_field(_contiguous(a), _int(a.shape[0], "q.shape[0]"), _float(scale, "scale"))
         return {k: _output(v, as_torch) for k, v in r.items()}
 
     def birth_and_merge(self, chunk_k, chunk_v):
@@ -409,7 +427,7 @@ def quantize_cluster_outliers(per_cluster_outlier_tokens, flat_k, flat_v, *, mod
     Returns {cluster_id: QuantizedClusterOutliers}.
     """
     if not isinstance(per_cluster_outlier_tokens, dict):
-        raise ValueError("per_cluster_outlier_tokens: expected a dict {cluster_id: {'k', 'v', 'indices'}}, got "
+        raise Error("per_cluster_outlier_tokens: expected a dict {cluster_id: {'k', 'v', 'indices'}}, got "
                          f"{type(per_cluster_outlier_tokens).__name__}")
     k, kd, as_torch = _input(flat_k, "flat_k")
     v, vd, _ = _input(flat_v, "flat_v")
@@ -418,7 +436,7 @@ def quantize_cluster_outliers(per_cluster_outlier_tokens, flat_k, flat_v, *, mod
     for cid, entry in per_cluster_outlier_tokens.items():
         cid = _int(cid, "per_cluster_outlier_tokens key")
         if not isinstance(entry, dict) or not {"k", "v", "indices"} <= set(entry):
-            raise ValueError(f"per_cluster_outlier_tokens[{cid}]: expected a dict with 'k', 'v' and 'indices'")
+            raise Error(f"per_cluster_outlier_tokens[{cid}]: expected a dict with 'k', 'v' and 'indices'")
         ok, okd, _ = _input(entry["k"], f"per_cluster_outlier_tokens[{cid}].k")
         ov, ovd, _ = _input(entry["v"], f"per_cluster_outlier_tokens[{cid}].v")
         norm[cid] = (ok, okd, ov, ovd, _indices(entry["indices"], f"per_cluster_outlier_tokens[{cid}].indices"))
@@ -426,9 +444,9 @@ def quantize_cluster_outliers(per_cluster_outlier_tokens, flat_k, flat_v, *, mod
     if membership is not None:
         m = _numpy(membership)
         if m.dtype.kind not in "iu":
-            raise ValueError(f"membership: expected integer cluster ids, got dtype {m.dtype}")
+            raise Error(f"membership: expected integer cluster ids, got dtype {m.dtype}")
         if m.size and (m.min() < -2 ** 31 or m.max() >= 2 ** 31):
-            raise ValueError("membership: expected cluster ids that fit in int32")
+            raise Error("membership: expected cluster ids that fit in int32")
         member = _np.ascontiguousarray(m.astype(_np.int32))
     parts = _kvq.quantize_cluster_outliers(norm, k, kd, v, vd, _mode(mode), _family(tail_family, "tail_family"),
                                            _int(tail_top_k, "tail_top_k"), member)
@@ -456,17 +474,17 @@ def dequantize_cluster_outliers(q):
     None where a part is absent.
     """
     if not isinstance(q, QuantizedClusterOutliers):
-        raise ValueError(f"q: expected a QuantizedClusterOutliers, got {type(q).__name__}")
+        raise Error(f"q: expected a QuantizedClusterOutliers, got {type(q).__name__}")
 
     def tail(e, arg):
         if e is None:
             return None
         if not isinstance(e, SortedProfileEncoding):
-            raise ValueError(f"q.{arg}: expected a SortedProfileEncoding or None, got {type(e).__name__}")
+            raise Error(f"q.{arg}: expected a SortedProfileEncoding or None, got {type(e).__name__}")
         x = e.decode()
         if q.n_head and q.d_head:
             if e.n % (q.n_head * q.d_head):
-                raise ValueError(f"q.{arg}: expected a multiple of n_head * d_head = {q.n_head * q.d_head} values, "
+                raise Error(f"q.{arg}: expected a multiple of n_head * d_head = {q.n_head * q.d_head} values, "
                                  f"got {e.n}")
             x = x.reshape(-1, q.n_head, q.d_head)
         return x

@@ -329,11 +329,54 @@ def test_torch_in_torch_out():
     (lambda: kvq.quantize_cluster_outliers({}, np.ones((4, 2, 4)), np.ones((4, 2, 4)), tail_top_k=-2), "tail_top_k"),
     (lambda: kvq.dequantize_cluster_outliers({}), "q: expected a QuantizedClusterOutliers"),
     (lambda: kvq.spearman([1, 2, 3], [1, 2]), "b: expected 3 values"),
+    # Every class of bad input is kvq.Error (issue 19: these were a plain
+    # ValueError, a TypeError with a signature dump or a RuntimeError).
+    (lambda: kvq.quantize_kv_cache(np.ones(4, np.complex64)), "real-valued"),
+    (lambda: kvq.quantize_kv_cache(np.ones(4, bool)), "real-valued"),
+    (lambda: kvq.quantize_kv_cache(np.array([object(), 1])), "real-valued"),
+    (lambda: kvq.quantize_kv_cache(np.ones(4), mode="int4"), "mode: expected 'int8' or 'fp8'"),
+    (lambda: kvq.fit_sorted_profile(np.ones(9), bits=True), "bits: expected an integer"),
+    (lambda: kvq.fit_sorted_profile(np.ones(9), top_k=2 ** 31), r"top_k: expected an integer in"),
+    (lambda: kvq.fit_sorted_profile(np.ones(9), family="cauchy"), "family: expected"),
+    (lambda: kvq.fit_sorted_profile(np.ones(9), ks_max="high"), "ks_max: expected a number"),
+    (lambda: kvq.fit_sorted_profile(np.ones(9), codebook=3), "codebook: expected a string"),
+    (lambda: kvq.ClusterBank(2 ** 31, 4), "n_head: expected an integer in"),
+    (lambda: kvq.ClusterBank(2, 4, ridge=None), "ridge: expected a number"),
+    (lambda: kvq.quantize_cluster_outliers([1, 2], np.ones((4, 2, 4)), np.ones((4, 2, 4))), "expected a dict"),
+    (lambda: kvq.quantize_cluster_outliers({2 ** 31: {"k": np.ones((1, 2, 4)), "v": np.ones((1, 2, 4)),
+                                                      "indices": [0]}}, np.ones((4, 2, 4)), np.ones((4, 2, 4))),
+     "key: expected an integer in"),
+    (lambda: kvq.SortedProfileEncoding.from_bytes("KVQP"), "data: expected bytes"),
+    (lambda: kvq.GaussianEstimator().fit(np.array([np.nan, 1], np.float32)), "finite"),
 ])
-def test_bad_input_raises_value_error(call, match):
-    with pytest.raises(ValueError, match=match):
+def test_bad_input_raises_kvq_error(call, match):
+    with pytest.raises(kvq.Error, match=match):
         call()
     assert issubclass(kvq.Error, ValueError)
+
+
+def _crc32c(data):
+    crc = 0xFFFFFFFF
+    for b in data:
+        crc ^= b
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 & -(crc & 1))
+    return crc ^ 0xFFFFFFFF
+
+
+def test_crafted_containers_are_rejected_not_crashed():
+    # A valid-CRC KVQP claiming a constant tail of 2^63 - 1 values decoded
+    # to a segfault; it is now rejected before anything is allocated.
+    import struct
+    enc = kvq.fit_sorted_profile(np.full(50, -2.0, np.float32))
+    assert enc.path == "constant"
+    b = bytearray(enc.serialize())
+    name_len = struct.unpack_from("<H", b, 24)[0]
+    for n in (2 ** 63 - 1, 2 ** 28 + 1):
+        struct.pack_into("<q", b, 26 + name_len, n)
+        struct.pack_into("<I", b, 16, _crc32c(bytes(b[20:])))
+        with pytest.raises(kvq.Error, match="kMaxProfileValues"):
+            kvq.SortedProfileEncoding.from_bytes(bytes(b)).decode()
 
 
 def test_help_is_useful():
