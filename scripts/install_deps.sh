@@ -12,6 +12,8 @@ PKGS=(
 )
 # torch is optional for users but CI runs the torch tests: install it when asked.
 if [ "${KVQ_WITH_TORCH:-0}" = "1" ]; then PKGS+=(python3-torch); fi
+# The fuzz targets (scripts/fuzz.sh) need clang and its libFuzzer runtime.
+if [ "${KVQ_WITH_FUZZ:-0}" = "1" ]; then PKGS+=(clang libclang-rt-14-dev); fi
 
 missing=()
 for p in "${PKGS[@]}"; do

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer targets in fuzz/ (clang, -fsanitize=fuzzer,address,
+# undefined), writes their seed corpora and runs each for SECONDS (default
+# 30). Fails on any crash, leak, sanitizer report or timeout; a crashing
+# input is kept as build/fuzz/crashes/<target>/crash-*.
+# Usage: scripts/fuzz.sh [SECONDS] [TARGET...]   (targets: kvqp kvqc checkpoint tokenizer)
+# A long run: scripts/fuzz.sh 600
+set -euo pipefail
+cd "$(dirname "$0")/.."
+secs=${1:-30}
+shift || true
+targets=("$@")
+[ ${#targets[@]} -gt 0 ] || targets=(kvqp kvqc checkpoint tokenizer)
+case "$secs" in ''|*[!0-9]*) echo "fuzz.sh: SECONDS must be a whole number, got '$secs'" >&2; exit 2 ;; esac
+KVQ_WITH_FUZZ=1 bash scripts/install_deps.sh
+B=build/fuzz
+cmake -S fuzz -B "$B" -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+cmake --build "$B"
+shared=${KVQ_SHARED:-$(cd .. && pwd)/shared}
+rm -rf "$B/seeds"
+"$B/make_seeds" "$B/seeds" "$shared"
+passed=0; failed=0
+for t in "${targets[@]}"; do
+  corpus="$B/corpus/$t"; crashes="$B/crashes/$t"
+  mkdir -p "$corpus" "$crashes"
+  echo "== fuzz_$t: ${secs}s"
+  # ASan/UBSan abort on the first report; -rss_limit_mb bounds memory, so an
+  # allocation the limits should have stopped is a failure too.
+  if ! ASAN_OPTIONS=detect_leaks=1:allocator_may_return_null=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+      "$B/fuzz_$t" "$corpus" "$B/seeds/$t" -max_total_time="$secs" -timeout=10 -rss_limit_mb=3072 \
+      -malloc_limit_mb=2048 -artifact_prefix="$crashes/" -print_final_stats=1 >"$B/fuzz_$t.log" 2>&1; then
+    echo "FAIL: fuzz_$t (log: $B/fuzz_$t.log)"; tail -40 "$B/fuzz_$t.log"; failed=$((failed+1))
+  else
+    grep -E "^stat::number_of_executed_units|^stat::peak_rss_mb" "$B/fuzz_$t.log" | tr '\n' ' '; echo
+    passed=$((passed+1))
+  fi
+done
+echo "fuzz: $passed passed, $failed failed"
+[ $failed -eq 0 ]
