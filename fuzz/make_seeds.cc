@@ -140,6 +140,17 @@ int main(int argc, char** argv) {
   const std::vector<float> cls = Values(260 * 8, 3);
   sep.insert(sep.end(), reinterpret_cast<const uint8_t*>(cls.data()), reinterpret_cast<const uint8_t*>(cls.data()) + cls.size() * 4);
   Write(root / "checkpoint" / "separate_classifier", sep);
+  // Export version 1 ("ak42", 256-byte header, no RoPE tables) of the tiny one.
+  const std::vector<uint8_t> tiny = Checkpoint(8, 16, 1, 2, 1, 300, 8);
+  std::vector<uint8_t> v1(256, 0);
+  const uint32_t magic = 0x616b3432;
+  const int32_t version = 1;
+  std::memcpy(v1.data(), &magic, 4);
+  std::memcpy(v1.data() + 4, &version, 4);
+  std::memcpy(v1.data() + 8, tiny.data(), 28);
+  v1[36] = 1;
+  v1.insert(v1.end(), tiny.begin() + 28, tiny.end() - 8 * 4 * 4);  // minus the seq * head_size RoPE floats
+  Write(root / "checkpoint" / "tiny_v1", v1);
   Write(root / "tokenizer" / "synthetic300", Tokenizer(300));
   Write(root / "tokenizer" / "synthetic259", Tokenizer(259));
 

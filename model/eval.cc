@@ -19,13 +19,12 @@
 
 namespace kvq::model {
 
-std::vector<int> tokenize_stories(const Tokenizer& tok, const std::string& text) {
-  static const std::string kSep = "<|endoftext|>";
+std::vector<int> tokenize_stories(const Tokenizer& tok, const std::string& text, const std::string& sep) {
   std::vector<int> out;
   size_t start = 0;
   int stories = 0;
   // Large text says what it does: a live line on a terminal, else one line.
-  const bool large = text.size() >= (size_t{4} << 20), tty = large && isatty(2);
+  const bool large = text.size() >= (size_t{1} << 20), tty = large && isatty(2);
   const auto t0 = std::chrono::steady_clock::now();
   auto last = t0;
   if (large && !tty) std::fprintf(stderr, "[kvq] tokenizing %.1f MiB of text\n", text.size() / 1048576.0);
@@ -35,7 +34,7 @@ std::vector<int> tokenize_stories(const Tokenizer& tok, const std::string& text)
       std::fprintf(stderr, "\r[kvq] tokenizing: %.0f%% of %.1f MiB", 100.0 * start / text.size(),
                    text.size() / 1048576.0);
     }
-    size_t end = text.find(kSep, start);
+    size_t end = sep.empty() ? std::string::npos : text.find(sep, start);
     if (end == std::string::npos) end = text.size();
     std::string story = text.substr(start, end - start);
     const size_t a = story.find_first_not_of(" \t\r\n\f\v");
@@ -46,14 +45,16 @@ std::vector<int> tokenize_stories(const Tokenizer& tok, const std::string& text)
       out.insert(out.end(), ids.begin(), ids.end());
       ++stories;
     }
-    start = end + kSep.size();
+    if (end == text.size()) break;
+    start = end + sep.size();
   }
   if (large) {
     std::fprintf(stderr, "%s[kvq] tokenized %.1f MiB: %zu tokens in %.1f s\n", tty ? "\r" : "",
                  text.size() / 1048576.0, out.size(),
                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
-  KVQ_CHECK_ARG(stories > 0, "text: no stories found (expected text separated by <|endoftext|>)");
+  KVQ_CHECK_ARG(stories > 0, "text: no stories found (only whitespace", sep.empty() ? "" : " and separators '",
+                sep, sep.empty() ? "" : "'", ")");
   return out;
 }
 
@@ -74,14 +75,14 @@ std::string read_text_file(const std::string& path) {
 }
 
 EvalText load_eval_text(const Config& cfg, const std::string& tokenizer_path, const std::string& text_path,
-                        int ctx, int max_windows) {
+                        int ctx, int max_windows, const std::string& story_sep) {
   Tokenizer tok(tokenizer_path, cfg.vocab_size);
   EvalText t;
   t.ctx = ctx == 0 ? cfg.seq_len : ctx;
   KVQ_CHECK_ARG(t.ctx >= 1 && t.ctx <= cfg.seq_len, "ctx: expected 1..", cfg.seq_len, " (the model's seq_len), got ",
                 ctx);
   KVQ_CHECK_ARG(max_windows >= 0, "max_windows: expected >= 0, got ", max_windows);
-  t.stream = tokenize_stories(tok, read_text_file(text_path));
+  t.stream = tokenize_stories(tok, read_text_file(text_path), story_sep);
   t.windows = static_cast<int>(t.stream.size() / static_cast<size_t>(t.ctx + 1));
   KVQ_CHECK_ARG(t.windows > 0, "text: ", t.stream.size(), " tokens, fewer than one window of ctx + 1 = ", t.ctx + 1);
   if (max_windows > 0) t.windows = std::min(t.windows, max_windows);
@@ -112,7 +113,7 @@ EvalReport run_eval(const EvalOptions& o) {
   KVQ_CHECK_ARG(o.threads >= 0 && o.threads <= kMaxThreads, "threads: expected 0..", kMaxThreads, " (0: default), got ",
                 o.threads);
   KVQ_CHECK_ARG(!o.schemes.empty(), "kv: expected at least one scheme");
-  const EvalText text = load_eval_text(cfg, o.tokenizer_path, o.text_path, o.ctx, o.max_windows);
+  const EvalText text = load_eval_text(cfg, o.tokenizer_path, o.text_path, o.ctx, o.max_windows, o.story_sep);
   const int ctx = text.ctx, windows = text.windows;
   const int threads = o.threads > 0 ? o.threads : omp_get_max_threads();
 

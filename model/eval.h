@@ -16,10 +16,14 @@ namespace kvq::model {
 inline constexpr uint64_t kMaxTextBytes = uint64_t{256} << 20;
 inline constexpr int kMaxThreads = 1024;
 
-// Splits on "<|endoftext|>", strips each story, skips empty ones, encodes
-// each as [BOS] + tokens and concatenates. Throws kvq::Error when no story.
-// Text of 4 MiB or more reports its progress on stderr.
-std::vector<int> tokenize_stories(const Tokenizer& tok, const std::string& text);
+inline const std::string kDefaultStorySep = "<|endoftext|>";
+
+// Splits on `sep` (empty: the whole text is one story), strips each story,
+// skips empty ones, encodes each as [BOS] + tokens and concatenates. Throws
+// kvq::Error when no story. Text of 1 MiB or more reports its progress on
+// stderr.
+std::vector<int> tokenize_stories(const Tokenizer& tok, const std::string& text,
+                                  const std::string& sep = kDefaultStorySep);
 // The whole file; throws kvq::Error naming the path when it cannot be read,
 // is not a regular file (a FIFO, /dev/zero, a directory) or is larger than
 // kMaxTextBytes.
@@ -33,7 +37,7 @@ struct EvalText {
   const int* window(int w) const { return stream.data() + static_cast<size_t>(w) * static_cast<size_t>(ctx + 1); }
 };
 EvalText load_eval_text(const Config& cfg, const std::string& tokenizer_path, const std::string& text_path, int ctx,
-                        int max_windows);
+                        int max_windows, const std::string& story_sep = kDefaultStorySep);
 
 // v with `decimals` decimals (and a sign when asked) while |v| < 1e6, else
 // in scientific notation: at most 10 characters for any double.
@@ -41,6 +45,7 @@ std::string format_bounded(double v, int decimals, bool sign);
 
 struct EvalOptions {
   std::string model_path, tokenizer_path, text_path;
+  std::string story_sep = kDefaultStorySep;  // empty: the whole text is one story
   std::vector<KvScheme> schemes;  // fp32 is always computed as the reference
   int ctx = 0;                    // 0: the model's seq_len
   int max_windows = 0;            // 0: all full windows

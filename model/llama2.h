@@ -55,16 +55,20 @@ struct Weights {
 
 class Checkpoint {
  public:
-  // Maps and validates a llama2.c legacy checkpoint: header sanity and the
-  // exact file size implied by the hyper-parameters. Throws kvq::Error.
+  // Maps and validates a llama2.c checkpoint, legacy (export.py version 0)
+  // or export version 1 ("ak42" header, fp32): header sanity and the exact
+  // file size implied by the hyper-parameters. Version 2 (Q8_0 weights) is
+  // refused with a clear message. Throws kvq::Error.
   explicit Checkpoint(const std::string& path);
   const Config& config() const { return config_; }
+  int format_version() const { return format_version_; }  // 0: legacy, 1: "ak42" version 1
   const Weights& weights() const { return weights_; }
 
  private:
   MappedFile file_;
   Config config_;
   Weights weights_{};
+  int format_version_ = 0;
 };
 
 class Tokenizer {

@@ -9,12 +9,14 @@
 #include <vector>
 
 #include "kvq/cluster_bank.h"
+#include "model/eval.h"
 #include "model/llama2.h"
 
 namespace kvq::model {
 
 struct ReceiptOptions {
   std::string model_path, tokenizer_path, text_path;
+  std::string story_sep = kDefaultStorySep;  // empty: the whole text is one story
   int ctx = 0;          // 0: the model's seq_len
   int max_windows = 0;  // 0: all full windows
   int chunk = 128;      // tokens per birth_and_merge chunk

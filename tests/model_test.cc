@@ -261,6 +261,56 @@ TEST(Model, FastEncoderMatchesTheReferenceLoop) {
   }
 }
 
+// llama2.c export.py version 1 ("ak42", 256-byte header, norms first, no
+// RoPE tables): the shipped legacy model rewritten in that layout gives the
+// same logits, bit for bit; version 2 (Q8_0) is refused by name.
+TEST(Model, ReadsExportVersion1AndRefusesVersion2) {
+  KVQ_MODEL_FILES();
+  const std::string legacy = Slurp(model_path);
+  const Checkpoint ref(model_path);
+  const Config& c = ref.config();
+  ASSERT_EQ(ref.format_version(), 0);
+  std::string v1(256, '\0');
+  const uint32_t magic = 0x616b3432;
+  const int32_t version = 1;
+  const int32_t h[7] = {c.dim, c.hidden_dim, c.n_layers, c.n_heads, c.n_kv_heads, c.vocab_size, c.seq_len};
+  std::memcpy(v1.data(), &magic, 4);
+  std::memcpy(v1.data() + 4, &version, 4);
+  std::memcpy(v1.data() + 8, h, 28);
+  v1[36] = c.shared_classifier ? 1 : 0;
+  const size_t L = c.n_layers, d = c.dim, kv = c.kv_dim(), hid = c.hidden_dim, V = c.vocab_size;
+  const Weights& w = ref.weights();
+  auto put = [&](const float* p, size_t n) { v1.append(reinterpret_cast<const char*>(p), n * 4); };
+  put(w.rms_att, L * d), put(w.rms_ffn, L * d), put(w.rms_final, d), put(w.token_embedding, V * d);
+  put(w.wq, L * d * d), put(w.wk, L * kv * d), put(w.wv, L * kv * d), put(w.wo, L * d * d);
+  put(w.w1, L * hid * d), put(w.w2, L * d * hid), put(w.w3, L * hid * d);
+  const std::string p1 = TempPath("v1.bin");
+  std::ofstream(p1, std::ios::binary).write(v1.data(), static_cast<std::streamsize>(v1.size()));
+  {
+    const Checkpoint got(p1);
+    EXPECT_EQ(got.format_version(), 1);
+    EXPECT_EQ(got.config().dim, c.dim);
+    EXPECT_EQ(got.config().vocab_size, c.vocab_size);
+    Transformer a(ref, KvScheme::Fp32, 16), b(got, KvScheme::Fp32, 16);
+    const std::vector<int> toks{1, 403, 407, 261, 378, 395, 291, 280};
+    const std::span<const float> la = a.forward_window(toks);
+    const std::vector<float> keep(la.begin(), la.end());
+    const std::span<const float> lb = b.forward_window(toks);
+    ASSERT_EQ(keep.size(), lb.size());
+    EXPECT_EQ(0, std::memcmp(keep.data(), lb.data(), keep.size() * 4));
+  }
+  std::string trunc = v1.substr(0, v1.size() - 4);
+  std::ofstream(p1, std::ios::binary).write(trunc.data(), static_cast<std::streamsize>(trunc.size()));
+  EXPECT_NE(test::ErrorOf([&] { Checkpoint x(p1); }).find("version 1 header"), std::string::npos);
+  std::string v2 = v1;
+  const int32_t two = 2;
+  std::memcpy(v2.data() + 4, &two, 4);
+  std::ofstream(p1, std::ios::binary).write(v2.data(), static_cast<std::streamsize>(v2.size()));
+  EXPECT_NE(test::ErrorOf([&] { Checkpoint x(p1); }).find("version 2 (int8 Q8_0 weights) is not supported"),
+            std::string::npos);
+  std::filesystem::remove(p1);
+}
+
 TEST(Model, StoriesAreSplitStrippedAndPrefixedWithBos) {
   KVQ_MODEL_FILES();
   const Tokenizer tok(tok_path, 512);

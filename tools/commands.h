@@ -25,6 +25,7 @@ int RunDemo(const DemoOptions& opts);
 // Options of the commands that run the model over the evaluation text.
 struct ModelTextOptions {
   std::string model, tokenizer, text, json;  // empty paths: the $KVQ_SHARED defaults
+  std::string story_sep = "<|endoftext|>";
   int ctx = 0, max_windows = 0, threads = 0;
 };
 

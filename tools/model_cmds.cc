@@ -93,7 +93,11 @@ void WriteJson(const std::string& path, const nlohmann::json& j) {
 void AddModelTextOptions(CLI::App* c, ModelTextOptions& o) {
   c->add_option("--model", o.model, "llama2.c checkpoint (default: $KVQ_SHARED/models/stories260K/stories260K.bin)");
   c->add_option("--tokenizer", o.tokenizer, "llama2.c tokenizer.bin (default: .../tok512.bin)");
-  c->add_option("--text", o.text, "evaluation text, stories separated by <|endoftext|>");
+  c->add_option("--text", o.text, "evaluation text (a regular file, <= 256 MiB), stories separated by --story-sep");
+  c->add_option("--story-sep", o.story_sep,
+                "string between stories; each story is stripped and encoded as [BOS] + tokens ('' : the whole "
+                "text is one story)")
+      ->capture_default_str();
   c->add_option("--ctx", o.ctx, "context length (default: the model's seq_len)");
   c->add_option("--max-windows", o.max_windows, "at most N windows of ctx + 1 tokens (0: all)");
   c->add_option("--json", o.json, "also write the results as JSON to FILE");
@@ -106,6 +110,7 @@ void FillModelText(const ModelTextOptions& o, Opts& e) {
   e.model_path = o.model.empty() ? DefaultModel() : o.model;
   e.tokenizer_path = o.tokenizer.empty() ? DefaultTokenizer() : o.tokenizer;
   e.text_path = o.text.empty() ? DefaultText() : o.text;
+  e.story_sep = o.story_sep;
   e.ctx = o.ctx;
   e.max_windows = o.max_windows;
   e.threads = o.threads;
