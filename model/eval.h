@@ -50,7 +50,8 @@ struct EvalOptions {
   int ctx = 0;                    // 0: the model's seq_len
   int max_windows = 0;            // 0: all full windows
   int threads = 0;                // 0: OpenMP default
-  bool progress = false;          // progress line on stderr
+  bool progress = false;          // progress on stderr (a live line on a terminal, else every 10%)
+  bool per_token = false;         // keep every token's values in the results
   // Windowed mode (SPEC §7), when window > 0: extra rows for an fp32 cache
   // read through a sliding window of `window` recent tokens + `sinks`, the
   // same window with E2's bank behind it (chunks of window_chunk tokens),
@@ -69,6 +70,17 @@ struct SchemeResult {
   uint64_t kv_bytes = 0;  // bytes attention holds at ctx, all layers (mean over windows)
   double mean_nll = 0, ppl = 0, delta_ppl = 0, delta_ppl_pct = 0;
   double kld_mean = 0, kld_max = 0, top1_pct = 0, tokens_per_s = 0;
+  // llama-perplexity's statistics against fp32; *_se: the standard error of
+  // the per-token mean (sample variance over n - 1).
+  double ppl_se = 0;                     // PPL * se(NLL)
+  double ln_ratio = 0, ln_ratio_se = 0;  // mean of NLL - NLL_fp32 = ln(PPL / PPL_fp32)
+  double kld_se = 0, kld_median = 0, kld_p99 = 0, kld_p999 = 0;  // percentiles: linear interpolation
+  double rms_dp = 0, rms_dp_se = 0;      // RMS of p(target) - p_fp32(target); se by the delta method
+  double same_top = 0, same_top_se = 0;  // share of tokens whose argmax is fp32's
+  // Per-token values (EvalOptions::per_token), window order.
+  std::vector<double> token_nll, token_nll_ref, token_p, token_p_ref;
+  std::vector<float> token_kld;
+  std::vector<uint8_t> token_same_top;
 };
 
 struct EvalReport {
@@ -84,13 +96,7 @@ struct EvalReport {
 EvalReport run_eval(const EvalOptions& opts);
 // A table in the style of llama.cpp's perplexity tool.
 std::string format_report(const EvalReport& r);
-
-// Sums over one window's ctx predicted positions (inputs tokens[0..ctx),
-// targets tokens[1..ctx]); reduced in window order so thread count does not
-// change the result.
-struct WindowStats {
-  double nll = 0, kld = 0, kld_max = 0, state_bytes = 0;
-  int64_t top1 = 0;
-};
+// The second table: llama-perplexity --kl-divergence statistics with errors.
+std::string format_statistics(const EvalReport& r);
 
 }  // namespace kvq::model

@@ -27,10 +27,12 @@ struct ModelTextOptions {
   std::string model, tokenizer, text, json;  // empty paths: the $KVQ_SHARED defaults
   std::string story_sep = "<|endoftext|>";
   int ctx = 0, max_windows = 0, threads = 0;
+  std::string command_line;  // as typed (set by main), recorded in the JSON
 };
 
 struct EvalCliOptions : ModelTextOptions {
   std::string kv = "all";
+  bool per_token = false;
   int window = 0, sinks = 4, window_chunk = 64;
   ClusterBankOptions bank;
 };

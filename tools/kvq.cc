@@ -2,6 +2,7 @@
 #include <cstdio>
 #include <exception>
 #include <filesystem>
+#include <string>
 
 #include "CLI/CLI.hpp"
 #include "kvq/error.h"
@@ -18,6 +19,9 @@ int main(int argc, char** argv) {
   kvq::tools::AddReceiptsCommand(app, receipts);
   kvq::tools::GenerateOptions gen;
   kvq::tools::AddGenerateCommand(app, gen);
+  std::string command_line;
+  for (int i = 0; i < argc; ++i) command_line += (i ? " " : "") + std::string(argv[i]);
+  eval.command_line = receipts.command_line = command_line;
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -117,11 +117,21 @@ void FillModelText(const ModelTextOptions& o, Opts& e) {
   e.progress = true;
 }
 
-// The JSON fields every model-text command reports first.
-nlohmann::json RunJson(const std::string& model, const std::string& text, int ctx, int windows, int threads) {
+// The JSON fields every model-text command reports first. format_version
+// counts changes of the JSON layout (2: geometry, command line, statistics).
+constexpr int kJsonFormatVersion = 2;
+nlohmann::json RunJson(const ModelTextOptions& o, const std::string& model, const std::string& text,
+                       const model::Config& c, int ctx, int windows, int threads) {
   nlohmann::json j;
+  j["format_version"] = kJsonFormatVersion;
+  j["command_line"] = o.command_line;
   j["model"] = model;
+  j["model_config"] = {{"dim", c.dim},           {"hidden_dim", c.hidden_dim}, {"n_layers", c.n_layers},
+                       {"n_heads", c.n_heads},   {"n_kv_heads", c.n_kv_heads}, {"head_size", c.head_size()},
+                       {"vocab_size", c.vocab_size}, {"seq_len", c.seq_len},
+                       {"shared_classifier", c.shared_classifier}};
   j["text"] = text;
+  j["story_sep"] = o.story_sep;
   j["ctx"] = ctx;
   j["windows"] = windows;
   j["threads"] = threads;
@@ -146,6 +156,8 @@ void AddEvalCommand(CLI::App& app, EvalCliOptions& o) {
   CLI::App* c = app.add_subcommand("eval", "Perplexity, KL and top-1 of each KV scheme against fp32 on a real model");
   AddModelTextOptions(c, o);
   c->add_option("--kv", o.kv, "comma-separated KV schemes or 'all'")->default_val("all");
+  c->add_flag("--per-token", o.per_token,
+              "with --json: also every token's NLL, KLD, p(target) and argmax agreement, for each scheme and fp32");
   c->add_option("--window", o.window,
                 "also evaluate windowed attention (fp32): a sliding window of N recent tokens + sinks, the same "
                 "window with the E2 bank behind it, and a sliding window with the bank's bytes (0: off)");
@@ -167,10 +179,15 @@ int RunEval(const EvalCliOptions& o) {
   KVQ_CHECK_ARG(o.sinks >= 0, "--sinks: expected >= 0, got ", o.sinks);
   KVQ_CHECK_ARG(o.window_chunk >= 1, "--window-chunk: expected >= 1, got ", o.window_chunk);
   CheckJsonPath(o.json, {e.model_path, e.tokenizer_path, e.text_path});
+  e.per_token = o.per_token;
+  KVQ_CHECK_ARG(!o.per_token || !o.json.empty(), "--per-token: expected --json FILE to write them to");
   const model::EvalReport r = model::run_eval(e);
   std::fputs(model::format_report(r).c_str(), stdout);
+  std::fputs("\nStatistics against fp32 (llama-perplexity --kl-divergence; ± is the standard error of the mean):\n",
+             stdout);
+  std::fputs(model::format_statistics(r).c_str(), stdout);
   if (!o.json.empty()) {
-    nlohmann::json j = RunJson(r.model_path, r.text_path, r.ctx, r.windows, r.threads);
+    nlohmann::json j = RunJson(o, r.model_path, r.text_path, r.config, r.ctx, r.windows, r.threads);
     j["tokens"] = r.tokens;
     j["results"] = nlohmann::json::array();
     for (const auto& s : r.results) {
@@ -188,7 +205,23 @@ int RunEval(const EvalCliOptions& o) {
                               {"kld_mean", s.kld_mean},
                               {"kld_max", s.kld_max},
                               {"top1_pct", s.top1_pct},
-                              {"tokens_per_s", s.tokens_per_s}});
+                              {"tokens_per_s", s.tokens_per_s},
+                              {"ppl_se", s.ppl_se},
+                              {"ln_ppl_ratio", s.ln_ratio},
+                              {"ln_ppl_ratio_se", s.ln_ratio_se},
+                              {"kld_se", s.kld_se},
+                              {"kld_median", s.kld_median},
+                              {"kld_p99", s.kld_p99},
+                              {"kld_p999", s.kld_p999},
+                              {"rms_dp", s.rms_dp},
+                              {"rms_dp_se", s.rms_dp_se},
+                              {"same_top", s.same_top},
+                              {"same_top_se", s.same_top_se}});
+      if (o.per_token) {
+        j["results"].back()["per_token"] = {{"nll", s.token_nll},          {"nll_fp32", s.token_nll_ref},
+                                            {"kld", s.token_kld},          {"p", s.token_p},
+                                            {"p_fp32", s.token_p_ref},     {"same_top", s.token_same_top}};
+      }
     }
     WriteJson(o.json, j);
   }
@@ -212,7 +245,7 @@ int RunReceipts(const ReceiptsCliOptions& o) {
   const model::ReceiptReport rep = model::run_receipts(r);
   std::fputs(model::format_receipts(rep).c_str(), stdout);
   if (!o.json.empty()) {
-    nlohmann::json j = RunJson(rep.model_path, rep.text_path, rep.ctx, rep.windows, rep.threads);
+    nlohmann::json j = RunJson(o, rep.model_path, rep.text_path, rep.config, rep.ctx, rep.windows, rep.threads);
     j["chunk"] = rep.chunk;
     j["bank"] = {{"max_clusters", rep.bank.max_clusters},   {"birth_distance", rep.bank.birth_distance},
                  {"merge_distance", rep.bank.merge_distance}, {"outlier_top_k", rep.bank.outlier_top_k},
