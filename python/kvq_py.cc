@@ -13,6 +13,8 @@
 #include <string>
 
 #include "kvq/affine.h"
+#include "kvq/kv_scheme.h"
+#include "kvq/attention.h"
 #include "kvq/cluster_bank.h"
 #include "kvq/cluster_outliers.h"
 #include "kvq/sorted_profile.h"
@@ -336,6 +338,76 @@ PYBIND11_MODULE(_kvq, m) {
       out[py::int_(id)] = d;
     }
     return out;
+  });
+
+  // ---- the KV cache and decode attention -------------------------------------
+  m.def("kv_scheme_names", [] {
+    std::vector<std::string> names;
+    for (KvScheme s : all_kv_schemes()) names.emplace_back(kv_scheme_name(s));
+    return names;
+  });
+  m.def("kv_scheme_bits", [](const std::string& name, int n_kv_heads, int head_dim) {
+    KVQ_CHECK_ARG(n_kv_heads >= 1 && head_dim >= 1 && int64_t{n_kv_heads} * head_dim <= (1 << 24),
+                  "n_kv_heads, head_dim: expected >= 1 with a row of at most 2^24 values, got ", n_kv_heads, ", ",
+                  head_dim);
+    return KvRowCodec(parse_kv_scheme(name, "scheme"), n_kv_heads * head_dim, head_dim).bits_per_element();
+  });
+  py::class_<KvCache>(m, "KvCache")
+      .def(py::init([](const std::string& scheme, int n_layers, int max_seq, int n_kv_heads, int head_dim) {
+        return KvCache(parse_kv_scheme(scheme, "scheme"), n_layers, max_seq, n_kv_heads, head_dim);
+      }))
+      // k, v: float32 C-contiguous (T, n_kv_heads * head_dim); rows pos0 .. pos0 + T - 1.
+      .def("write_many",
+           [](KvCache& c, int layer, int pos0, const py::array& k, const py::array& v) {
+             const TensorView kv = ViewOf(k, DType::F32, "k"), vv = ViewOf(v, DType::F32, "v");
+             const int64_t row = int64_t{c.n_kv_heads()} * c.head_dim();
+             KVQ_CHECK_ARG(kv.rank() == 2 && kv.dim(1) == row, "k: expected shape (T, ", row, "), got ",
+                           shape_str(kv.shape()));
+             KVQ_CHECK_ARG(vv.shape() == kv.shape(), "v: expected shape ", shape_str(kv.shape()), " like k, got ",
+                           shape_str(vv.shape()));
+             const int64_t T = kv.dim(0);
+             KVQ_CHECK_ARG(T >= 1 && pos0 >= 0 && pos0 + T <= c.max_seq(), "pos: rows ", pos0, "..", pos0 + T - 1,
+                           " do not fit the cache's max_seq ", c.max_seq());
+             WithoutGil([&] {
+               for (int64_t t = 0; t < T; ++t) {
+                 c.write(layer, static_cast<int>(pos0 + t),
+                         {kv.data_as<float>() + t * row, static_cast<size_t>(row)},
+                         {vv.data_as<float>() + t * row, static_cast<size_t>(row)});
+               }
+               return 0;
+             });
+           })
+      .def("read",
+           [](const KvCache& c, int layer, int pos) {
+             KVQ_CHECK_ARG(layer >= 0 && layer < c.n_layers(), "layer: expected 0..", c.n_layers() - 1, ", got ",
+                           layer);
+             KVQ_CHECK_ARG(pos >= 0 && pos < c.max_seq(), "pos: expected 0..", c.max_seq() - 1, ", got ", pos);
+             const size_t row = static_cast<size_t>(c.n_kv_heads()) * static_cast<size_t>(c.head_dim());
+             std::vector<float> k(row), v(row);
+             c.read_k(layer, pos, k);
+             c.read_v(layer, pos, v);
+             return py::make_tuple(VectorToNumpy(k), VectorToNumpy(v));
+           })
+      .def_property_readonly("scheme", [](const KvCache& c) { return std::string(kv_scheme_name(c.scheme())); })
+      .def_property_readonly("n_layers", &KvCache::n_layers)
+      .def_property_readonly("max_seq", &KvCache::max_seq)
+      .def_property_readonly("n_kv_heads", &KvCache::n_kv_heads)
+      .def_property_readonly("head_dim", &KvCache::head_dim)
+      .def_property_readonly("bits_per_element", &KvCache::bits_per_element)
+      .def_property_readonly("bytes_per_token", &KvCache::bytes_per_token);
+  m.def("decode_attention", [](const py::array& q, const KvCache& c, int layer, int64_t tokens, bool int8_query,
+                               float scale, int threads) {
+    const TensorView qv = ViewOf(q, DType::F32, "q");
+    KVQ_CHECK_ARG(layer >= 0 && layer < c.n_layers(), "layer: expected 0..", c.n_layers() - 1, ", got ", layer);
+    KVQ_CHECK_ARG(tokens >= 1 && tokens <= c.max_seq(), "tokens: expected 1..", c.max_seq(), " (max_seq), got ",
+                  tokens);
+    KVQ_CHECK_ARG(threads >= 0 && threads <= 1024, "threads: expected 0..1024, got ", threads);
+    DecodeAttentionOptions o;
+    o.int8_query = int8_query;
+    o.scale = scale;
+    o.threads = threads;
+    const KvRowsView view = c.view(layer, tokens);
+    return ToNumpy(WithoutGil([&] { return decode_attention(qv, view, o); }));
   });
 
   m.def("spearman", [](const py::array& a, const py::array& b) {

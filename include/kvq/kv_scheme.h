@@ -166,6 +166,9 @@ class KvCache {
   KvScheme scheme() const { return codec_.scheme(); }
   const KvRowCodec& codec() const { return codec_; }
   int max_seq() const { return max_seq_; }
+  int n_layers() const { return n_layers_; }
+  int n_kv_heads() const { return n_kv_heads_; }
+  int head_dim() const { return head_dim_; }
 
   // Stores the K and V rows of `layer` at `pos`. Throws kvq::Error on an out
   // of range layer/pos, a wrong row length or a non-finite value.

@@ -12,6 +12,13 @@ G4, the sorted-profile (parametric tail) quantizer
                        codebook='lloyd_max', ks_max=DEFAULT_KS_MAX) -> SortedProfileEncoding
     GaussianEstimator(), LaplaceEstimator()
 
+The KV cache and fused decode attention (kvq's C++ cache, not the note's)
+    kv_schemes(n_kv_heads=8, head_dim=128) -> {scheme name: bits per K/V element}
+    KvCache(scheme, n_layers, max_seq, n_kv_heads, head_dim)
+        .write(layer, pos, k, v), .write_many(layer, pos0, k, v), .read(layer, pos)
+    decode_attention(q, cache, layer, tokens, *, int8_query=False, scale=0.0, threads=0)
+        -> (n_heads, head_dim)
+
 E2, the ClusterBank, and I2 part 2
     ClusterBank(n_head, d_head, ...).birth_and_merge(chunk_k, chunk_v) -> receipt dict
     quantize_cluster_outliers(per_cluster_outlier_tokens, flat_k, flat_v, *, mode='int8',
@@ -39,9 +46,9 @@ from ._kvq import Error, Estimator, GaussianEstimator, LaplaceEstimator
 
 __all__ = [
     "AffineQuantized", "ClusterBank", "DEFAULT_KS_MAX", "Error", "Estimator", "GaussianEstimator",
-    "LaplaceEstimator", "QuantizedClusterOutliers", "SortedProfileEncoding", "dequantize_cluster_outliers",
-    "dequantize_kv_cache", "fit_sorted_profile", "quantization_error_per_token", "quantize_cluster_outliers",
-    "quantize_kv_cache", "spearman",
+    "KvCache", "LaplaceEstimator", "QuantizedClusterOutliers", "SortedProfileEncoding", "decode_attention",
+    "dequantize_cluster_outliers", "dequantize_kv_cache", "fit_sorted_profile", "kv_schemes",
+    "quantization_error_per_token", "quantize_cluster_outliers", "quantize_kv_cache", "spearman",
 ]
 
 Error.__doc__ = ("kvq's error: a bad argument (wrong shape, dtype or mode, NaN/Inf, empty or out-of-range input, "
@@ -294,6 +301,124 @@ def fit_sorted_profile(values, family=None, *, top_k=0, bits=4, codebook="lloyd_
     enc = _kvq.fit_sorted_profile(a, dt, _family(family, "family"), _int(top_k, "top_k"), _int(bits, "bits"),
                                   _str(codebook, "codebook"), _float(ks_max, "ks_max"))
     return SortedProfileEncoding(enc, as_torch)
+
+
+# ---- the KV cache and decode attention --------------------------------------------
+
+def _f32(x, arg):
+    """(float32 C-contiguous numpy array, was_torch) of a real-valued input."""
+    a, dt, as_torch = _input(x, arg)
+    if dt == "bfloat16":  # uint16 bit patterns: the upper half of a float32
+        a = (a.astype(_np.uint32) << 16).view(_np.float32)
+    elif dt != "float32":
+        a = a.astype(_np.float32)
+    return _contiguous(a), as_torch
+
+
+def kv_schemes(n_kv_heads=8, head_dim=128):
+    """{scheme name: bits per K/V element} of every KV-cache scheme, in registry order.
+
+    Bits count everything stored (codes and scales) and depend on the geometry
+    (a per-token scale is spread over n_kv_heads * head_dim values); the default
+    is a Llama-style 8 KV heads x 128. Schemes the geometry cannot hold (q8_0 and
+    q4_0 need rows of whole 32-value blocks) are left out.
+    """
+    n, d = _int(n_kv_heads, "n_kv_heads"), _int(head_dim, "head_dim")
+    out = {}
+    for name in _kvq.kv_scheme_names():
+        try:
+            out[name] = _kvq.kv_scheme_bits(name, n, d)
+        except Error:
+            if n < 1 or d < 1:
+                raise
+    return out
+
+
+class KvCache:
+    """kvq's KV cache: K and V rows of every layer stored in one scheme.
+
+    KvCache(scheme, n_layers, max_seq, n_kv_heads, head_dim)
+    scheme: a name from kv_schemes() ("fp32", "fp16", "int8", "q4_0", ...).
+    write(layer, pos, k, v): one token; k, v of n_kv_heads * head_dim values
+        ((n_kv_heads, head_dim) or flat), numpy or torch, finite.
+    write_many(layer, pos0, k, v): tokens pos0 .. pos0 + T - 1; k, v of shape
+        (T, n_kv_heads, head_dim) or (T, n_kv_heads * head_dim).
+    read(layer, pos) -> (k, v): the stored row decoded to float32 (n_kv_heads, head_dim).
+    Attention reads the stored codes directly (decode_attention); positions it
+    attends must have been written. The GIL is released while encoding; one
+    cache must not be written from two threads at once.
+    """
+
+    def __init__(self, scheme, n_layers, max_seq, n_kv_heads, head_dim):
+        self._c = _kvq.KvCache(_str(scheme, "scheme"), _int(n_layers, "n_layers"), _int(max_seq, "max_seq"),
+                               _int(n_kv_heads, "n_kv_heads"), _int(head_dim, "head_dim"))
+
+    scheme = property(lambda self: self._c.scheme)
+    n_layers = property(lambda self: self._c.n_layers)
+    max_seq = property(lambda self: self._c.max_seq)
+    n_kv_heads = property(lambda self: self._c.n_kv_heads)
+    head_dim = property(lambda self: self._c.head_dim)
+    bits_per_element = property(lambda self: self._c.bits_per_element,
+                                doc="Stored bits per K/V value, codes and scales counted.")
+
+    def bytes(self, tokens):
+        """Exact stored bytes of `tokens` tokens (K and V, all layers)."""
+        return self._c.bytes_per_token * _int(tokens, "tokens", 0, 2 ** 62)
+
+    def _rows(self, x, arg, many):
+        a, _ = _f32(x, arg)
+        row = self.n_kv_heads * self.head_dim
+        if not many:
+            if a.size != row:
+                raise Error(f"{arg}: expected {row} values (n_kv_heads * head_dim), got shape {tuple(a.shape)}")
+            return a.reshape(1, row)
+        if a.ndim not in (2, 3) or a.size != a.shape[0] * row or a.shape[0] == 0:
+            raise Error(f"{arg}: expected shape (T, {self.n_kv_heads}, {self.head_dim}) or (T, {row}), "
+                        f"got {tuple(a.shape)}")
+        return _contiguous(a.reshape(a.shape[0], row))
+
+    def write(self, layer, pos, k, v):
+        """Stores one token's K and V at `pos` of `layer`."""
+        self._c.write_many(_int(layer, "layer"), _int(pos, "pos"), self._rows(k, "k", False),
+                           self._rows(v, "v", False))
+
+    def write_many(self, layer, pos0, k, v):
+        """Stores T tokens' K and V at pos0 .. pos0 + T - 1 of `layer`."""
+        kr, vr = self._rows(k, "k", True), self._rows(v, "v", True)
+        if kr.shape != vr.shape:
+            raise Error(f"v: expected {kr.shape[0]} tokens like k, got {vr.shape[0]}")
+        self._c.write_many(_int(layer, "layer"), _int(pos0, "pos0"), kr, vr)
+
+    def read(self, layer, pos):
+        """(k, v) of one stored token, decoded to float32 arrays (n_kv_heads, head_dim)."""
+        k, v = self._c.read(_int(layer, "layer"), _int(pos, "pos"))
+        return k.reshape(self.n_kv_heads, self.head_dim), v.reshape(self.n_kv_heads, self.head_dim)
+
+    def __repr__(self):
+        return (f"KvCache({self.scheme!r}, n_layers={self.n_layers}, max_seq={self.max_seq}, "
+                f"n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, bits={self.bits_per_element:.3f})")
+
+
+def decode_attention(q, cache, layer, tokens, *, int8_query=False, scale=0.0, threads=0):
+    """Softmax attention of one decode step over the first `tokens` positions of `layer`.
+
+    q: (n_heads, head_dim) (numpy or torch), n_heads a multiple of the
+    cache's n_kv_heads (query head h reads KV head h // (n_heads // n_kv_heads)).
+    Reads the stored codes directly (fused dequantisation, online softmax); scale
+    0 means 1 / sqrt(head_dim); int8_query rounds the query to int8 for integer
+    K scores (inexact, as ggml does; see kvq/attention.h). Returns
+    (n_heads, head_dim) float32, torch if q was torch. The GIL is released.
+    """
+    if not isinstance(cache, KvCache):
+        raise Error(f"cache: expected a kvq.KvCache, got {type(cache).__name__}")
+    a, as_torch = _f32(q, "q")
+    if a.ndim != 2 or a.shape[1] != cache.head_dim:
+        raise Error(f"q: expected shape (n_heads, {cache.head_dim}), got {tuple(a.shape)}")
+    if not isinstance(int8_query, bool):
+        raise Error(f"int8_query: expected True or False, got {int8_query!r}")
+    out = _kvq.decode_attention(a, cache._c, _int(layer, "layer"), _int(tokens, "tokens", 0, 2 ** 62),
+                                int8_query, _float(scale, "scale"), _int(threads, "threads"))
+    return _output(out, as_torch)
 
 
 # ---- E2 ---------------------------------------------------------------------------

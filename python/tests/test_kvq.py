@@ -390,3 +390,81 @@ def test_help_is_useful():
 def test_spearman():
     assert kvq.spearman([1, 2, 2, 3], [1, 3, 2, 4]) == pytest.approx(4.5 / np.sqrt(22.5))
     assert np.isnan(kvq.spearman([1, 2, 3], [5, 5, 5]))
+
+
+# ---- the KV cache and decode attention ------------------------------------------
+
+def _softmax_attention(q, k, v, scale):
+    """NumPy reference: q (H, D), k/v (T, Hkv, D) -> (H, D), GQA by h // (H // Hkv)."""
+    H, D = q.shape
+    g = H // k.shape[1]
+    out = np.empty((H, D))
+    for h in range(H):
+        s = (k[:, h // g, :].astype(np.float64) @ q[h].astype(np.float64)) * scale
+        w = np.exp(s - s.max())
+        out[h] = (w[:, None] * v[:, h // g, :]).sum(0) / w.sum()
+    return out
+
+
+@pytest.mark.parametrize("scheme", kvq.kv_schemes(2, 32).keys())
+def test_kv_cache_attention_matches_numpy_over_the_decoded_cache(scheme):
+    rng = np.random.default_rng(5)
+    L, T, Hkv, D, H = 2, 41, 2, 32, 4
+    cache = kvq.KvCache(scheme, L, 64, Hkv, D)
+    assert cache.scheme == scheme and cache.bits_per_element == kvq.kv_schemes(Hkv, D)[scheme]
+    assert cache.bytes(10) == 10 * 2 * L * Hkv * D * cache.bits_per_element / 8
+    k = rng.standard_normal((T, Hkv, D)).astype(np.float32)
+    v = rng.standard_normal((T, Hkv, D)).astype(np.float32)
+    cache.write_many(1, 0, k[:30], v[:30])          # batched
+    for t in range(30, T):                           # token by token, flat rows
+        cache.write(1, t, k[t].reshape(-1), v[t])
+    dk = np.stack([cache.read(1, t)[0] for t in range(T)])
+    dv = np.stack([cache.read(1, t)[1] for t in range(T)])
+    if scheme == "fp32":
+        np.testing.assert_array_equal(dk, k)
+    q = rng.standard_normal((H, D)).astype(np.float32)
+    for tokens in (1, 17, T):
+        got = kvq.decode_attention(q, cache, 1, tokens)
+        want = _softmax_attention(q, dk[:tokens], dv[:tokens], 1 / np.sqrt(D))
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
+    # int8_query is the inexact, ggml-like mode: within its stated bound, loosely.
+    loose = kvq.decode_attention(q, cache, 1, T, int8_query=True, scale=0.2)
+    np.testing.assert_allclose(loose, _softmax_attention(q, dk, dv, 0.2), atol=0.05)
+
+
+def test_kv_cache_torch_in_torch_out_and_errors():
+    torch = _torch_or_skip()
+    cache = kvq.KvCache("int8", 1, 8, 2, 16)
+    k = torch.randn(4, 2, 16)
+    cache.write_many(0, 0, k, k.to(torch.bfloat16))
+    out = kvq.decode_attention(torch.randn(2, 16), cache, 0, 4)
+    assert isinstance(out, torch.Tensor) and out.shape == (2, 16)
+    bad = [
+        (lambda: kvq.KvCache("int3", 1, 8, 2, 16), "int3"),
+        (lambda: kvq.KvCache("q4_0", 1, 8, 1, 16), "multiple of 32"),
+        (lambda: kvq.KvCache("int8", 1, 8, 2, 2 ** 31), "head_dim: expected an integer in"),
+        (lambda: cache.write(1, 0, np.ones(32), np.ones(32)), "layer"),
+        (lambda: cache.write(0, 8, np.ones(32), np.ones(32)), "pos"),
+        (lambda: cache.write(0, 0, np.ones(31), np.ones(32)), "k: expected 32 values"),
+        (lambda: cache.write(0, 0, np.full(32, np.nan), np.ones(32)), "finite"),
+        (lambda: cache.write_many(0, 6, np.ones((3, 32)), np.ones((3, 32))), "max_seq"),
+        (lambda: kvq.decode_attention(np.ones((3, 16)), cache, 0, 4), "n_heads"),
+        (lambda: kvq.decode_attention(np.ones((2, 8)), cache, 0, 4), r"q: expected shape \(n_heads, 16\)"),
+        (lambda: kvq.decode_attention(np.ones((2, 16)), cache, 0, 9), "tokens"),
+        (lambda: kvq.decode_attention(np.ones((2, 16)), "cache", 0, 4), "expected a kvq.KvCache"),
+        (lambda: kvq.decode_attention(np.ones((2, 16)), cache, 0, 4, int8_query=1), "int8_query"),
+    ]
+    for call, match in bad:
+        with pytest.raises(kvq.Error, match=match):
+            call()
+
+
+def test_kv_schemes_lists_every_scheme_with_honest_bits():
+    s = kvq.kv_schemes()
+    assert list(s)[:3] == ["fp32", "fp16", "bf16"] and s["q4_0"] == 4.5 and s["q8_0"] == 8.5
+    assert s["int8"] == 8 + 32 / (8 * 128)           # one float32 scale per token row
+    assert s["int8-head"] == 8 + 32 / 128            # one per head
+    small = kvq.kv_schemes(1, 16)                    # rows of 16 values hold no 32-value block
+    assert "q4_0" not in small and "int8" in small
+    with pytest.raises(kvq.Error, match="n_kv_heads"):
+        kvq.kv_schemes(0, 16)
