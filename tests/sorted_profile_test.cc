@@ -491,7 +491,9 @@ TEST(SortedProfilePersistence, CountsMustFitTheirBytesAndTheLimit) {
         continue;
       }
       EXPECT_NE(err, "<no error>") << n;
-      if (n > kMaxProfileValues) EXPECT_NE(err.find("kMaxProfileValues"), std::string::npos) << err;
+      if (n > kMaxProfileValues) {
+        EXPECT_NE(err.find("kMaxProfileValues"), std::string::npos) << err;
+      }
     }
   }
   // A non-finite exact head value is corruption, not a value to decode.
