@@ -177,10 +177,6 @@ EvalReport run_eval(const EvalOptions& o) {
   const int ctx = text.ctx, windows = text.windows;
   const int threads = o.threads > 0 ? o.threads : omp_get_max_threads();
   const bool tty = o.progress && isatty(2), log = o.progress && !tty;
-  const double load_secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
-  if (o.progress && load_secs > 1.0) {
-    std::fprintf(stderr, "[kvq eval] loaded the model and %d windows of text in %.1f s\n", windows, load_secs);
-  }
 
   EvalReport rep;
   rep.model_path = o.model_path;
@@ -371,6 +367,13 @@ EvalReport run_eval(const EvalOptions& o) {
     bank.chunk = o.window_chunk;
     bank.bank_options = o.bank;
     first.push_back({KvScheme::Fp32, bank, "e2 " + std::to_string(o.window) + "+" + std::to_string(o.sinks) + "+bank"});
+  }
+  // Every configuration is built once here, before anything is printed or
+  // any thread starts: a bad scheme, geometry or bank option is one error line.
+  for (const Variant& v : first) Transformer check(ckpt, v.scheme, ctx, v.policy);
+  const double load_secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
+  if (o.progress && load_secs > 1.0) {
+    std::fprintf(stderr, "[kvq eval] loaded the model and %d windows of text in %.1f s\n", windows, load_secs);
   }
   rep.results = run_pass(first, /*report_ref=*/true, "pass 1");
   if (o.window > 0) {
