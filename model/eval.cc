@@ -194,9 +194,13 @@ EvalReport run_eval(const EvalOptions& o) {
   // distributions exist at a time (per thread): memory is flat in the number
   // of windows. What is kept per token is the KLD as float32 (for its
   // percentiles) and, when asked, the per-token values.
+  // Every configuration is built once before its pass, so a bad scheme,
+  // geometry or bank option is one error line before any thread starts.
+  auto check = [&](const std::vector<Variant>& vars) {
+    for (const Variant& v : vars) Transformer t(ckpt, v.scheme, ctx, v.policy);
+  };
   auto run_pass = [&](const std::vector<Variant>& vars, bool report_ref, const char* what) {
     const size_t nv = vars.size();
-    for (const Variant& v : vars) Transformer check(ckpt, v.scheme, ctx, v.policy);  // before any thread starts
     std::vector<WindowSums> sums((nv + (report_ref ? 1 : 0)) * static_cast<size_t>(windows));
     const size_t rows = nv + (report_ref ? 1 : 0);
     std::vector<std::vector<float>> kld_tok(rows, std::vector<float>(n_tok));
@@ -368,9 +372,7 @@ EvalReport run_eval(const EvalOptions& o) {
     bank.bank_options = o.bank;
     first.push_back({KvScheme::Fp32, bank, "e2 " + std::to_string(o.window) + "+" + std::to_string(o.sinks) + "+bank"});
   }
-  // Every configuration is built once here, before anything is printed or
-  // any thread starts: a bad scheme, geometry or bank option is one error line.
-  for (const Variant& v : first) Transformer check(ckpt, v.scheme, ctx, v.policy);
+  check(first);  // before the load message: an option error is stderr's only line
   const double load_secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
   if (o.progress && load_secs > 1.0) {
     std::fprintf(stderr, "[kvq eval] loaded the model and %d windows of text in %.1f s\n", windows, load_secs);
@@ -381,9 +383,10 @@ EvalReport run_eval(const EvalOptions& o) {
                                static_cast<uint64_t>(cfg.n_layers);
     WindowPolicy equal = slide;
     equal.window = std::clamp<int>(static_cast<int>(rep.results.back().kv_bytes / per_token) - o.sinks, 1, ctx);
-    const std::vector<SchemeResult> eq =
-        run_pass({{KvScheme::Fp32, equal, "win " + std::to_string(equal.window) + "+" + std::to_string(o.sinks) + " =e2"}},
-                 /*report_ref=*/false, "pass 2 (=e2)");
+    const std::vector<Variant> second{
+        {KvScheme::Fp32, equal, "win " + std::to_string(equal.window) + "+" + std::to_string(o.sinks) + " =e2"}};
+    check(second);
+    const std::vector<SchemeResult> eq = run_pass(second, /*report_ref=*/false, "pass 2 (=e2)");
     rep.results.push_back(eq.front());
   }
   const double ref_ppl = rep.results.front().ppl;

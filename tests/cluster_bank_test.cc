@@ -11,7 +11,6 @@
 #include "kvq/cluster_bank.h"
 #include "kvq/cluster_outliers.h"
 #include "kvq/stats.h"
-#include "src/container.h"
 #include "tests/test_util.h"
 
 namespace kvq {
@@ -806,13 +805,18 @@ void ExpectSameDecode(const QuantizedClusterOutliers& a, const QuantizedClusterO
   }
 }
 
-TEST(ClusterOutliers, SerialisesAndRejectsTruncatedOrCorruptedBytes) {
-  const Planted p(2, 2, 8, 400, 31);
+// The persistence tests' chunk, clustered and quantized in `mode` with membership.
+std::map<int, QuantizedClusterOutliers> PlantedQuantized(const Planted& p, QuantMode mode) {
   ClusterBank bank(p.H, p.D, PlantedOptions());
   const auto r = bank.birth_and_merge(p.kv(0, p.T, false), p.kv(0, p.T, true));
+  return quantize_cluster_outliers(r.per_cluster_outlier_tokens, p.kv(0, p.T, false), p.kv(0, p.T, true), mode,
+                                   GaussianEstimator(), 0, std::span<const int>(r.assignments));
+}
+
+TEST(ClusterOutliers, SerialisesAndRejectsTruncatedOrCorruptedBytes) {
+  const Planted p(2, 2, 8, 400, 31);
   for (QuantMode mode : {QuantMode::Int8, QuantMode::Fp8}) {
-    const auto q = quantize_cluster_outliers(r.per_cluster_outlier_tokens, p.kv(0, p.T, false), p.kv(0, p.T, true),
-                                             mode, GaussianEstimator(), 0, std::span<const int>(r.assignments));
+    const auto q = PlantedQuantized(p, mode);
     for (const auto& [id, c] : q) {
       const std::vector<uint8_t> b = serialize(c);
       EXPECT_EQ(b.size(), c.size_bytes());
@@ -844,40 +848,30 @@ TEST(ClusterOutliers, SerialisesAndRejectsTruncatedOrCorruptedBytes) {
   EXPECT_NE(ErrorOf([&] { serialize(broken); }).find("expected 48 values"), std::string::npos);
 }
 
-// Crafted KVQC containers (valid CRC around an edited payload; issue 19:
-// tail_tokens near 2^63 segfaulted dequantize_cluster_outliers).
-std::vector<uint8_t> EditedKvqc(const std::vector<uint8_t>& bytes, size_t at, const void* value, size_t n) {
-  std::vector<uint8_t> payload(bytes.begin() + detail::kContainerHeaderBytes, bytes.end());
-  std::memcpy(payload.data() + (at - detail::kContainerHeaderBytes), value, n);
-  const char magic[4] = {'K', 'V', 'Q', 'C'};
-  return detail::WrapContainer(magic, 1, payload);
-}
-
+// Crafted KVQC containers (issue 19: tail_tokens near 2^63 segfaulted
+// dequantize_cluster_outliers).
 TEST(ClusterOutliers, CraftedCountsScalesAndCodesAreRejected) {
   const Planted p(2, 2, 8, 400, 31);
-  ClusterBank bank(p.H, p.D, PlantedOptions());
-  const auto r = bank.birth_and_merge(p.kv(0, p.T, false), p.kv(0, p.T, true));
   for (QuantMode mode : {QuantMode::Int8, QuantMode::Fp8}) {
-    const auto q = quantize_cluster_outliers(r.per_cluster_outlier_tokens, p.kv(0, p.T, false), p.kv(0, p.T, true),
-                                             mode, GaussianEstimator(), 0, std::span<const int>(r.assignments));
+    const auto q = PlantedQuantized(p, mode);
     const QuantizedClusterOutliers& c = q.begin()->second;
     ASSERT_TRUE(c.outlier_k.has_value());
     const std::vector<uint8_t> b = serialize(c);
     const size_t h = detail::kContainerHeaderBytes;
     for (int64_t tail : {std::numeric_limits<int64_t>::max(), std::numeric_limits<int64_t>::max() / 16 + 1,
                          kMaxProfileValues, c.tail_tokens + 1}) {
-      const std::string err = ErrorOf([&] { dequantize_cluster_outliers(deserialize_cluster_outliers(EditedKvqc(b, h + 12, &tail, 8))); });
+      const std::string err = ErrorOf([&] { dequantize_cluster_outliers(deserialize_cluster_outliers(test::EditedContainer(b, h + 12, &tail, 8))); });
       EXPECT_NE(err, "<no error>") << tail;
     }
     const int32_t huge_head = 1 << 30;
-    EXPECT_NE(ErrorOf([&] { deserialize_cluster_outliers(EditedKvqc(b, h + 4, &huge_head, 4)); }), "<no error>");
+    EXPECT_NE(ErrorOf([&] { deserialize_cluster_outliers(test::EditedContainer(b, h + 4, &huge_head, 4)); }), "<no error>");
     const float big_scale = 3e38f;  // 127 or 448 times it is inf
-    EXPECT_NE(ErrorOf([&] { deserialize_cluster_outliers(EditedKvqc(b, h + 21 + 1, &big_scale, 4)); })
+    EXPECT_NE(ErrorOf([&] { deserialize_cluster_outliers(test::EditedContainer(b, h + 21 + 1, &big_scale, 4)); })
                   .find("outlier scale"),
               std::string::npos);
     const size_t codes_at = h + 21 + 1 + 4 + 4 + 4 + 4 * c.outlier_indices.size();
     const uint8_t bad_code = mode == QuantMode::Int8 ? 0x80 : 0x7F;
-    EXPECT_NE(ErrorOf([&] { deserialize_cluster_outliers(EditedKvqc(b, codes_at + 3, &bad_code, 1)); })
+    EXPECT_NE(ErrorOf([&] { deserialize_cluster_outliers(test::EditedContainer(b, codes_at + 3, &bad_code, 1)); })
                   .find("outlier code"),
               std::string::npos);
     // Hand-built: the same bound.

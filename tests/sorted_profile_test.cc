@@ -12,7 +12,6 @@
 
 #include "kvq/crc32c.h"
 #include "kvq/half.h"
-#include "src/container.h"
 #include "tests/test_util.h"
 
 namespace kvq {
@@ -467,15 +466,7 @@ TEST(SortedProfilePersistence, RejectsTruncatedCorruptedAndWrongVersion) {
             std::string::npos);
 }
 
-// A container whose CRC is valid around a payload edited in place: what a
-// crafted file looks like (issue 19: these decoded to a segfault).
-std::vector<uint8_t> Edited(const std::vector<uint8_t>& bytes, size_t at, const void* value, size_t n) {
-  std::vector<uint8_t> payload(bytes.begin() + detail::kContainerHeaderBytes, bytes.end());
-  std::memcpy(payload.data() + (at - detail::kContainerHeaderBytes), value, n);
-  const char magic[4] = {'K', 'V', 'Q', 'P'};
-  return detail::WrapContainer(magic, 1, payload);
-}
-
+// Crafted KVQP containers (issue 19: these decoded to a segfault).
 TEST(SortedProfilePersistence, CountsMustFitTheirBytesAndTheLimit) {
   const auto all = EveryPath();
   for (const auto& e : all) {
@@ -483,7 +474,7 @@ TEST(SortedProfilePersistence, CountsMustFitTheirBytesAndTheLimit) {
     const auto bytes = serialize(e);
     const size_t n_at = detail::kContainerHeaderBytes + 4 + 2 + e.family.size();
     for (int64_t n : {std::numeric_limits<int64_t>::max(), kMaxProfileValues + 1, int64_t{1} << 40, e.n + 1000}) {
-      const auto bad = Edited(bytes, n_at, &n, 8);
+      const auto bad = test::EditedContainer(bytes, n_at, &n, 8);
       const std::string err = ErrorOf([&] { decode(deserialize_sorted_profile(bad)); });
       if (e.path == TailPath::Constant && n <= kMaxProfileValues) {  // n values in no bytes: valid up to the limit
         EXPECT_EQ(err, "<no error>");
@@ -501,7 +492,7 @@ TEST(SortedProfilePersistence, CountsMustFitTheirBytesAndTheLimit) {
   const auto bytes = serialize(p);
   const size_t head_values_at = detail::kContainerHeaderBytes + 4 + 2 + p.family.size() + 8 + 40 + 8 + 3 * 8;
   const float nan = NAN;
-  EXPECT_NE(ErrorOf([&] { deserialize_sorted_profile(Edited(bytes, head_values_at + 4, &nan, 4)); })
+  EXPECT_NE(ErrorOf([&] { deserialize_sorted_profile(test::EditedContainer(bytes, head_values_at + 4, &nan, 4)); })
                 .find("non-finite head value"),
             std::string::npos);
   // Hand-built encodings are held to the same limit.

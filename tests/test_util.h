@@ -15,6 +15,7 @@
 
 #include "hwy/targets.h"
 #include "kvq/error.h"
+#include "src/container.h"
 
 namespace kvq::test {
 
@@ -116,6 +117,18 @@ inline Distortion Measure(const float* x, const float* y, size_t n) {
 
 // ../shared (or $KVQ_SHARED). Returns "" and skips the test when absent,
 // unless KVQ_REQUIRE_DATA=1, in which case the test fails.
+// A crafted container: `bytes` (a valid container) with `n` bytes of its
+// payload at absolute offset `at` replaced by `value`, re-wrapped under the
+// same magic with a valid CRC32C, so the parser gets past the checksum.
+inline std::vector<uint8_t> EditedContainer(const std::vector<uint8_t>& bytes, size_t at, const void* value,
+                                            size_t n) {
+  std::vector<uint8_t> payload(bytes.begin() + detail::kContainerHeaderBytes, bytes.end());
+  std::memcpy(payload.data() + (at - detail::kContainerHeaderBytes), value, n);
+  const char magic[4] = {static_cast<char>(bytes[0]), static_cast<char>(bytes[1]), static_cast<char>(bytes[2]),
+                         static_cast<char>(bytes[3])};
+  return detail::WrapContainer(magic, 1, payload);
+}
+
 inline std::string SharedDir() {
   const char* env = std::getenv("KVQ_SHARED");
   return env && *env ? env : KVQ_DEFAULT_SHARED;
