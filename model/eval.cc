@@ -111,7 +111,7 @@ namespace {
 
 // One evaluated configuration: a scheme and which cached tokens it reads.
 struct Variant {
-  KvScheme scheme;
+  CacheScheme scheme;
   WindowPolicy policy;
   std::string label;
 };
@@ -165,6 +165,39 @@ std::string Duration(double secs) {
 }
 
 }  // namespace
+
+std::vector<CacheScheme> parse_cache_schemes(const std::string& list, const char* arg) {
+  std::vector<CacheScheme> out;
+  auto add = [&](const CacheScheme& s) {
+    if (std::find(out.begin(), out.end(), s) == out.end()) out.push_back(s);
+  };
+  if (list == "all") {
+    for (KvScheme s : all_kv_schemes()) add(s);
+    for (const auto& [name, g] : grouped_kv_presets()) add(g);
+    return out;
+  }
+  size_t i = 0;
+  while (i <= list.size()) {
+    const size_t j = std::min(list.find(',', i), list.size());
+    const std::string name = list.substr(i, j - i);
+    if (is_grouped_kv_scheme(name)) {
+      add(parse_grouped_kv_scheme(name, arg));
+    } else {
+      for (KvScheme s : parse_kv_scheme_list(name, arg)) add(s);
+    }
+    i = j + 1;
+  }
+  return out;
+}
+
+std::string cache_scheme_label(const CacheScheme& s) {
+  if (s.grouped) {
+    for (const auto& [name, g] : grouped_kv_presets()) {
+      if (g.name() == s.grouped->name()) return name;
+    }
+  }
+  return s.name();
+}
 
 EvalReport run_eval(const EvalOptions& o) {
   const auto t_load = std::chrono::steady_clock::now();
@@ -337,8 +370,9 @@ EvalReport run_eval(const EvalOptions& o) {
       // KV bytes attention holds at ctx (mean over windows); effective bits
       // per K/V element of the ctx tokens.
       r.kv_bytes = static_cast<uint64_t>(std::llround(t.state_bytes / windows));
-      r.bits_per_element = 8.0 * static_cast<double>(r.kv_bytes) /
-                           (2.0 * cfg.kv_dim() * static_cast<double>(cfg.n_layers) * static_cast<double>(ctx));
+      r.bits_at_ctx = 8.0 * static_cast<double>(r.kv_bytes) /
+                      (2.0 * cfg.kv_dim() * static_cast<double>(cfg.n_layers) * static_cast<double>(ctx));
+      r.bits_per_element = v.scheme.grouped ? v.scheme.grouped->steady_state_bits(ctx) : r.bits_at_ctx;
       if (o.per_token) {
         const auto& pt = per_tok[row];
         r.token_nll.resize(n_tok), r.token_nll_ref.resize(n_tok), r.token_kld.resize(n_tok);
@@ -355,8 +389,8 @@ EvalReport run_eval(const EvalOptions& o) {
   };
 
   std::vector<Variant> first;
-  for (KvScheme s : o.schemes) {
-    if (s != KvScheme::Fp32) first.push_back({s, WindowPolicy{}, kv_scheme_name(s)});
+  for (const CacheScheme& s : o.schemes) {
+    if (s.grouped || s.row != KvScheme::Fp32) first.push_back({s, WindowPolicy{}, cache_scheme_label(s)});
   }
   WindowPolicy slide;
   if (o.window > 0) {

@@ -46,7 +46,7 @@ std::string format_bounded(double v, int decimals, bool sign);
 struct EvalOptions {
   std::string model_path, tokenizer_path, text_path;
   std::string story_sep = kDefaultStorySep;  // empty: the whole text is one story
-  std::vector<KvScheme> schemes;  // fp32 is always computed as the reference
+  std::vector<CacheScheme> schemes;  // fp32 is always computed as the reference
   int ctx = 0;                    // 0: the model's seq_len
   int max_windows = 0;            // 0: all full windows
   int threads = 0;                // 0: OpenMP default
@@ -63,10 +63,13 @@ struct EvalOptions {
 };
 
 struct SchemeResult {
-  KvScheme scheme;
-  std::string label;     // the scheme's name, or the windowed variant
+  CacheScheme scheme;
+  std::string label;     // the scheme's name (a preset's), or the windowed variant
   WindowPolicy policy;
-  double bits_per_element = 0;
+  // Stored bits per K/V element in steady state: the mean over cache lengths
+  // ctx - 127 .. ctx (grouped schemes; GroupedKvScheme::steady_state_bits),
+  // else at ctx; bits_at_ctx: at ctx.
+  double bits_per_element = 0, bits_at_ctx = 0;
   uint64_t kv_bytes = 0;  // bytes attention holds at ctx, all layers (mean over windows)
   double mean_nll = 0, ppl = 0, delta_ppl = 0, delta_ppl_pct = 0;
   double kld_mean = 0, kld_max = 0, top1_pct = 0, tokens_per_s = 0;
@@ -92,6 +95,14 @@ struct EvalReport {
   int threads = 1;
   std::vector<SchemeResult> results;  // fp32 first, then the requested order
 };
+
+// "all" (every row scheme, then the grouped presets) or a comma-separated
+// list of row scheme names (kv_scheme.h), grouped scheme names and presets
+// (grouped_kv.h); duplicates removed, order kept. Throws kvq::Error naming
+// `arg` on an unknown name.
+std::vector<CacheScheme> parse_cache_schemes(const std::string& list, const char* arg = "kv");
+// The label eval prints: a preset's name, else the scheme's name.
+std::string cache_scheme_label(const CacheScheme& s);
 
 EvalReport run_eval(const EvalOptions& opts);
 // A table in the style of llama.cpp's perplexity tool.

@@ -64,10 +64,10 @@ void MatMul(float* out, const float* x, const float* w, int T, int n, int d) {
 
 }  // namespace
 
-Transformer::Transformer(const Checkpoint& ckpt, KvScheme scheme, int max_seq, const WindowPolicy& policy)
+Transformer::Transformer(const Checkpoint& ckpt, const CacheScheme& scheme, int max_seq, const WindowPolicy& policy)
     : cfg_(ckpt.config()),
       w_(ckpt.weights()),
-      cache_(scheme, ckpt.config().n_layers, max_seq, ckpt.config().n_kv_heads, ckpt.config().head_size()),
+      rope_(std::max(max_seq, 1), ckpt.config().head_size()),
       max_seq_(max_seq),
       policy_(policy) {
   KVQ_CHECK_ARG(max_seq > 0 && max_seq <= cfg_.seq_len, "max_seq: expected 1..", cfg_.seq_len,
@@ -75,23 +75,25 @@ Transformer::Transformer(const Checkpoint& ckpt, KvScheme scheme, int max_seq, c
   KVQ_CHECK_ARG(policy.window >= 0, "window: expected >= 0, got ", policy.window);
   KVQ_CHECK_ARG(policy.sinks >= 0, "sinks: expected >= 0, got ", policy.sinks);
   KVQ_CHECK_ARG(policy.chunk >= 1, "window chunk: expected >= 1, got ", policy.chunk);
+  if (scheme.grouped) {
+    KVQ_CHECK_ARG(policy.window == 0, "window: windowed attention reads a row scheme's cache, not the grouped ",
+                  scheme.grouped->name());
+    grouped_.emplace(*scheme.grouped, cfg_.n_layers, max_seq, cfg_.n_kv_heads, cfg_.head_size());
+  } else {
+    cache_.emplace(scheme.row, cfg_.n_layers, max_seq, cfg_.n_kv_heads, cfg_.head_size());
+  }
   if (policy.bank) {
     KVQ_CHECK_ARG(policy.window > 0, "bank: expected a window > 0");
     ClusterBank check(cfg_.n_kv_heads, cfg_.head_size(), policy.bank_options);  // validates the options
   }
   banks_.resize(static_cast<size_t>(cfg_.n_layers));
-  const int hs = cfg_.head_size();
-  rope_cos_.resize(static_cast<size_t>(max_seq) * static_cast<size_t>(hs / 2));
-  rope_sin_.resize(rope_cos_.size());
-  for (int pos = 0; pos < max_seq; ++pos) {
-    for (int i = 0; i < hs; i += 2) {
-      const float freq = 1.0f / std::pow(10000.0f, static_cast<float>(i) / static_cast<float>(hs));
-      const float val = static_cast<float>(pos) * freq;
-      rope_cos_[static_cast<size_t>(pos * (hs / 2) + i / 2)] = std::cos(val);
-      rope_sin_[static_cast<size_t>(pos * (hs / 2) + i / 2)] = std::sin(val);
-    }
-  }
   logits_.resize(static_cast<size_t>(cfg_.vocab_size));
+}
+
+const KvCache& Transformer::cache() const {
+  KVQ_CHECK_ARG(cache_.has_value(), "cache: the grouped scheme ", grouped_->scheme().name(),
+                " has no row cache (see grouped_cache())");
+  return *cache_;
 }
 
 void Transformer::BankChunk(int layer, int t0, int t1) {
@@ -99,8 +101,8 @@ void Transformer::BankChunk(int layer, int t0, int t1) {
   const int H = cfg_.n_kv_heads, D = cfg_.head_size(), W = cfg_.kv_dim();
   Tensor k({t1 - t0, H, D}, DType::F32), v({t1 - t0, H, D}, DType::F32);
   for (int t = t0; t < t1; ++t) {
-    cache_.read_k(layer, t, {k.data_as<float>() + static_cast<size_t>(t - t0) * W, static_cast<size_t>(W)});
-    cache_.read_v(layer, t, {v.data_as<float>() + static_cast<size_t>(t - t0) * W, static_cast<size_t>(W)});
+    cache_->read_k(layer, t, {k.data_as<float>() + static_cast<size_t>(t - t0) * W, static_cast<size_t>(W)});
+    cache_->read_v(layer, t, {v.data_as<float>() + static_cast<size_t>(t - t0) * W, static_cast<size_t>(W)});
   }
   const BirthMergeReceipt r = lb.bank->birth_and_merge(k, v);
   for (const auto& [id, set] : r.per_cluster_outlier_tokens) {
@@ -114,7 +116,11 @@ void Transformer::attention(int layer, int pos, const float* q, float* out) {
   // Fused decode attention over the stored codes (kvq/attention.h).
   const size_t n = static_cast<size_t>(cfg_.dim);
   const int T = pos + 1;
-  const KvRowsView all = cache_.view(layer, T);
+  if (grouped_) {
+    grouped_->attend(layer, T, {q, n}, cfg_.n_heads, {out, n}, /*threads=*/1);
+    return;
+  }
+  const KvRowsView all = cache_->view(layer, T);
   if (policy_.window == 0 || T <= policy_.sinks + policy_.window) {
     decode_attention({q, n}, cfg_.n_heads, all, {out, n});
     return;
@@ -147,7 +153,8 @@ void Transformer::attention(int layer, int pos, const float* q, float* out) {
 }
 
 uint64_t Transformer::attention_state_bytes() const {
-  const uint64_t row = 2 * cache_.codec().row_bytes();  // K and V of one token, one layer
+  if (grouped_) return grouped_->bytes(tokens_);
+  const uint64_t row = 2 * cache_->codec().row_bytes();  // K and V of one token, one layer
   const int T = tokens_;
   uint64_t total = 0;
   for (int l = 0; l < cfg_.n_layers; ++l) {
@@ -224,9 +231,11 @@ std::span<const float> Transformer::run(std::span<const int> tokens, int pos0, b
       const int pos = pos0 + t;
       float* q = row(q_, t, dim);
       float* k = row(k_, t, kv_dim);
+      if (grouped_) grouped_->write(l, pos, {k, ukv}, {row(v_, t, kv_dim), ukv});  // K before RoPE
+      const float* rc = rope_.cos(pos);
+      const float* rs = rope_.sin(pos);
       for (int i = 0; i < dim; i += 2) {
-        const size_t r = static_cast<size_t>(pos * (hs / 2) + (i % hs) / 2);
-        const float fcr = rope_cos_[r], fci = rope_sin_[r];
+        const float fcr = rc[(i % hs) / 2], fci = rs[(i % hs) / 2];
         const float q0 = q[i], q1 = q[i + 1];
         q[i] = q0 * fcr - q1 * fci;
         q[i + 1] = q0 * fci + q1 * fcr;
@@ -236,7 +245,7 @@ std::span<const float> Transformer::run(std::span<const int> tokens, int pos0, b
           k[i + 1] = k0 * fci + k1 * fcr;
         }
       }
-      cache_.write(l, pos, {k, ukv}, {row(v_, t, kv_dim), ukv});
+      if (cache_) cache_->write(l, pos, {k, ukv}, {row(v_, t, kv_dim), ukv});
     }
     for (int t = 0; t < T; ++t) attention(l, pos0 + t, row(q_, t, dim), row(xb_, t, dim));
     mm(xb2_.data(), xb_.data(), w_.wo + ul * udim * udim, dim, dim);

@@ -5,12 +5,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "kvq/attention.h"
 #include "kvq/cluster_bank.h"
+#include "kvq/grouped_kv.h"
 #include "kvq/kv_scheme.h"
 
 namespace kvq::model {
@@ -118,10 +120,24 @@ struct WindowPolicy {
   ClusterBankOptions bank_options;
 };
 
+// The KV cache of a Transformer: a row scheme (kv_scheme.h; K stored after
+// RoPE) or a grouped scheme (grouped_kv.h; K stored before RoPE, rotated
+// when attention reads it).
+struct CacheScheme {
+  KvScheme row = KvScheme::Fp32;
+  std::optional<GroupedKvScheme> grouped;
+  CacheScheme() = default;
+  CacheScheme(KvScheme s) : row(s) {}                     // NOLINT: implicit on purpose
+  CacheScheme(const GroupedKvScheme& g) : grouped(g) {}  // NOLINT
+  std::string name() const { return grouped ? grouped->name() : kv_scheme_name(row); }
+  bool operator==(const CacheScheme& o) const { return name() == o.name(); }
+};
+
 // Scratch state for one sequence: activations and a KV cache in `scheme`.
 class Transformer {
  public:
-  Transformer(const Checkpoint& ckpt, KvScheme scheme, int max_seq, const WindowPolicy& policy = {});
+  // Windowed policies (window > 0) need a row scheme.
+  Transformer(const Checkpoint& ckpt, const CacheScheme& scheme, int max_seq, const WindowPolicy& policy = {});
 
   // One decoding step: token at pos (positions must be fed in order from 0).
   // Returns the vocab logits (valid until the next call).
@@ -131,7 +147,10 @@ class Transformer {
   // identical to calling forward() token by token.
   std::span<const float> forward_window(std::span<const int> tokens);
 
-  const KvCache& cache() const { return cache_; }
+  // The row cache (throws kvq::Error for a grouped scheme) / the grouped
+  // cache (null for a row scheme).
+  const KvCache& cache() const;
+  const GroupedKvCache* grouped_cache() const { return grouped_ ? &*grouped_ : nullptr; }
   // Bytes attention state holds for the current sequence, all layers: the
   // cached tokens it still reads (in the cache's scheme), plus with a bank
   // its clusters (mean key, mean value, key covariance, A, count per head,
@@ -145,7 +164,9 @@ class Transformer {
   void BankChunk(int layer, int t0, int t1);
   const Config& cfg_;
   const Weights& w_;
-  KvCache cache_;
+  std::optional<KvCache> cache_;
+  std::optional<GroupedKvCache> grouped_;
+  RopeTable rope_;
   int max_seq_;
   WindowPolicy policy_;
   int tokens_ = 0;  // tokens of the current sequence
@@ -156,7 +177,6 @@ class Transformer {
   };
   std::vector<LayerBank> banks_;
   std::vector<float> x_, xb_, xb2_, hb_, hb2_, q_, k_, v_, logits_;  // (T, width)
-  std::vector<float> rope_cos_, rope_sin_;  // (max_seq, head_size / 2)
 };
 
 }  // namespace kvq::model

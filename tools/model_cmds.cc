@@ -170,7 +170,7 @@ void AddEvalCommand(CLI::App& app, EvalCliOptions& o) {
 int RunEval(const EvalCliOptions& o) {
   model::EvalOptions e;
   FillModelText(o, e);
-  e.schemes = parse_kv_scheme_list(o.kv, "--kv");
+  e.schemes = model::parse_cache_schemes(o.kv, "--kv");
   e.window = o.window;
   e.sinks = o.sinks;
   e.window_chunk = o.window_chunk;
@@ -191,12 +191,13 @@ int RunEval(const EvalCliOptions& o) {
     j["tokens"] = r.tokens;
     j["results"] = nlohmann::json::array();
     for (const auto& s : r.results) {
-      j["results"].push_back({{"scheme", kv_scheme_name(s.scheme)},
+      j["results"].push_back({{"scheme", s.scheme.name()},
                               {"label", s.label},
                               {"window", s.policy.window},
                               {"sinks", s.policy.window ? s.policy.sinks : 0},
                               {"bank", s.policy.bank},
                               {"bits_per_element", s.bits_per_element},
+                              {"bits_at_ctx", s.bits_at_ctx},
                               {"kv_bytes", s.kv_bytes},
                               {"ppl", s.ppl},
                               {"mean_nll", s.mean_nll},

@@ -1,0 +1,362 @@
+// Grouped low-bit KV caches (grouped_kv.h): names, bits by hand, the group
+// code against an independent scalar implementation, the open group and its
+// hand-over to codes, RoPE at read time, the fused kernel on every target
+// against the reference, and every bad argument.
+#include "kvq/grouped_kv.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "kvq/attention.h"
+#include "kvq/half.h"
+#include "tests/test_util.h"
+
+namespace kvq {
+namespace {
+
+using test::ErrorOf;
+
+TEST(GroupedKvScheme, NamesRoundTripAndPresetsParse) {
+  const GroupedKvScheme g = parse_grouped_kv_scheme("k4v3g64r16s4");
+  EXPECT_EQ(g.k_bits, 4);
+  EXPECT_EQ(g.v_bits, 3);
+  EXPECT_EQ(g.group, 64);
+  EXPECT_EQ(g.recent, 16);
+  EXPECT_EQ(g.sinks, 4);
+  EXPECT_EQ(g.name(), "k4v3g64r16s4");
+  EXPECT_EQ(parse_grouped_kv_scheme("k2v2g128").name(), "k2v2g128");
+  EXPECT_TRUE(is_grouped_kv_scheme("k8v2g16s1"));
+  EXPECT_FALSE(is_grouped_kv_scheme("q4_0"));
+  EXPECT_FALSE(is_grouped_kv_scheme("k4v3"));
+  for (const auto& [name, s] : grouped_kv_presets()) {
+    EXPECT_TRUE(is_grouped_kv_scheme(name)) << name;
+    EXPECT_EQ(parse_grouped_kv_scheme(name).name(), s.name());
+    EXPECT_EQ(parse_grouped_kv_scheme(s.name()).name(), s.name());
+  }
+  for (const char* bad : {"k4v3", "k4v3g64x", "k1v4g64", "k9v4g64", "k4v4g24", "k4v4g0", "k4v4g2048", "kv4g64",
+                          "k4v4g64r", "k4v4g64r1234567", ""}) {
+    const std::string e = ErrorOf([&] { parse_grouped_kv_scheme(bad, "--kv"); });
+    EXPECT_NE(e.find("--kv"), std::string::npos) << bad << ": " << e;
+  }
+  EXPECT_NE(ErrorOf([] { parse_grouped_kv_scheme("k4v4g24"); }).find("multiple of 16"), std::string::npos);
+  EXPECT_NE(ErrorOf([] { parse_grouped_kv_scheme("k9v4g64"); }).find("2..8"), std::string::npos);
+}
+
+// One geometry by hand: k4v3g64r16s4, T = 200, 2 KV heads of 8 (E = 16).
+// coded_end = 4 + 64 floor((200 - 16 - 4) / 64) = 132: 128 coded tokens in
+// 2 groups, 72 exact. Per element of K and V: codes 128 (4 + 3), parameters
+// 2 groups x 2 (K, V) x 32 bits, exact 72 x 2 x 16 bits; / (2 x 200).
+TEST(GroupedKvScheme, BitsCountedByHand) {
+  const GroupedKvScheme g = parse_grouped_kv_scheme("k4v3g64r16s4");
+  EXPECT_EQ(g.coded_end(200), 132);
+  EXPECT_DOUBLE_EQ(g.bits(200), (128.0 * 7 + 2 * 64 + 72 * 32) / 400.0);  // 8.32
+  EXPECT_DOUBLE_EQ(g.bits(200), 8.32);
+  // Below the first hand-over everything is exact fp16.
+  EXPECT_EQ(g.coded_end(83), 4);
+  EXPECT_DOUBLE_EQ(g.bits(83), 16.0);
+  EXPECT_EQ(g.coded_end(84), 68);
+  // Steady state: the mean over T = ctx - 127 .. ctx.
+  double s = 0;
+  for (int T = 385; T <= 512; ++T) s += g.bits(T);
+  EXPECT_DOUBLE_EQ(g.steady_state_bits(512), s / 128);
+  EXPECT_EQ(g.coded_end(532), 516);                   // a hand-over at T = 532
+  EXPECT_GT(g.steady_state_bits(512), g.bits(532));  // right after a hand-over is cheaper than the mean
+  EXPECT_LT(g.steady_state_bits(512), g.bits(531));  // right before, dearer
+  // The cache's bytes agree: 1 layer, E = 16 elements per token.
+  GroupedKvCache c(g, 1, 256, 2, 8);
+  EXPECT_EQ(c.bytes(200), 128u * 16 * 7 / 8 + 2u * 16 * 8 + 72u * 16 * 4);
+  EXPECT_DOUBLE_EQ(8.0 * static_cast<double>(c.bytes(200)) / (2.0 * 200 * 16), 8.32);
+  EXPECT_EQ(c.group_bytes_k(), 4u * 8 + 64u * 8 * 4 / 8);
+  EXPECT_EQ(c.group_bytes_v(), 4u * 8 + 64u * 8 * 3 / 8);
+}
+
+// An independent scalar version of the channel code: directed fp16
+// rounding by search over neighbours in double.
+void NaiveChannelCode(const std::vector<float>& x, int bits, uint16_t* lo, uint16_t* step, std::vector<int>& q) {
+  const double mn = *std::min_element(x.begin(), x.end()), mx = *std::max_element(x.begin(), x.end());
+  auto f = [](uint16_t h) { return static_cast<double>(f16_to_f32_ref(h)); };
+  // lo: the largest fp16 <= mn.
+  uint16_t best = 0xFBFF;  // -65504
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    const uint16_t u = static_cast<uint16_t>(h);
+    if ((u & 0x7C00) == 0x7C00) continue;  // inf / NaN
+    if (f(u) <= mn && f(u) > f(best)) best = u;
+  }
+  *lo = best;
+  const float lof = f16_to_f32_ref(best);
+  const int levels = (1 << bits) - 1;
+  *step = 0;
+  if (mx > lof) {
+    const float st = (static_cast<float>(mx) - lof) / static_cast<float>(levels);
+    uint16_t up = 0x7BFF;  // the smallest fp16 >= st
+    for (uint32_t h = 1; h < 0x7C00; ++h) {
+      if (f(static_cast<uint16_t>(h)) >= st) {
+        up = static_cast<uint16_t>(h);
+        break;
+      }
+    }
+    *step = up;
+  }
+  const float sf = f16_to_f32_ref(*step);
+  q.resize(x.size());
+  for (size_t t = 0; t < x.size(); ++t) {
+    q[t] = sf == 0.0f ? 0 : std::clamp(static_cast<int>(std::nearbyint((x[t] - lof) / sf)), 0, levels);
+  }
+}
+
+uint32_t CodeBits(const uint8_t* p, int i, int bits) {
+  uint32_t v = 0;
+  for (int b = 0; b < bits; ++b) {
+    const int bit = i * bits + b;
+    v |= static_cast<uint32_t>((p[bit / 8] >> (bit % 8)) & 1) << b;
+  }
+  return v;
+}
+
+TEST(GroupedKv, GroupCodesMatchAnIndependentScalarImplementationBitForBit) {
+  test::Rng rng(7);
+  const int H = 2, hd = 8, G = 32, E = H * hd;
+  for (int bits : {2, 3, 4, 5, 8}) {
+    SCOPED_TRACE(bits);
+    GroupedKvScheme g{bits, bits == 8 ? 2 : bits + 1, G, 0, 0};
+    GroupedKvCache c(g, 1, 2 * G, H, hd);
+    std::vector<float> k(static_cast<size_t>(2 * G * E)), v(k.size());
+    for (size_t i = 0; i < k.size(); ++i) {
+      const int ch = static_cast<int>(i % E);
+      k[i] = static_cast<float>(rng.Gaussian()) * (ch == 3 ? 30.0f : 1.0f) + (ch == 5 ? 7.0f : 0.0f);
+      v[i] = ch == 9 ? 1.25f : static_cast<float>(rng.Gaussian());  // channel 9: constant (step 0)
+    }
+    for (int t = 0; t < 2 * G; ++t) {
+      c.write(0, t, {k.data() + static_cast<size_t>(t * E), static_cast<size_t>(E)},
+              {v.data() + static_cast<size_t>(t * E), static_cast<size_t>(E)});
+    }
+    for (int grp = 0; grp < 2; ++grp) {
+      for (int which = 0; which < 2; ++which) {
+        const int b = which == 0 ? g.k_bits : g.v_bits;
+        const std::vector<float>& x = which == 0 ? k : v;
+        for (int h = 0; h < H; ++h) {
+          const uint8_t* data = c.group_data(0, which, h, grp);
+          uint16_t lo[hd], st[hd];
+          std::memcpy(lo, data, sizeof lo);
+          std::memcpy(st, data + 2 * hd, sizeof st);
+          for (int i = 0; i < hd; ++i) {
+            std::vector<float> ch(G);
+            for (int t = 0; t < G; ++t) ch[static_cast<size_t>(t)] = x[static_cast<size_t>((grp * G + t) * E + h * hd + i)];
+            uint16_t elo, est;
+            std::vector<int> q;
+            NaiveChannelCode(ch, b, &elo, &est, q);
+            ASSERT_EQ(lo[i], elo);
+            ASSERT_EQ(st[i], est);
+            // The exported reference agrees too.
+            uint16_t rlo, rst;
+            std::vector<uint8_t> rq(G);
+            encode_group_channel_ref(ch.data(), G, 1, b, &rlo, &rst, rq.data());
+            ASSERT_EQ(rlo, elo);
+            ASSERT_EQ(rst, est);
+            const uint8_t* codes = data + 4 * hd;
+            for (int t = 0; t < G; ++t) {
+              ASSERT_EQ(rq[static_cast<size_t>(t)], q[static_cast<size_t>(t)]);
+              const uint32_t stored = which == 0 ? CodeBits(codes + ((t / 16) * hd + i) * 2 * b, t % 16, b)
+                                                 : CodeBits(codes + t * hd * b / 8, i, b);
+              ASSERT_EQ(stored, static_cast<uint32_t>(q[static_cast<size_t>(t)])) << "t " << t << " ch " << i;
+              // Error bound of the uniform code: half a step inside the range.
+              const float dec = f16_to_f32_ref(elo) + f16_to_f32_ref(est) * static_cast<float>(q[static_cast<size_t>(t)]);
+              ASSERT_LE(std::fabs(dec - ch[static_cast<size_t>(t)]), 0.5f * f16_to_f32_ref(est) * (1 + 1e-5f) + 1e-6f);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// Every token as read at every length: exact (fp16, after RoPE) while its
+// group is open or inside the recent window or a sink, then its codes, the
+// same codes at every later length.
+TEST(GroupedKv, OpenGroupHandsOverToCodesAtTheRightLength) {
+  test::Rng rng(11);
+  const int H = 1, hd = 8, E = H * hd;
+  const GroupedKvScheme g = parse_grouped_kv_scheme("k3v2g16r5s3");
+  const int N = 60;
+  GroupedKvCache c(g, 2, N, H, hd);
+  std::vector<float> k(static_cast<size_t>(N * E)), v(k.size());
+  for (float& x : k) x = static_cast<float>(rng.Gaussian());
+  for (float& x : v) x = static_cast<float>(rng.Gaussian());
+  const RopeTable rope(N, hd);
+  std::vector<std::vector<float>> first_coded(N);
+  for (int T = 1; T <= N; ++T) {
+    const int t = T - 1;
+    c.write(1, t, {k.data() + t * E, static_cast<size_t>(E)}, {v.data() + t * E, static_cast<size_t>(E)});
+    EXPECT_EQ(c.written(1), T);
+    EXPECT_EQ(c.written(0), 0);
+    for (int pos = 0; pos < T; ++pos) {
+      std::vector<float> rk(E), rv(E);
+      c.read(1, pos, T, rk, rv);
+      const bool coded = pos >= 3 && pos < g.coded_end(T);
+      if (!coded) {
+        std::vector<float> want(k.begin() + pos * E, k.begin() + (pos + 1) * E);
+        rope.apply(want.data(), H, pos);
+        for (int i = 0; i < E; ++i) {
+          ASSERT_EQ(rk[i], f16_to_f32_ref(f32_to_f16_ref(want[i]))) << "T " << T << " pos " << pos;
+          ASSERT_EQ(rv[i], f16_to_f32_ref(f32_to_f16_ref(v[pos * E + i])));
+        }
+      } else {
+        std::vector<float> both(rk);
+        both.insert(both.end(), rv.begin(), rv.end());
+        if (first_coded[pos].empty()) {
+          first_coded[pos] = both;
+          // Handed over exactly when its group ended R tokens ago.
+          EXPECT_EQ(T, 3 + ((pos - 3) / 16 + 1) * 16 + 5) << pos;
+        } else {
+          ASSERT_EQ(both, first_coded[pos]) << "T " << T << " pos " << pos;
+        }
+      }
+    }
+  }
+  for (int pos = 3; pos < 3 + 48; ++pos) EXPECT_FALSE(first_coded[pos].empty()) << pos;
+  // A new sequence starts at 0; positions out of order are refused.
+  EXPECT_NE(ErrorOf([&] { c.write(1, 5, {k.data(), 8}, {v.data(), 8}); }).find("in order"), std::string::npos);
+  c.write(1, 0, {k.data(), 8}, {v.data(), 8});
+  EXPECT_EQ(c.written(1), 1);
+}
+
+// Keys on the code grid (every group spans codes 0..2^B - 1 with an fp16
+// step) decode exactly, so RoPE at read time must equal RoPE before storage:
+// the grouped cache's attention against the fp32 kernel over rotated keys.
+TEST(GroupedKv, RopeAtReadEqualsRopeBeforeStoreForExactCodes) {
+  test::ForEachTarget([](const char*) {
+    const int H = 2, hd = 16, E = H * hd, G = 32, N = 200, nq = 8;
+    const GroupedKvScheme g{4, 4, G, 0, 0};
+    GroupedKvCache c(g, 1, N, H, hd);
+    KvCache ref(KvScheme::Fp32, 1, N, H, hd);
+    test::Rng rng(3);
+    const RopeTable rope(N, hd);
+    for (int t = 0; t < N; ++t) {
+      std::vector<float> k(E), v(E);
+      for (int i = 0; i < E; ++i) {
+        int q = static_cast<int>(rng.Next() % 16);
+        if (t % G == 0) q = 0;   // every group holds codes 0 and 15
+        if (t % G == 1) q = 15;
+        k[static_cast<size_t>(i)] = -1.0f + 0.125f * static_cast<float>(q) * static_cast<float>(1 + i % 3);
+        v[static_cast<size_t>(i)] = 0.5f + 0.25f * static_cast<float>(q);
+      }
+      c.write(0, t, k, v);
+      rope.apply(k.data(), H, t);
+      ref.write(0, t, k, v);
+    }
+    std::vector<float> q(nq * hd), a(q.size()), b(q.size());
+    for (float& x : q) x = static_cast<float>(rng.Gaussian());
+    for (int T : {32, 64, 160, 192}) {  // every token coded (no exact fp16 rows)
+      SCOPED_TRACE(T);
+      ASSERT_EQ(g.coded_end(T), T);
+      c.attend(0, T, q, nq, a);
+      decode_attention(q, nq, ref.view(0, T), b);
+      // Only float rounding differs (the rotation built by angle addition).
+      for (size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], b[i], 1e-5f) << i;
+    }
+  });
+}
+
+// The fused kernel on every target against the decode-then-attend reference.
+// Both read the same codes; the kernel differs by float accumulation and by
+// building each token's rotation from its tile's first position (angle
+// addition, a few ulps of cos/sin): |error| <= 2 max|v| (dS + 1e-6) with
+// dS = 64 hd 2^-24 max_t s sum_i |q_i k_ti| the score error.
+TEST(GroupedKv, FusedKernelMatchesTheReferenceOnEveryTarget) {
+  struct Case {
+    const char* scheme;
+    int H, hd, nq, N, threads;
+  };
+  const Case cases[] = {{"k4v4g16", 1, 8, 1, 40, 1},      {"k3v2g32r5s3", 2, 8, 8, 150, 1},
+                        {"k2v3g64r16", 4, 64, 16, 300, 2}, {"k8v8g16", 2, 128, 8, 100, 1},
+                        {"k5v6g48s1", 1, 32, 4, 200, 3}};
+  test::ForEachTarget([&](const char*) {
+    for (const Case& cs : cases) {
+      SCOPED_TRACE(cs.scheme);
+      const GroupedKvScheme g = parse_grouped_kv_scheme(cs.scheme);
+      GroupedKvCache c(g, 2, cs.N, cs.H, cs.hd);
+      test::Rng rng(static_cast<uint64_t>(cs.N));
+      const int E = cs.H * cs.hd;
+      float vmax = 0;
+      for (int t = 0; t < cs.N; ++t) {
+        std::vector<float> k(static_cast<size_t>(E)), v(k.size());
+        for (int i = 0; i < E; ++i) {
+          k[static_cast<size_t>(i)] = static_cast<float>(rng.Gaussian()) * (i % 7 == 2 ? 4.0f : 1.0f) + 0.3f * (i % 5);
+          v[static_cast<size_t>(i)] = static_cast<float>(rng.Gaussian());
+          vmax = std::max(vmax, std::fabs(v[static_cast<size_t>(i)]));
+        }
+        c.write(1, t, k, v);
+      }
+      std::vector<float> q(static_cast<size_t>(cs.nq * cs.hd)), a(q.size()), b(q.size());
+      for (float& x : q) x = static_cast<float>(rng.Gaussian()) * 2.0f;
+      for (int T : {1, cs.N / 3, cs.N - 1, cs.N}) {
+        SCOPED_TRACE(T);
+        c.attend(1, T, q, cs.nq, a, cs.threads);
+        c.attend_ref(1, T, q, cs.nq, b);
+        double smax = 0;
+        std::vector<float> kk(static_cast<size_t>(E)), vv(kk.size());
+        for (int t = 0; t < T; ++t) {
+          c.read(1, t, T, kk, vv);
+          for (int h = 0; h < cs.nq; ++h) {
+            double s = 0;
+            const int kh = h / (cs.nq / cs.H);
+            for (int i = 0; i < cs.hd; ++i) s += std::fabs(q[static_cast<size_t>(h * cs.hd + i)] * kk[static_cast<size_t>(kh * cs.hd + i)]);
+            smax = std::max(smax, s / std::sqrt(static_cast<double>(cs.hd)));
+          }
+        }
+        const double tol = 2.0 * (vmax + 1) * (64.0 * cs.hd * 0x1.0p-24 * smax + 1e-6);
+        for (size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], b[i], tol) << i;
+      }
+    }
+  });
+}
+
+TEST(GroupedKv, BadArgumentsAreClearErrors) {
+  const GroupedKvScheme g = parse_grouped_kv_scheme("k4v4g16");
+  EXPECT_NE(ErrorOf([&] { GroupedKvCache c(g, 1, 64, 2, 7); }).find("head_dim"), std::string::npos);
+  EXPECT_NE(ErrorOf([&] { GroupedKvCache c(g, 1, 64, 2, 12); }).find("multiple of 8"), std::string::npos);
+  EXPECT_NE(ErrorOf([&] { GroupedKvCache c(g, 0, 64, 2, 8); }).find("n_layers"), std::string::npos);
+  EXPECT_NE(ErrorOf([&] { GroupedKvCache c(g, 1, 0, 2, 8); }).find("max_seq"), std::string::npos);
+  GroupedKvScheme bad = g;
+  bad.group = 40;
+  EXPECT_NE(ErrorOf([&] { GroupedKvCache c(bad, 1, 64, 2, 8); }).find("multiple of 16"), std::string::npos);
+  bad = g;
+  bad.recent = -1;
+  EXPECT_NE(ErrorOf([&] { GroupedKvCache c(bad, 1, 64, 2, 8); }).find("recent"), std::string::npos);
+  EXPECT_NE(ErrorOf([] { RopeTable r(8, 5); }).find("even"), std::string::npos);
+
+  GroupedKvCache c(g, 2, 40, 2, 8);
+  std::vector<float> x(16, 0.5f), y(16, 0.25f);
+  EXPECT_NE(ErrorOf([&] { c.write(2, 0, x, y); }).find("layer"), std::string::npos);
+  EXPECT_NE(ErrorOf([&] { c.write(0, 0, std::span<const float>(x).first(15), y); }).find("16 values"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf([&] { c.write(0, 1, x, y); }).find("in order"), std::string::npos);
+  for (float badv : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(), 70000.0f}) {
+    std::vector<float> z = x;
+    z[3] = badv;
+    EXPECT_NE(ErrorOf([&] { c.write(0, 0, z, y); }).find("fp16 range"), std::string::npos);
+    EXPECT_NE(ErrorOf([&] { c.write(0, 0, x, z); }).find("fp16 range"), std::string::npos);
+    EXPECT_EQ(c.written(0), 0);  // nothing stored
+  }
+  for (int t = 0; t < 20; ++t) c.write(0, t, x, y);
+  std::vector<float> q(4 * 8, 0.1f), out(q.size());
+  EXPECT_NE(ErrorOf([&] { c.attend(0, 21, q, 4, out); }).find("T: expected 1..20"), std::string::npos);
+  EXPECT_NE(ErrorOf([&] { c.attend(0, 0, q, 4, out); }).find("T:"), std::string::npos);
+  EXPECT_NE(ErrorOf([&] { c.attend(0, 10, q, 3, out); }).find("n_heads"), std::string::npos);
+  EXPECT_NE(ErrorOf([&] { c.attend(0, 10, std::span<const float>(q).first(31), 4, out); }).find("q:"),
+            std::string::npos);
+  std::vector<float> qn = q;
+  qn[5] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_NE(ErrorOf([&] { c.attend(0, 10, qn, 4, out); }).find("non-finite"), std::string::npos);
+  EXPECT_NE(ErrorOf([&] { c.coded_part(0, 20, q, 4, -1); }).find("threads"), std::string::npos);
+  EXPECT_NE(ErrorOf([&] { c.read(0, 20, 20, x, y); }).find("pos"), std::string::npos);
+  c.attend(0, 20, q, 4, out);  // still usable
+  for (float o : out) EXPECT_NEAR(o, 0.25f, 1e-6f);
+}
+
+}  // namespace
+}  // namespace kvq
