@@ -25,15 +25,18 @@
 #include <vector>
 
 #include "kvq/attention.h"
+#include "kvq/grouped_kv.h"
 
 namespace {
 
 constexpr int kHeads = 32, kKvHeads = 8, kHeadDim = 128, kThreads = 2;
 
 // Deterministic, roughly Gaussian K and V rows (one large K channel) for
-// `layers` layers and T positions.
-std::unique_ptr<kvq::KvCache> BuildCache(kvq::KvScheme scheme, int layers, int T) {
-  auto cache = std::make_unique<kvq::KvCache>(scheme, layers, T, kKvHeads, kHeadDim);
+// `layers` layers and T positions (the grouped caches take these K rows as
+// their keys before RoPE).
+template <typename Cache, typename Scheme>
+std::unique_ptr<Cache> BuildCache(Scheme scheme, int layers, int T) {
+  auto cache = std::make_unique<Cache>(scheme, layers, T, kKvHeads, kHeadDim);
   std::vector<float> k(kKvHeads * kHeadDim), v(k.size());
   uint64_t s = 99;
   auto next = [&s] {  // sum of uniforms
@@ -62,7 +65,7 @@ const kvq::KvCache& CacheFor(kvq::KvScheme scheme, int layers, int T) {
   static int built_T = -1, built_layers = -1;
   if (!cache || built_scheme != scheme || built_T != T || built_layers != layers) {
     cache.reset();
-    cache = BuildCache(scheme, layers, T);
+    cache = BuildCache<kvq::KvCache>(scheme, layers, T);
     built_scheme = scheme;
     built_T = T;
     built_layers = layers;
@@ -122,6 +125,47 @@ void BM_decode_attention(benchmark::State& state, kvq::KvScheme scheme, int T, b
                                                benchmark::Counter::kIsRate);
 }
 
+// Grouped schemes (grouped_kv.h): the cache as it stands at length T (R
+// recent tokens and the open group exact in fp16, the rest in codes), the
+// fused grouped kernel merged with the fp16 kernel over the exact tokens.
+// bytes_per_second counts GroupedKvCache::bytes(T) for the layer.
+const kvq::GroupedKvCache& GroupedCacheFor(const std::string& name, int layers, int T) {
+  static std::unique_ptr<kvq::GroupedKvCache> cache;
+  static std::string built_name;
+  static int built_T = -1, built_layers = -1;
+  if (!cache || built_name != name || built_T != T || built_layers != layers) {
+    cache.reset();
+    cache = BuildCache<kvq::GroupedKvCache>(kvq::parse_grouped_kv_scheme(name), layers, T);
+    built_name = name;
+    built_T = T;
+    built_layers = layers;
+  }
+  return *cache;
+}
+
+void BM_grouped_attention(benchmark::State& state, const std::string& name, int T, bool cold) {
+  const kvq::GroupedKvScheme g = kvq::parse_grouped_kv_scheme(name);
+  const double layer_bytes = static_cast<double>(T) * 2.0 * kKvHeads * kHeadDim * g.bits(T) / 8.0;
+  const int layers =
+      cold ? static_cast<int>(std::clamp(std::ceil(3.0 * LastLevelCacheBytes() / layer_bytes), 2.0, 32.0)) : 1;
+  const kvq::GroupedKvCache& cache = GroupedCacheFor(name, layers, T);
+  std::vector<float> q(kHeads * kHeadDim), out(q.size());
+  for (size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.37f * static_cast<float>(i));
+  int layer = 0;
+  for (auto _ : state) {
+    cache.attend(layer, T, q, kHeads, out, kThreads);
+    benchmark::DoNotOptimize(out.data());
+    layer = layer + 1 == layers ? 0 : layer + 1;
+  }
+  const double bytes = static_cast<double>(cache.bytes(T)) / layers;
+  state.SetBytesProcessed(static_cast<int64_t>(bytes * static_cast<double>(state.iterations())));
+  state.counters["bits"] = g.bits(T);
+  state.counters["layers"] = layers;
+  const double macs = 2.0 * kHeads * kHeadDim * static_cast<double>(T);
+  state.counters["MAC/s"] = benchmark::Counter(macs * static_cast<double>(state.iterations()),
+                                               benchmark::Counter::kIsRate);
+}
+
 void Register(const std::string& name, kvq::KvScheme s, int T, bool int8_query, bool cold) {
   benchmark::RegisterBenchmark(name.c_str(), BM_decode_attention, s, T, int8_query, cold)
       ->Unit(benchmark::kMicrosecond)
@@ -146,6 +190,18 @@ const int kRegistered = [] {
     }
     Register("BM_decode_attention_cold/" + scheme + "/16384", s, 16384, false, true);
     if (HasInt8QueryPath(s)) Register("BM_decode_attention_cold_int8q/" + scheme + "/16384", s, 16384, true, true);
+  }
+  for (const auto& [preset, g] : kvq::grouped_kv_presets()) {
+    for (int T : {1024, 4096, 16384, 65536}) {
+      benchmark::RegisterBenchmark(("BM_decode_attention/" + preset + "/" + std::to_string(T)).c_str(),
+                                   BM_grouped_attention, preset, T, false)
+          ->Unit(benchmark::kMicrosecond)
+          ->UseRealTime();
+    }
+    benchmark::RegisterBenchmark(("BM_decode_attention_cold/" + preset + "/16384").c_str(), BM_grouped_attention,
+                                 preset, 16384, true)
+        ->Unit(benchmark::kMicrosecond)
+        ->UseRealTime();
   }
   return 0;
 }();

@@ -1,7 +1,8 @@
-// The fused attention kernel over coded groups (grouped_kv.h), one Highway
-// target each: the loops below run across 16 tokens (K tiles) or across
-// channels (V rows) and are vectorised by the compiler for each target's
-// instruction set (AVX-512, AVX2, SSE4, baseline), selected at run time.
+// The fused attention kernel over coded groups (grouped_kv.h), Highway
+// SIMD for every compiled target (one dispatch per call). Vectors hold up to
+// 16 lanes: 16 tokens of a K tile (AVX-512; two or four chunks on narrower
+// targets) or 8-16 channels of a V row. Codes come out of an 8-code block
+// (grouped_attention.h) by a 32-bit broadcast, a per-lane shift and a mask.
 //
 // Per group: for each 16-token tile the rotation of each RoPE pair is built
 // once for all heads (angle addition from the tile's first position and the
@@ -18,80 +19,213 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
+#include "hwy/aligned_allocator.h"
+#include "hwy/contrib/math/math-inl.h"
 #include "kvq/half.h"
 #include "src/grouped_attention.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace kvq::grouped {
 namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
 
-constexpr int kL = 16;  // tokens per tile
+constexpr int kL = 16;    // tokens per K tile
+
+HWY_INLINE uint32_t Word(const uint8_t* p) {
+  uint32_t w;
+  std::memcpy(&w, p, 4);
+  return w;
+}
+
+// Shift tables of an 8-code block of b bits: lane l (0..15) -> the shift of
+// code l % 8 in the low plane and in the high plane.
+struct Shifts {
+  HWY_ALIGN uint32_t lo[kL];
+  HWY_ALIGN uint32_t hi[kL];
+  uint32_t mlo, mhi;
+  int b;
+  explicit Shifts(int bits) : b(bits) {
+    const int lb = bits < 4 ? bits : 4;
+    for (int l = 0; l < kL; ++l) {
+      lo[l] = static_cast<uint32_t>(lb * (l % 8));
+      hi[l] = static_cast<uint32_t>(bits > 4 ? (bits - 4) * (l % 8) : 0);
+    }
+    mlo = (1u << lb) - 1;
+    mhi = bits > 4 ? (1u << (bits - 4)) - 1 : 0;
+  }
+};
+
+// Codes of lanes [c0, c0 + N) of two consecutive 8-code blocks at p (lanes
+// 0-7 from the first, 8-15 from the second), as floats. N <= 16, c0 % N == 0.
+template <class D>
+HWY_INLINE hn::Vec<D> Codes(D d, const uint8_t* p, const Shifts& sh, size_t c0) {
+  const hn::RebindToUnsigned<D> du;
+  const hn::RebindToSigned<D> di;
+  const size_t N = hn::Lanes(d);
+  const size_t bb = static_cast<size_t>(sh.b);
+  hn::Vec<decltype(du)> w, wh;
+  if (N >= 16) {
+    const auto first = hn::FirstN(du, 8);
+    w = hn::IfThenElse(first, hn::Set(du, Word(p)), hn::Set(du, Word(p + bb)));
+    if (sh.b > 4) wh = hn::IfThenElse(first, hn::Set(du, Word(p + 4)), hn::Set(du, Word(p + bb + 4)));
+  } else {
+    const uint8_t* blk = p + (c0 / 8) * bb;
+    w = hn::Set(du, Word(blk));
+    if (sh.b > 4) wh = hn::Set(du, Word(blk + 4));
+  }
+  auto c = hn::And(hn::Shr(w, hn::LoadU(du, sh.lo + c0)), hn::Set(du, sh.mlo));
+  if (sh.b > 4) {
+    c = hn::Or(c, hn::ShiftLeft<4>(hn::And(hn::Shr(wh, hn::LoadU(du, sh.hi + c0)), hn::Set(du, sh.mhi))));
+  }
+  return hn::ConvertTo(d, hn::BitCast(di, c));
+}
+
+// V of one group and KV head, query heads [r0, r0 + NR): acc[r] = acc[r]
+// alpha_r + lo P_r + step sum_t p_rt q_t, channels in chunks of the tag's
+// lanes (NR a constant, so the accumulators stay in registers).
+template <int NR, class D>
+HWY_INLINE void AccumulateVHeads(D d, const uint8_t* codes, size_t row_bytes, int G, int hd, int r0, const Shifts& sh,
+                                 const float* HWY_RESTRICT p, const float* HWY_RESTRICT psum,
+                                 const float* HWY_RESTRICT alpha, const float* HWY_RESTRICT vlo,
+                                 const float* HWY_RESTRICT vst, float* HWY_RESTRICT acc) {
+  const size_t N = hn::Lanes(d);
+  const size_t uhd = static_cast<size_t>(hd), uG = static_cast<size_t>(G);
+  for (size_t c0 = 0; c0 < uhd; c0 += N) {
+    // The 16-lane window this chunk reads: blocks (c0 / 16) * 2 and the next.
+    const size_t win = (c0 / 16) * 16, lane0 = c0 - win;
+    hn::Vec<D> a[NR];
+    for (int r = 0; r < NR; ++r) a[r] = hn::Zero(d);
+    const uint8_t* blk = codes + (win / 8) * static_cast<size_t>(sh.b);
+    const float* pr = p + static_cast<size_t>(r0) * uG;
+    for (size_t t = 0; t < uG; ++t, blk += row_bytes) {
+      const auto cf = Codes(d, blk, sh, lane0);
+      for (int r = 0; r < NR; ++r) a[r] = hn::MulAdd(hn::Set(d, pr[static_cast<size_t>(r) * uG + t]), cf, a[r]);
+    }
+    const auto lo = hn::LoadU(d, vlo + c0), st = hn::LoadU(d, vst + c0);
+    for (int r = 0; r < NR; ++r) {
+      float* HWY_RESTRICT out = acc + static_cast<size_t>(r0 + r) * uhd + c0;
+      const auto prev = hn::Mul(hn::LoadU(d, out), hn::Set(d, alpha[r0 + r]));
+      hn::StoreU(hn::MulAdd(st, a[r], hn::MulAdd(lo, hn::Set(d, psum[r0 + r]), prev)), d, out);
+    }
+  }
+}
+
+template <class D>
+HWY_INLINE void AccumulateV(D d, const uint8_t* codes, size_t row_bytes, int G, int hd, int rep, const Shifts& sh,
+                            const float* HWY_RESTRICT p, const float* HWY_RESTRICT psum, const float* HWY_RESTRICT alpha,
+                            const float* HWY_RESTRICT vlo, const float* HWY_RESTRICT vst, float* HWY_RESTRICT acc) {
+  int r0 = 0;
+  for (; r0 + 4 <= rep; r0 += 4) AccumulateVHeads<4>(d, codes, row_bytes, G, hd, r0, sh, p, psum, alpha, vlo, vst, acc);
+  for (; r0 + 2 <= rep; r0 += 2) AccumulateVHeads<2>(d, codes, row_bytes, G, hd, r0, sh, p, psum, alpha, vlo, vst, acc);
+  for (; r0 < rep; ++r0) AccumulateVHeads<1>(d, codes, row_bytes, G, hd, r0, sh, p, psum, alpha, vlo, vst, acc);
+}
+
+// Scores of query heads [r0, r0 + NR) of one KV head for one K tile, lanes
+// [c0, c0 + N): the keys dequantized and rotated in registers, shared by
+// the NR heads.
+template <int NR, class D>
+HWY_INLINE void ScoreTile(D d, const uint8_t* tile, size_t kbb, int P, const Shifts& sh, const float* HWY_RESTRICT kp,
+                          size_t uhd, const float* HWY_RESTRICT cs, const float* HWY_RESTRICT sn,
+                          const float* HWY_RESTRICT qb, size_t c0, float* HWY_RESTRICT out, size_t out_stride) {
+  hn::Vec<D> a[NR];
+  for (int r = 0; r < NR; ++r) a[r] = hn::Zero(d);
+  for (int pp = 0; pp < P; ++pp) {
+    const size_t i0 = static_cast<size_t>(2 * pp), i1 = i0 + 1;
+    const auto q0 = Codes(d, tile + i0 * 2 * kbb, sh, c0);
+    const auto q1 = Codes(d, tile + i1 * 2 * kbb, sh, c0);
+    const auto k0 = hn::MulAdd(q0, hn::Set(d, kp[uhd + i0]), hn::Set(d, kp[i0]));
+    const auto k1 = hn::MulAdd(q1, hn::Set(d, kp[uhd + i1]), hn::Set(d, kp[i1]));
+    const auto vc = hn::Load(d, cs + pp * kL + c0), vs = hn::Load(d, sn + pp * kL + c0);
+    const auto r0v = hn::NegMulAdd(k1, vs, hn::Mul(k0, vc));
+    const auto r1v = hn::MulAdd(k0, vs, hn::Mul(k1, vc));
+    for (int r = 0; r < NR; ++r) {
+      const float* qr = qb + static_cast<size_t>(r) * uhd;
+      a[r] = hn::MulAdd(hn::Set(d, qr[i0]), r0v, a[r]);
+      a[r] = hn::MulAdd(hn::Set(d, qr[i1]), r1v, a[r]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) hn::StoreU(a[r], d, out + static_cast<size_t>(r) * out_stride + c0);
+}
 
 void AttendImpl(const Call& c) {
+  const hn::CappedTag<float, kL> d;
+  const size_t N = hn::Lanes(d);
   const int hd = c.head_dim, P = hd / 2, H = c.n_kv_heads, rep = c.n_heads / H, G = c.group;
   const int tiles = G / kL;
-  const size_t uhd = static_cast<size_t>(hd);
-  std::vector<float> cs(static_cast<size_t>(P) * kL), sn(cs.size()), kr(uhd * kL);
-  std::vector<float> scores(static_cast<size_t>(c.n_heads) * static_cast<size_t>(G));
-  std::vector<float> m(static_cast<size_t>(c.n_heads), -std::numeric_limits<float>::infinity());
-  std::vector<float> l(static_cast<size_t>(c.n_heads), 0.0f), acc(static_cast<size_t>(c.n_heads) * uhd, 0.0f);
-  std::vector<float> klo(uhd), kst(uhd), vlo(uhd), vst(uhd), cacc(static_cast<size_t>(rep) * uhd);
-  std::vector<float> p(static_cast<size_t>(rep) * static_cast<size_t>(G)), psum(static_cast<size_t>(rep));
-  std::vector<float> code(uhd);
-  const size_t ktile_bytes = uhd * 2 * static_cast<size_t>(c.k_bits);
-  const size_t vrow_bytes = uhd * static_cast<size_t>(c.v_bits) / 8;
+  const size_t uhd = static_cast<size_t>(hd), uG = static_cast<size_t>(G);
+  const Shifts ksh(c.k_bits), vsh(c.v_bits);
+  const size_t kbb = static_cast<size_t>(c.k_bits), vrow = uhd * static_cast<size_t>(c.v_bits) / 8;
+  // Rotation of each pair at lane offsets 0..15 (transposed: [pair][lane]),
+  // and the tile's rotation (aligned: read with Load).
+  const size_t pl = static_cast<size_t>(P) * kL;
+  auto rot = hwy::AllocateAligned<float>(4 * pl);
+  float* co = rot.get();
+  float* so = co + pl;
+  float* cs = so + pl;
+  float* sn = cs + pl;
+  const size_t nh = static_cast<size_t>(c.n_heads), ur = static_cast<size_t>(rep);
+  std::vector<float> scores_v(nh * uG), acc_v(nh * uhd, 0.0f), pw_v(ur * uG), m_v(nh), l_v(nh, 0.0f);
+  std::vector<float> vlo_v(uhd), vst_v(uhd), psum_v(ur), alpha_v(ur);
+  float* scores = scores_v.data();  // [n_heads][G]
+  float* acc = acc_v.data();        // [n_heads][hd]
+  float* pw = pw_v.data();          // [rep][G]: one KV head's weights
+  float* m = m_v.data();
+  float* l = l_v.data();
+  float* vlo = vlo_v.data();
+  float* vst = vst_v.data();
+  float* psum = psum_v.data();
+  float* alpha = alpha_v.data();
+  for (int pp = 0; pp < P; ++pp) {
+    for (int ln = 0; ln < kL; ++ln) {
+      co[pp * kL + ln] = c.rope_cos[ln * P + pp];
+      so[pp * kL + ln] = c.rope_sin[ln * P + pp];
+    }
+  }
+  std::fill(m, m + nh, -std::numeric_limits<float>::infinity());
+  std::vector<float> kparams(static_cast<size_t>(H) * 2 * uhd);
 
   for (int64_t g = c.g0; g < c.g1; ++g) {
+    for (int h = 0; h < H; ++h) {
+      const uint16_t* p16 = reinterpret_cast<const uint16_t*>(
+          c.k + (static_cast<size_t>(h) * static_cast<size_t>(c.max_groups) + static_cast<size_t>(g)) * c.gbk);
+      f16_to_f32({p16, 2 * uhd}, {kparams.data() + static_cast<size_t>(h) * 2 * uhd, 2 * uhd});
+    }
     for (int j = 0; j < tiles; ++j) {
       const int64_t t0 = c.first + g * G + j * kL;
       const float* cb = c.rope_cos + t0 * P;
       const float* sb = c.rope_sin + t0 * P;
       for (int pp = 0; pp < P; ++pp) {
-        float* HWY_RESTRICT cp = cs.data() + static_cast<size_t>(pp) * kL;
-        float* HWY_RESTRICT sp = sn.data() + static_cast<size_t>(pp) * kL;
-        for (int ln = 0; ln < kL; ++ln) {
-          const float co = c.rope_cos[ln * P + pp], so = c.rope_sin[ln * P + pp];
-          cp[ln] = cb[pp] * co - sb[pp] * so;
-          sp[ln] = sb[pp] * co + cb[pp] * so;
+        const auto vc = hn::Set(d, cb[pp]), vs = hn::Set(d, sb[pp]);
+        for (size_t c0 = 0; c0 < static_cast<size_t>(kL); c0 += N) {
+          const auto o_c = hn::Load(d, co + pp * kL + c0), o_s = hn::Load(d, so + pp * kL + c0);
+          hn::Store(hn::NegMulAdd(vs, o_s, hn::Mul(vc, o_c)), d, cs + pp * kL + c0);  // cos(a + b)
+          hn::Store(hn::MulAdd(vc, o_s, hn::Mul(vs, o_c)), d, sn + pp * kL + c0);     // sin(a + b)
         }
       }
       for (int h = 0; h < H; ++h) {
-        const uint8_t* grp = c.k + (static_cast<size_t>(h) * static_cast<size_t>(c.max_groups) + static_cast<size_t>(g)) * c.gbk;
-        const uint16_t* lo16 = reinterpret_cast<const uint16_t*>(grp);
-        const uint8_t* codes = grp + 4 * uhd + static_cast<size_t>(j) * ktile_bytes;
-        for (int pp = 0; pp < P; ++pp) {
-          uint32_t q0[kL], q1[kL];
-          const uint8_t* c0p = codes + static_cast<size_t>(2 * pp) * 2 * static_cast<size_t>(c.k_bits);
-          const uint8_t* c1p = c0p + 2 * static_cast<size_t>(c.k_bits);
-          Unpack8(c0p, c.k_bits, q0);
-          Unpack8(c0p + c.k_bits, c.k_bits, q0 + 8);
-          Unpack8(c1p, c.k_bits, q1);
-          Unpack8(c1p + c.k_bits, c.k_bits, q1 + 8);
-          const float lo0 = f16_to_f32_ref(lo16[2 * pp]), st0 = f16_to_f32_ref(lo16[hd + 2 * pp]);
-          const float lo1 = f16_to_f32_ref(lo16[2 * pp + 1]), st1 = f16_to_f32_ref(lo16[hd + 2 * pp + 1]);
-          const float* HWY_RESTRICT cp = cs.data() + static_cast<size_t>(pp) * kL;
-          const float* HWY_RESTRICT sp = sn.data() + static_cast<size_t>(pp) * kL;
-          float* HWY_RESTRICT r0 = kr.data() + static_cast<size_t>(2 * pp) * kL;
-          float* HWY_RESTRICT r1 = r0 + kL;
-          for (int ln = 0; ln < kL; ++ln) {
-            const float k0 = lo0 + st0 * static_cast<float>(q0[ln]);
-            const float k1 = lo1 + st1 * static_cast<float>(q1[ln]);
-            r0[ln] = k0 * cp[ln] - k1 * sp[ln];
-            r1[ln] = k0 * sp[ln] + k1 * cp[ln];
+        const uint8_t* tile = c.k + (static_cast<size_t>(h) * static_cast<size_t>(c.max_groups) + static_cast<size_t>(g)) * c.gbk +
+                              4 * uhd + static_cast<size_t>(j) * uhd * 2 * kbb;
+        const float* kp = kparams.data() + static_cast<size_t>(h) * 2 * uhd;
+        for (size_t c0 = 0; c0 < static_cast<size_t>(kL); c0 += N) {
+          float* out = scores + static_cast<size_t>(h * rep) * uG + static_cast<size_t>(j) * kL;
+          const float* qb = c.q + static_cast<size_t>(h * rep) * uhd;
+          int r0 = 0;
+          for (; r0 + 4 <= rep; r0 += 4) {
+            ScoreTile<4>(d, tile, kbb, P, ksh, kp, uhd, cs, sn, qb + static_cast<size_t>(r0) * uhd, c0,
+                         out + static_cast<size_t>(r0) * uG, uG);
           }
-        }
-        for (int r = 0; r < rep; ++r) {
-          const int qh = h * rep + r;
-          const float* HWY_RESTRICT qv = c.q + static_cast<size_t>(qh) * uhd;
-          float s[kL] = {};
-          for (int i = 0; i < hd; ++i) {
-            const float* HWY_RESTRICT ki = kr.data() + static_cast<size_t>(i) * kL;
-            for (int ln = 0; ln < kL; ++ln) s[ln] += qv[i] * ki[ln];
+          for (; r0 + 2 <= rep; r0 += 2) {
+            ScoreTile<2>(d, tile, kbb, P, ksh, kp, uhd, cs, sn, qb + static_cast<size_t>(r0) * uhd, c0,
+                         out + static_cast<size_t>(r0) * uG, uG);
           }
-          std::copy(s, s + kL, scores.data() + static_cast<size_t>(qh) * G + static_cast<size_t>(j) * kL);
+          for (; r0 < rep; ++r0) {
+            ScoreTile<1>(d, tile, kbb, P, ksh, kp, uhd, cs, sn, qb + static_cast<size_t>(r0) * uhd, c0,
+                         out + static_cast<size_t>(r0) * uG, uG);
+          }
         }
       }
     }
@@ -99,47 +233,35 @@ void AttendImpl(const Call& c) {
     for (int h = 0; h < H; ++h) {
       const uint8_t* grp = c.v + (static_cast<size_t>(h) * static_cast<size_t>(c.max_groups) + static_cast<size_t>(g)) * c.gbv;
       const uint16_t* p16 = reinterpret_cast<const uint16_t*>(grp);
-      for (int i = 0; i < hd; ++i) vlo[static_cast<size_t>(i)] = f16_to_f32_ref(p16[i]), vst[static_cast<size_t>(i)] = f16_to_f32_ref(p16[hd + i]);
-      float alpha[64];  // rep <= 64 (checked by the caller)
+      f16_to_f32({p16, uhd}, {vlo, uhd});
+      f16_to_f32({p16 + uhd, uhd}, {vst, uhd});
       for (int r = 0; r < rep; ++r) {
         const size_t qh = static_cast<size_t>(h * rep + r);
-        const float* HWY_RESTRICT s = scores.data() + qh * G;
-        float mg = s[0];
-        for (int t = 1; t < G; ++t) mg = std::max(mg, s[t]);
+        const float* HWY_RESTRICT s = scores + qh * uG;
+        auto vm = hn::Set(d, -std::numeric_limits<float>::infinity());
+        for (size_t t = 0; t < uG; t += N) vm = hn::Max(vm, hn::LoadU(d, s + t));
+        const float mg = hn::GetLane(hn::MaxOfLanes(d, vm));
         const float mn = std::max(m[qh], mg);
         alpha[r] = std::exp(m[qh] - mn);  // 0 when m was -inf
         m[qh] = mn;
-        float* HWY_RESTRICT pr = p.data() + static_cast<size_t>(r) * G;
-        float sum = 0.0f;
-        for (int t = 0; t < G; ++t) {
-          pr[t] = std::exp(s[t] - mn);
-          sum += pr[t];
+        float* HWY_RESTRICT pr = pw + static_cast<size_t>(r) * uG;
+        auto vsum = hn::Zero(d);
+        const auto vmn = hn::Set(d, mn);
+        for (size_t t = 0; t < uG; t += N) {
+          const auto e = hn::Exp(d, hn::Sub(hn::LoadU(d, s + t), vmn));
+          hn::StoreU(e, d, pr + t);
+          vsum = hn::Add(vsum, e);
         }
-        psum[static_cast<size_t>(r)] = sum;
+        psum[r] = hn::GetLane(hn::SumOfLanes(d, vsum));
+        l[qh] = l[qh] * alpha[r] + psum[r];
       }
-      std::fill(cacc.begin(), cacc.end(), 0.0f);
+      float* a = acc + static_cast<size_t>(h * rep) * uhd;
       const uint8_t* codes = grp + 4 * uhd;
-      for (int t = 0; t < G; ++t) {
-        const uint8_t* row = codes + static_cast<size_t>(t) * vrow_bytes;
-        for (int i = 0; i < hd; i += 8) {
-          uint32_t q8[8];
-          Unpack8(row + static_cast<size_t>(i / 8) * static_cast<size_t>(c.v_bits), c.v_bits, q8);
-          for (int e = 0; e < 8; ++e) code[static_cast<size_t>(i + e)] = static_cast<float>(q8[e]);
-        }
-        for (int r = 0; r < rep; ++r) {
-          const float w = p[static_cast<size_t>(r) * G + static_cast<size_t>(t)];
-          float* HWY_RESTRICT ca = cacc.data() + static_cast<size_t>(r) * uhd;
-          const float* HWY_RESTRICT cd = code.data();
-          for (int i = 0; i < hd; ++i) ca[i] += w * cd[i];
-        }
-      }
-      for (int r = 0; r < rep; ++r) {
-        const size_t qh = static_cast<size_t>(h * rep + r);
-        const float P_ = psum[static_cast<size_t>(r)];
-        l[qh] = l[qh] * alpha[r] + P_;
-        float* HWY_RESTRICT a = acc.data() + qh * uhd;
-        const float* HWY_RESTRICT ca = cacc.data() + static_cast<size_t>(r) * uhd;
-        for (int i = 0; i < hd; ++i) a[i] = a[i] * alpha[r] + vlo[static_cast<size_t>(i)] * P_ + vst[static_cast<size_t>(i)] * ca[i];
+      if (hd % 16 == 0) {
+        AccumulateV(d, codes, vrow, G, hd, rep, vsh, pw, psum, alpha, vlo, vst, a);
+      } else {
+        const hn::CappedTag<float, 8> d8;
+        AccumulateV(d8, codes, vrow, G, hd, rep, vsh, pw, psum, alpha, vlo, vst, a);
       }
     }
   }
@@ -148,10 +270,10 @@ void AttendImpl(const Call& c) {
     if (l[uq] > 0.0f) {
       c.log_mass[uq] = static_cast<double>(m[uq]) + std::log(static_cast<double>(l[uq]));
       const float inv = 1.0f / l[uq];
-      for (int i = 0; i < hd; ++i) c.value[uq * uhd + static_cast<size_t>(i)] = acc[uq * uhd + static_cast<size_t>(i)] * inv;
+      for (size_t i = 0; i < uhd; ++i) c.value[uq * uhd + i] = acc[uq * uhd + i] * inv;
     } else {
       c.log_mass[uq] = -std::numeric_limits<double>::infinity();
-      for (int i = 0; i < hd; ++i) c.value[uq * uhd + static_cast<size_t>(i)] = 0.0f;
+      for (size_t i = 0; i < uhd; ++i) c.value[uq * uhd + i] = 0.0f;
     }
   }
 }

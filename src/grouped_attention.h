@@ -25,13 +25,36 @@ struct Call {
 // One thread; never throws.
 void Attend(const Call& c);
 
-// Codes i = 0..7 at bits [b i, b i + b) of the little-endian bytes at p,
-// which must be readable for 8 bytes.
-inline void Unpack8(const uint8_t* p, int b, uint32_t* out) {
-  uint64_t w = 0;
-  for (int i = 0; i < 8; ++i) w |= static_cast<uint64_t>(p[i]) << (8 * i);
-  const uint64_t mask = (uint64_t{1} << b) - 1;
-  for (int i = 0; i < 8; ++i) out[i] = static_cast<uint32_t>((w >> (b * i)) & mask);
+// An 8-code block of B bits (2..8) takes B bytes: codes j = 0..7 at bits
+// [lb j, lb j + lb) of its first 4 bytes' little-endian word, lb = min(B, 4)
+// (the low plane); for B > 4 the high parts (code >> 4) follow at bits
+// [(B - 4) j, ...) of the word at byte 4 (the high plane). So 8 lanes of
+// codes come out of one or two 32-bit broadcasts, a per-lane shift and a
+// mask, for every B. A K tile channel (16 tokens) is two blocks (tokens
+// 0-7, 8-15); a V row (head_dim channels) is head_dim / 8 blocks. Readers
+// may load 4 bytes past a block's end (buffers are padded).
+inline void PackBlock8(const uint8_t* codes, int b, uint8_t* out) {
+  const int lb = b < 4 ? b : 4;
+  uint64_t lo = 0, hi = 0;
+  for (int j = 0; j < 8; ++j) {
+    lo |= static_cast<uint64_t>(codes[j] & ((1u << lb) - 1)) << (lb * j);
+    if (b > 4) hi |= static_cast<uint64_t>(codes[j] >> 4) << ((b - 4) * j);
+  }
+  for (int i = 0; i < lb; ++i) out[i] = static_cast<uint8_t>(lo >> (8 * i));
+  for (int i = 0; i < b - 4; ++i) out[4 + i] = static_cast<uint8_t>(hi >> (8 * i));
+}
+
+// Code j (0..7) of the block at p (scalar reference).
+inline uint32_t CodeInBlock8(const uint8_t* p, int j, int b) {
+  const int lb = b < 4 ? b : 4;
+  auto word = [](const uint8_t* q, int bytes) {
+    uint32_t w = 0;
+    for (int i = 0; i < bytes; ++i) w |= static_cast<uint32_t>(q[i]) << (8 * i);
+    return w;
+  };
+  uint32_t c = (word(p, lb) >> (lb * j)) & ((1u << lb) - 1);
+  if (b > 4) c |= ((word(p + 4, b - 4) >> ((b - 4) * j)) & ((1u << (b - 4)) - 1)) << 4;
+  return c;
 }
 
 }  // namespace kvq::grouped

@@ -55,23 +55,6 @@ bool ParseName(const std::string& s, GroupedKvScheme& out) {
   return true;
 }
 
-void PackBits(const uint8_t* codes, int n, int bits, uint8_t* out) {
-  // codes[i] at bits [bits i, bits i + bits), little-endian; out zeroed first.
-  std::memset(out, 0, static_cast<size_t>(n * bits + 7) / 8);
-  for (int i = 0; i < n; ++i) {
-    const int bit = i * bits;
-    const uint32_t v = static_cast<uint32_t>(codes[i]) << (bit % 8);
-    out[bit / 8] |= static_cast<uint8_t>(v & 0xFF);
-    if ((bit % 8) + bits > 8) out[bit / 8 + 1] |= static_cast<uint8_t>(v >> 8);
-  }
-}
-
-uint32_t CodeAt(const uint8_t* p, int i, int bits) {
-  const int bit = i * bits;
-  const uint32_t w = static_cast<uint32_t>(p[bit / 8]) | (static_cast<uint32_t>(p[bit / 8 + 1]) << 8);
-  return (w >> (bit % 8)) & ((1u << bits) - 1);
-}
-
 }  // namespace
 
 // ---- GroupedKvScheme -------------------------------------------------------
@@ -304,17 +287,22 @@ void GroupedKvCache::EncodeGroup(int layer, int64_t g) {
         encode_group_channel_ref(src + i, G, E, bits, lo + i, lo + hd + i, codes.data() + static_cast<size_t>(i) * G);
       }
       uint8_t* out = grp + 4 * static_cast<size_t>(hd);
-      if (which == 0) {  // tiles: tile j, channel i: 16 codes in 2 bits bytes
+      const size_t bb = static_cast<size_t>(bits);  // bytes of an 8-code block
+      if (which == 0) {  // K tiles: tile j, channel i: tokens 16j..16j+7, then 16j+8..16j+15
         for (int j = 0; j < G / 16; ++j) {
           for (int i = 0; i < hd; ++i) {
-            PackBits(codes.data() + static_cast<size_t>(i) * G + static_cast<size_t>(j) * 16, 16, bits,
-                     out + (static_cast<size_t>(j) * hd + static_cast<size_t>(i)) * 2 * static_cast<size_t>(bits));
+            const uint8_t* c = codes.data() + static_cast<size_t>(i) * G + static_cast<size_t>(j) * 16;
+            uint8_t* o = out + (static_cast<size_t>(j) * hd + static_cast<size_t>(i)) * 2 * bb;
+            grouped::PackBlock8(c, bits, o);
+            grouped::PackBlock8(c + 8, bits, o + bb);
           }
         }
-      } else {  // rows: token u's hd codes
+      } else {  // V rows: token u's channels in blocks of 8
         for (int u = 0; u < G; ++u) {
           for (int i = 0; i < hd; ++i) row[static_cast<size_t>(i)] = codes[static_cast<size_t>(i) * G + static_cast<size_t>(u)];
-          PackBits(row.data(), hd, bits, out + static_cast<size_t>(u) * static_cast<size_t>(hd * bits / 8));
+          for (int i = 0; i < hd; i += 8) {
+            grouped::PackBlock8(row.data() + i, bits, out + static_cast<size_t>(u) * hd * bb / 8 + static_cast<size_t>(i / 8) * bb);
+          }
         }
       }
     }
@@ -342,8 +330,14 @@ void GroupedKvCache::read(int layer, int64_t pos, int64_t T, std::span<float> k,
       const int bits = which == 0 ? scheme_.k_bits : scheme_.v_bits;
       float* out = (which == 0 ? k.data() : v.data()) + static_cast<size_t>(h) * static_cast<size_t>(hd);
       for (int i = 0; i < hd; ++i) {
-        const uint32_t q = which == 0 ? CodeAt(codes + (static_cast<size_t>(u / 16) * hd + static_cast<size_t>(i)) * 2 * bits, u % 16, bits)
-                                      : CodeAt(codes + static_cast<size_t>(u) * static_cast<size_t>(hd * bits / 8), i, bits);
+        const size_t bb = static_cast<size_t>(bits);
+        const uint32_t q =
+            which == 0
+                ? grouped::CodeInBlock8(codes + (static_cast<size_t>(u / 16) * hd + static_cast<size_t>(i)) * 2 * bb +
+                                            static_cast<size_t>((u % 16) / 8) * bb,
+                                        u % 8, bits)
+                : grouped::CodeInBlock8(codes + static_cast<size_t>(u) * hd * bb / 8 + static_cast<size_t>(i / 8) * bb,
+                                        i % 8, bits);
         out[i] = f16_to_f32_ref(lo[i]) + f16_to_f32_ref(lo[hd + i]) * static_cast<float>(q);
       }
     }

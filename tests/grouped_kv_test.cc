@@ -108,11 +108,19 @@ void NaiveChannelCode(const std::vector<float>& x, int bits, uint16_t* lo, uint1
   }
 }
 
-uint32_t CodeBits(const uint8_t* p, int i, int bits) {
+// Code j of an 8-code block (grouped_kv.h layout), bit by bit: the low
+// plane (min(B, 4) bits per code) in the first bytes, the high plane
+// (B - 4 bits per code) from byte 4.
+uint32_t Block8Code(const uint8_t* p, int j, int b) {
+  const int lb = std::min(b, 4);
   uint32_t v = 0;
-  for (int b = 0; b < bits; ++b) {
-    const int bit = i * bits + b;
-    v |= static_cast<uint32_t>((p[bit / 8] >> (bit % 8)) & 1) << b;
+  for (int k = 0; k < lb; ++k) {
+    const int bit = j * lb + k;
+    v |= static_cast<uint32_t>((p[bit / 8] >> (bit % 8)) & 1) << k;
+  }
+  for (int k = 0; k < b - 4; ++k) {
+    const int bit = j * (b - 4) + k;
+    v |= static_cast<uint32_t>((p[4 + bit / 8] >> (bit % 8)) & 1) << (4 + k);
   }
   return v;
 }
@@ -120,7 +128,7 @@ uint32_t CodeBits(const uint8_t* p, int i, int bits) {
 TEST(GroupedKv, GroupCodesMatchAnIndependentScalarImplementationBitForBit) {
   test::Rng rng(7);
   const int H = 2, hd = 8, G = 32, E = H * hd;
-  for (int bits : {2, 3, 4, 5, 8}) {
+  for (int bits : {2, 3, 4, 5, 6, 7, 8}) {
     SCOPED_TRACE(bits);
     GroupedKvScheme g{bits, bits == 8 ? 2 : bits + 1, G, 0, 0};
     GroupedKvCache c(g, 1, 2 * G, H, hd);
@@ -160,8 +168,8 @@ TEST(GroupedKv, GroupCodesMatchAnIndependentScalarImplementationBitForBit) {
             const uint8_t* codes = data + 4 * hd;
             for (int t = 0; t < G; ++t) {
               ASSERT_EQ(rq[static_cast<size_t>(t)], q[static_cast<size_t>(t)]);
-              const uint32_t stored = which == 0 ? CodeBits(codes + ((t / 16) * hd + i) * 2 * b, t % 16, b)
-                                                 : CodeBits(codes + t * hd * b / 8, i, b);
+              const uint32_t stored = which == 0 ? Block8Code(codes + ((t / 16) * hd + i) * 2 * b + ((t % 16) / 8) * b, t % 8, b)
+                                                 : Block8Code(codes + t * hd * b / 8 + (i / 8) * b, i % 8, b);
               ASSERT_EQ(stored, static_cast<uint32_t>(q[static_cast<size_t>(t)])) << "t " << t << " ch " << i;
               // Error bound of the uniform code: half a step inside the range.
               const float dec = f16_to_f32_ref(elo) + f16_to_f32_ref(est) * static_cast<float>(q[static_cast<size_t>(t)]);
