@@ -389,7 +389,16 @@ EvalReport run_eval(const EvalOptions& o) {
   };
 
   std::vector<Variant> first;
-  for (const CacheScheme& s : o.schemes) {
+  std::shared_ptr<const StaticRanges> ranges;
+  for (CacheScheme s : o.schemes) {
+    if (s.grouped && (s.grouped->calibrated || s.grouped->k_allocated) && !s.ranges) {
+      if (!ranges) {
+        ranges = std::make_shared<const StaticRanges>(calibrate_static_ranges(ckpt, o.calibration));
+        rep.calibration_tokens = ranges->samples;
+        rep.calibration = o.calibration;
+      }
+      s.ranges = ranges;
+    }
     if (s.grouped || s.row != KvScheme::Fp32) first.push_back({s, WindowPolicy{}, cache_scheme_label(s)});
   }
   WindowPolicy slide;
@@ -465,6 +474,21 @@ std::string format_report(const EvalReport& r) {
   }
   std::snprintf(buf, sizeof buf, "fp32 mean loss (NLL/token): %.4f\n", r.results.front().mean_nll);
   os << buf;
+  bool grouped = false;
+  for (const SchemeResult& s : r.results) {
+    if (!s.scheme.grouped) continue;
+    if (!grouped) os << "grouped schemes: bits in steady state (mean over cache lengths ctx-127..ctx), K before RoPE\n";
+    grouped = true;
+    if (s.label != s.scheme.name()) os << "  " << s.label << " = " << s.scheme.name() << "\n";
+  }
+  if (r.calibration_tokens > 0) {
+    std::snprintf(buf, sizeof buf,
+                  "calibrated ranges: %lld tokens the model generated (%d sequences from BOS, temperature %g, seed "
+                  "%llu, clip %g), not the evaluation text\n",
+                  static_cast<long long>(r.calibration_tokens), r.calibration.sequences, r.calibration.temperature,
+                  static_cast<unsigned long long>(r.calibration.seed), r.calibration.clip);
+    os << buf;
+  }
   return os.str();
 }
 

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "kvq/kv_scheme.h"
+#include "model/calibrate.h"
 #include "model/llama2.h"
 
 namespace kvq::model {
@@ -60,6 +61,9 @@ struct EvalOptions {
   int sinks = 4;
   int window_chunk = 64;
   ClusterBankOptions bank;
+  // Calibrated grouped schemes without ranges get them from text the model
+  // generates (calibrate.h), once per run.
+  CalibrationOptions calibration;
 };
 
 struct SchemeResult {
@@ -93,6 +97,8 @@ struct EvalReport {
   int windows = 0;
   int64_t tokens = 0;  // predicted positions = windows * ctx
   int threads = 1;
+  int64_t calibration_tokens = 0;     // tokens the static ranges were measured on (0: none)
+  CalibrationOptions calibration;
   std::vector<SchemeResult> results;  // fp32 first, then the requested order
 };
 

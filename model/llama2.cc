@@ -78,7 +78,7 @@ Transformer::Transformer(const Checkpoint& ckpt, const CacheScheme& scheme, int 
   if (scheme.grouped) {
     KVQ_CHECK_ARG(policy.window == 0, "window: windowed attention reads a row scheme's cache, not the grouped ",
                   scheme.grouped->name());
-    grouped_.emplace(*scheme.grouped, cfg_.n_layers, max_seq, cfg_.n_kv_heads, cfg_.head_size());
+    grouped_.emplace(*scheme.grouped, cfg_.n_layers, max_seq, cfg_.n_kv_heads, cfg_.head_size(), scheme.ranges.get());
   } else {
     cache_.emplace(scheme.row, cfg_.n_layers, max_seq, cfg_.n_kv_heads, cfg_.head_size());
   }
@@ -231,6 +231,7 @@ std::span<const float> Transformer::run(std::span<const int> tokens, int pos0, b
       const int pos = pos0 + t;
       float* q = row(q_, t, dim);
       float* k = row(k_, t, kv_dim);
+      if (observer_) observer_(l, pos, {q, udim}, {k, ukv}, {row(v_, t, kv_dim), ukv});
       if (grouped_) grouped_->write(l, pos, {k, ukv}, {row(v_, t, kv_dim), ukv});  // K before RoPE
       const float* rc = rope_.cos(pos);
       const float* rs = rope_.sin(pos);

@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -126,6 +127,7 @@ struct WindowPolicy {
 struct CacheScheme {
   KvScheme row = KvScheme::Fp32;
   std::optional<GroupedKvScheme> grouped;
+  std::shared_ptr<const StaticRanges> ranges;  // a calibrated grouped scheme's ranges
   CacheScheme() = default;
   CacheScheme(KvScheme s) : row(s) {}                     // NOLINT: implicit on purpose
   CacheScheme(const GroupedKvScheme& g) : grouped(g) {}  // NOLINT
@@ -157,6 +159,11 @@ class Transformer {
   // float32) and its outlier tokens (float32 K and V).
   uint64_t attention_state_bytes() const;
   const Config& config() const { return cfg_; }
+  // Called with every Q, K row before RoPE and every V row as they are
+  // computed (layer, pos, q, k, v); empty: none.
+  using KvObserver =
+      std::function<void(int, int, std::span<const float>, std::span<const float>, std::span<const float>)>;
+  void set_kv_observer(KvObserver f) { observer_ = std::move(f); }
 
  private:
   std::span<const float> run(std::span<const int> tokens, int pos0, bool batched);
@@ -166,6 +173,7 @@ class Transformer {
   const Weights& w_;
   std::optional<KvCache> cache_;
   std::optional<GroupedKvCache> grouped_;
+  KvObserver observer_;
   RopeTable rope_;
   int max_seq_;
   WindowPolicy policy_;

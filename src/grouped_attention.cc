@@ -128,15 +128,16 @@ HWY_INLINE void AccumulateV(D d, const uint8_t* codes, size_t row_bytes, int G, 
 // [c0, c0 + N): the keys dequantized and rotated in registers, shared by
 // the NR heads.
 template <int NR, class D>
-HWY_INLINE void ScoreTile(D d, const uint8_t* tile, size_t kbb, int P, const Shifts& sh, const float* HWY_RESTRICT kp,
+HWY_INLINE void ScoreTile(D d, const uint8_t* tile, const uint8_t* bits, const uint32_t* off, int P,
+                          const Shifts* shifts, const float* HWY_RESTRICT kp,
                           size_t uhd, const float* HWY_RESTRICT cs, const float* HWY_RESTRICT sn,
                           const float* HWY_RESTRICT qb, size_t c0, float* HWY_RESTRICT out, size_t out_stride) {
   hn::Vec<D> a[NR];
   for (int r = 0; r < NR; ++r) a[r] = hn::Zero(d);
   for (int pp = 0; pp < P; ++pp) {
     const size_t i0 = static_cast<size_t>(2 * pp), i1 = i0 + 1;
-    const auto q0 = Codes(d, tile + i0 * 2 * kbb, sh, c0);
-    const auto q1 = Codes(d, tile + i1 * 2 * kbb, sh, c0);
+    const auto q0 = Codes(d, tile + off[i0], shifts[bits[i0]], c0);
+    const auto q1 = Codes(d, tile + off[i1], shifts[bits[i1]], c0);
     const auto k0 = hn::MulAdd(q0, hn::Set(d, kp[uhd + i0]), hn::Set(d, kp[i0]));
     const auto k1 = hn::MulAdd(q1, hn::Set(d, kp[uhd + i1]), hn::Set(d, kp[i1]));
     const auto vc = hn::Load(d, cs + pp * kL + c0), vs = hn::Load(d, sn + pp * kL + c0);
@@ -157,8 +158,11 @@ void AttendImpl(const Call& c) {
   const int hd = c.head_dim, P = hd / 2, H = c.n_kv_heads, rep = c.n_heads / H, G = c.group;
   const int tiles = G / kL;
   const size_t uhd = static_cast<size_t>(hd), uG = static_cast<size_t>(G);
-  const Shifts ksh(c.k_bits), vsh(c.v_bits);
-  const size_t kbb = static_cast<size_t>(c.k_bits), vrow = uhd * static_cast<size_t>(c.v_bits) / 8;
+  const Shifts shifts[9] = {Shifts(1), Shifts(1), Shifts(2), Shifts(3), Shifts(4),
+                            Shifts(5), Shifts(6), Shifts(7), Shifts(8)};  // by bits (0 unused)
+  const Shifts& vsh = shifts[c.v_bits];
+  const size_t vrow = uhd * static_cast<size_t>(c.v_bits) / 8;
+  const size_t header = c.k_static ? 0 : 4 * uhd;  // per-group fp16 lo | step
   // Rotation of each pair at lane offsets 0..15 (transposed: [pair][lane]),
   // and the tile's rotation (aligned: read with Load).
   const size_t pl = static_cast<size_t>(P) * kL;
@@ -189,7 +193,7 @@ void AttendImpl(const Call& c) {
   std::vector<float> kparams(static_cast<size_t>(H) * 2 * uhd);
 
   for (int64_t g = c.g0; g < c.g1; ++g) {
-    for (int h = 0; h < H; ++h) {
+    for (int h = 0; h < H && !c.k_static; ++h) {
       const uint16_t* p16 = reinterpret_cast<const uint16_t*>(
           c.k + (static_cast<size_t>(h) * static_cast<size_t>(c.max_groups) + static_cast<size_t>(g)) * c.gbk);
       f16_to_f32({p16, 2 * uhd}, {kparams.data() + static_cast<size_t>(h) * 2 * uhd, 2 * uhd});
@@ -208,22 +212,24 @@ void AttendImpl(const Call& c) {
       }
       for (int h = 0; h < H; ++h) {
         const uint8_t* tile = c.k + (static_cast<size_t>(h) * static_cast<size_t>(c.max_groups) + static_cast<size_t>(g)) * c.gbk +
-                              4 * uhd + static_cast<size_t>(j) * uhd * 2 * kbb;
-        const float* kp = kparams.data() + static_cast<size_t>(h) * 2 * uhd;
+                              header + static_cast<size_t>(j) * c.ktile_bytes;
+        const uint8_t* kb = c.k_bits_ch + static_cast<size_t>(h) * uhd;
+        const uint32_t* ko = c.k_off_ch + static_cast<size_t>(h) * uhd;
+        const float* kp = (c.k_static ? c.k_static : kparams.data()) + static_cast<size_t>(h) * 2 * uhd;
         for (size_t c0 = 0; c0 < static_cast<size_t>(kL); c0 += N) {
           float* out = scores + static_cast<size_t>(h * rep) * uG + static_cast<size_t>(j) * kL;
           const float* qb = c.q + static_cast<size_t>(h * rep) * uhd;
           int r0 = 0;
           for (; r0 + 4 <= rep; r0 += 4) {
-            ScoreTile<4>(d, tile, kbb, P, ksh, kp, uhd, cs, sn, qb + static_cast<size_t>(r0) * uhd, c0,
+            ScoreTile<4>(d, tile, kb, ko, P, shifts, kp, uhd, cs, sn, qb + static_cast<size_t>(r0) * uhd, c0,
                          out + static_cast<size_t>(r0) * uG, uG);
           }
           for (; r0 + 2 <= rep; r0 += 2) {
-            ScoreTile<2>(d, tile, kbb, P, ksh, kp, uhd, cs, sn, qb + static_cast<size_t>(r0) * uhd, c0,
+            ScoreTile<2>(d, tile, kb, ko, P, shifts, kp, uhd, cs, sn, qb + static_cast<size_t>(r0) * uhd, c0,
                          out + static_cast<size_t>(r0) * uG, uG);
           }
           for (; r0 < rep; ++r0) {
-            ScoreTile<1>(d, tile, kbb, P, ksh, kp, uhd, cs, sn, qb + static_cast<size_t>(r0) * uhd, c0,
+            ScoreTile<1>(d, tile, kb, ko, P, shifts, kp, uhd, cs, sn, qb + static_cast<size_t>(r0) * uhd, c0,
                          out + static_cast<size_t>(r0) * uG, uG);
           }
         }
@@ -232,9 +238,15 @@ void AttendImpl(const Call& c) {
     // One softmax step per head for the whole group, then V.
     for (int h = 0; h < H; ++h) {
       const uint8_t* grp = c.v + (static_cast<size_t>(h) * static_cast<size_t>(c.max_groups) + static_cast<size_t>(g)) * c.gbv;
-      const uint16_t* p16 = reinterpret_cast<const uint16_t*>(grp);
-      f16_to_f32({p16, uhd}, {vlo, uhd});
-      f16_to_f32({p16 + uhd, uhd}, {vst, uhd});
+      if (c.v_static) {
+        std::copy(c.v_static + static_cast<size_t>(h) * 2 * uhd, c.v_static + static_cast<size_t>(h) * 2 * uhd + uhd, vlo);
+        std::copy(c.v_static + static_cast<size_t>(h) * 2 * uhd + uhd, c.v_static + static_cast<size_t>(h) * 2 * uhd + 2 * uhd,
+                  vst);
+      } else {
+        const uint16_t* p16 = reinterpret_cast<const uint16_t*>(grp);
+        f16_to_f32({p16, uhd}, {vlo, uhd});
+        f16_to_f32({p16 + uhd, uhd}, {vst, uhd});
+      }
       for (int r = 0; r < rep; ++r) {
         const size_t qh = static_cast<size_t>(h * rep + r);
         const float* HWY_RESTRICT s = scores + qh * uG;
@@ -256,7 +268,7 @@ void AttendImpl(const Call& c) {
         l[qh] = l[qh] * alpha[r] + psum[r];
       }
       float* a = acc + static_cast<size_t>(h * rep) * uhd;
-      const uint8_t* codes = grp + 4 * uhd;
+      const uint8_t* codes = grp + header;
       if (hd % 16 == 0) {
         AccumulateV(d, codes, vrow, G, hd, rep, vsh, pw, psum, alpha, vlo, vst, a);
       } else {

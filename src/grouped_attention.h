@@ -18,6 +18,16 @@ struct Call {
   const float* q = nullptr;    // n_heads * head_dim, already multiplied by the score scale
   const float* rope_cos = nullptr;  // RopeTable: (max_seq, head_dim / 2)
   const float* rope_sin = nullptr;
+  // Calibrated caches: per KV head lo[head_dim] | step[head_dim] (floats)
+  // for K and for V, and groups without a parameter header. Null: each
+  // group starts with its fp16 lo and step.
+  const float* k_static = nullptr;
+  const float* v_static = nullptr;
+  // K bits and byte offset in a tile of each channel (n_kv_heads * head_dim),
+  // and one head's tile bytes.
+  const uint8_t* k_bits_ch = nullptr;
+  const uint32_t* k_off_ch = nullptr;
+  size_t ktile_bytes = 0;
   double* log_mass = nullptr;  // n_heads outputs: log sum exp(score), -inf when no token
   float* value = nullptr;      // n_heads * head_dim outputs (normalised)
 };
@@ -42,6 +52,20 @@ inline void PackBlock8(const uint8_t* codes, int b, uint8_t* out) {
   }
   for (int i = 0; i < lb; ++i) out[i] = static_cast<uint8_t>(lo >> (8 * i));
   for (int i = 0; i < b - 4; ++i) out[4 + i] = static_cast<uint8_t>(hi >> (8 * i));
+}
+
+// Sets code j (0..7) of the block at p, leaving the other codes as they are.
+inline void SetCodeInBlock8(uint8_t* p, int j, int b, uint32_t code) {
+  auto set = [](uint8_t* q, int bit0, int nbits, uint32_t val) {
+    for (int k = 0; k < nbits; ++k) {
+      const int bit = bit0 + k;
+      const uint8_t m = static_cast<uint8_t>(1u << (bit % 8));
+      q[bit / 8] = ((val >> k) & 1) ? static_cast<uint8_t>(q[bit / 8] | m) : static_cast<uint8_t>(q[bit / 8] & ~m);
+    }
+  };
+  const int lb = b < 4 ? b : 4;
+  set(p, lb * j, lb, code & ((1u << lb) - 1));
+  if (b > 4) set(p + 4, (b - 4) * j, b - 4, code >> 4);
 }
 
 // Code j (0..7) of the block at p (scalar reference).

@@ -45,7 +45,14 @@ bool ReadNumber(const std::string& s, size_t& i, char prefix, int& out) {
 bool ParseName(const std::string& s, GroupedKvScheme& out) {
   GroupedKvScheme g;
   size_t i = 0;
-  if (!ReadNumber(s, i, 'k', g.k_bits) || !ReadNumber(s, i, 'v', g.v_bits) || !ReadNumber(s, i, 'g', g.group)) {
+  if (!ReadNumber(s, i, 'k', g.k_bits)) return false;
+  if (i < s.size() && s[i] == 'a') g.k_allocated = true, ++i;
+  if (!ReadNumber(s, i, 'v', g.v_bits)) return false;
+  if (i < s.size() && s[i] == 'c') {
+    g.calibrated = true;
+    g.group = 16;
+    ++i;
+  } else if (!ReadNumber(s, i, 'g', g.group)) {
     return false;
   }
   ReadNumber(s, i, 'r', g.recent);
@@ -61,20 +68,32 @@ bool ParseName(const std::string& s, GroupedKvScheme& out) {
 
 std::string GroupedKvScheme::name() const {
   std::string s;
-  s.append("k").append(std::to_string(k_bits)).append("v").append(std::to_string(v_bits));
-  s.append("g").append(std::to_string(group));
+  s.append("k").append(std::to_string(k_bits)).append(k_allocated ? "a" : "");
+  s.append("v").append(std::to_string(v_bits));
+  if (calibrated) {
+    s.append("c");
+  } else {
+    s.append("g").append(std::to_string(group));
+  }
   if (recent > 0) s.append("r").append(std::to_string(recent));
   if (sinks > 0) s.append("s").append(std::to_string(sinks));
   return s;
 }
 
 int64_t GroupedKvScheme::coded_end(int64_t T) const {
+  if (calibrated) return std::max<int64_t>(sinks, T - recent);
   const int64_t open = std::max<int64_t>(0, T - recent - sinks);
   return sinks + group * (open / group);
 }
 
 double GroupedKvScheme::bits(int64_t T) const {
   if (T <= 0) return 0.0;
+  if (calibrated) {  // every token after the sinks coded on arrival; the recent ones also exact; the table
+    const int64_t coded = std::max<int64_t>(0, T - sinks);
+    const int64_t exact = std::min<int64_t>(T, sinks) + std::min<int64_t>(recent, coded);
+    const double stored = static_cast<double>(coded) * (k_bits + v_bits) + static_cast<double>(exact) * 2 * 16 + 64.0;
+    return stored / (2.0 * static_cast<double>(T));
+  }
   const int64_t coded = std::max<int64_t>(0, coded_end(T) - sinks);
   const int64_t exact = T - coded, groups = coded / group;
   const double stored = static_cast<double>(coded) * (k_bits + v_bits) + static_cast<double>(groups) * 2 * 32 +
@@ -92,6 +111,7 @@ double GroupedKvScheme::steady_state_bits(int64_t ctx) const {
 void GroupedKvScheme::validate(const char* arg) const {
   KVQ_CHECK_ARG(k_bits >= 2 && k_bits <= kMaxBits && v_bits >= 2 && v_bits <= kMaxBits, arg,
                 ": grouped code bits must be 2..8, got k", k_bits, " v", v_bits);
+  KVQ_CHECK_ARG(!calibrated || group == 16, arg, ": calibrated schemes store tiles of 16 tokens, got group ", group);
   KVQ_CHECK_ARG(group >= 16 && group <= kMaxGroup && group % 16 == 0, arg,
                 ": group size G must be a multiple of 16 (one K tile) in 16..1024, got ", group);
   KVQ_CHECK_ARG(recent >= 0 && recent <= (1 << 20), arg, ": recent window must be 0..1048576, got ", recent);
@@ -125,6 +145,80 @@ GroupedKvScheme parse_grouped_kv_scheme(const std::string& name, const char* arg
                 " or a preset, got '", name, "'");
   g.validate(arg);
   return g;
+}
+
+// ---- StaticRanges ------------------------------------------------------------
+
+StaticRanges StaticRanges::from_samples(const std::vector<std::vector<float>>& k,
+                                        const std::vector<std::vector<float>>& v, int n_kv_heads, int head_dim,
+                                        double clip) {
+  KVQ_CHECK_ARG(!k.empty() && k.size() == v.size(), "ranges: expected the same number (>= 1) of K and V layers, got ",
+                k.size(), " and ", v.size());
+  KVQ_CHECK_ARG(n_kv_heads >= 1 && head_dim >= 1, "ranges: expected n_kv_heads, head_dim >= 1");
+  KVQ_CHECK_ARG(clip >= 0.0 && clip < 0.25, "ranges: clip must be in [0, 0.25), got ", clip);
+  const size_t E = static_cast<size_t>(n_kv_heads) * static_cast<size_t>(head_dim);
+  StaticRanges r;
+  r.n_layers = static_cast<int>(k.size());
+  r.n_kv_heads = n_kv_heads;
+  r.head_dim = head_dim;
+  const size_t rows = k[0].size() / E;
+  KVQ_CHECK_ARG(rows >= 1, "ranges: expected at least one sample row");
+  r.samples = static_cast<int64_t>(rows);
+  std::vector<float> col(rows);
+  for (int which = 0; which < 2; ++which) {
+    const auto& src = which == 0 ? k : v;
+    std::vector<float>& lo = which == 0 ? r.k_lo : r.v_lo;
+    std::vector<float>& hi = which == 0 ? r.k_hi : r.v_hi;
+    for (const auto& layer : src) {
+      KVQ_CHECK_ARG(layer.size() == rows * E, "ranges: every layer needs ", rows, " rows of ", E, " values");
+      for (size_t c = 0; c < E; ++c) {
+        for (size_t t = 0; t < rows; ++t) {
+          col[t] = layer[t * E + c];
+          KVQ_CHECK_ARG(std::isfinite(col[t]), "ranges: non-finite sample");
+        }
+        const size_t cut = static_cast<size_t>(clip * static_cast<double>(rows));
+        std::nth_element(col.begin(), col.begin() + static_cast<std::ptrdiff_t>(cut), col.end());
+        lo.push_back(col[cut]);
+        std::nth_element(col.begin(), col.begin() + static_cast<std::ptrdiff_t>(rows - 1 - cut), col.end());
+        hi.push_back(col[rows - 1 - cut]);
+      }
+    }
+  }
+  return r;
+}
+
+void StaticRanges::validate(int layers, int heads, int hd, const char* arg) const {
+  const size_t n = static_cast<size_t>(layers) * static_cast<size_t>(heads) * static_cast<size_t>(hd);
+  KVQ_CHECK_ARG(n_layers == layers && n_kv_heads == heads && head_dim == hd && k_lo.size() == n && k_hi.size() == n &&
+                    v_lo.size() == n && v_hi.size() == n,
+                arg, ": ranges for ", layers, " layers x ", heads, " heads x ", hd, " expected, got ", n_layers, " x ",
+                n_kv_heads, " x ", head_dim);
+  for (size_t i = 0; i < n; ++i) {
+    KVQ_CHECK_ARG(std::isfinite(k_lo[i]) && std::isfinite(k_hi[i]) && k_lo[i] <= k_hi[i] && std::isfinite(v_lo[i]) &&
+                      std::isfinite(v_hi[i]) && v_lo[i] <= v_hi[i] && std::fabs(k_lo[i]) <= kF16Max &&
+                      std::fabs(k_hi[i]) <= kF16Max && std::fabs(v_lo[i]) <= kF16Max && std::fabs(v_hi[i]) <= kF16Max,
+                  arg, ": channel ", i, " needs finite lo <= hi within the fp16 range");
+  }
+}
+
+std::vector<int> allocate_channel_bits(std::span<const float> weights, int avg_bits, int min_bits, int max_bits) {
+  const int n = static_cast<int>(weights.size());
+  KVQ_CHECK_ARG(n >= 1 && min_bits >= 1 && min_bits <= avg_bits && avg_bits <= max_bits && max_bits <= kMaxBits,
+                "bits: expected 1 <= min ", min_bits, " <= average ", avg_bits, " <= max ", max_bits, " <= 8 over ", n,
+                " channels");
+  for (float w : weights) KVQ_CHECK_ARG(std::isfinite(w) && w >= 0.0f, "weights: expected finite values >= 0");
+  std::vector<int> b(static_cast<size_t>(n), min_bits);
+  std::vector<double> err(static_cast<size_t>(n));  // w_i 4^-b_i
+  for (int i = 0; i < n; ++i) err[static_cast<size_t>(i)] = weights[static_cast<size_t>(i)] * std::ldexp(1.0, -2 * min_bits);
+  for (int64_t left = static_cast<int64_t>(avg_bits - min_bits) * n; left > 0; --left) {
+    int best = -1;
+    for (int i = 0; i < n; ++i) {
+      if (b[static_cast<size_t>(i)] < max_bits && (best < 0 || err[static_cast<size_t>(i)] > err[static_cast<size_t>(best)])) best = i;
+    }
+    ++b[static_cast<size_t>(best)];
+    err[static_cast<size_t>(best)] *= 0.25;
+  }
+  return b;
 }
 
 // ---- RopeTable -------------------------------------------------------------
@@ -161,13 +255,10 @@ void RopeTable::apply(float* x, int n_heads, int pos) const {
 
 // ---- group codes -------------------------------------------------------------
 
-void encode_group_channel_ref(const float* x, int n, size_t stride, int bits, uint16_t* lo, uint16_t* step,
-                              uint8_t* codes) {
-  float mn = x[0], mx = x[0];
-  for (int t = 1; t < n; ++t) {
-    mn = std::min(mn, x[static_cast<size_t>(t) * stride]);
-    mx = std::max(mx, x[static_cast<size_t>(t) * stride]);
-  }
+namespace {
+
+// fp16 lo (rounded down) and step (rounded up) covering [mn, mx].
+void RangeParams(float mn, float mx, int bits, uint16_t* lo, uint16_t* step) {
   uint16_t l16 = f32_to_f16_ref(mn);
   if (f16_to_f32_ref(l16) > mn) l16 = F16Down(l16);
   const float lof = f16_to_f32_ref(l16);
@@ -180,15 +271,27 @@ void encode_group_channel_ref(const float* x, int n, size_t stride, int bits, ui
   }
   *lo = l16;
   *step = s16;
-  const float stf = f16_to_f32_ref(s16);
-  for (int t = 0; t < n; ++t) {
-    if (stf == 0.0f) {
-      codes[t] = 0;
-      continue;
-    }
-    const float q = std::nearbyint((x[static_cast<size_t>(t) * stride] - lof) / stf);
-    codes[t] = static_cast<uint8_t>(std::clamp(q, 0.0f, static_cast<float>(levels)));
+}
+
+uint8_t Code(float x, float lo, float step, int levels) {
+  if (step == 0.0f) return 0;
+  const float q = std::nearbyint((x - lo) / step);
+  return static_cast<uint8_t>(std::clamp(q, 0.0f, static_cast<float>(levels)));
+}
+
+}  // namespace
+
+void encode_group_channel_ref(const float* x, int n, size_t stride, int bits, uint16_t* lo, uint16_t* step,
+                              uint8_t* codes) {
+  float mn = x[0], mx = x[0];
+  for (int t = 1; t < n; ++t) {
+    mn = std::min(mn, x[static_cast<size_t>(t) * stride]);
+    mx = std::max(mx, x[static_cast<size_t>(t) * stride]);
   }
+  RangeParams(mn, mx, bits, lo, step);
+  const float lof = f16_to_f32_ref(*lo), stf = f16_to_f32_ref(*step);
+  const int levels = (1 << bits) - 1;
+  for (int t = 0; t < n; ++t) codes[t] = Code(x[static_cast<size_t>(t) * stride], lof, stf, levels);
 }
 
 // ---- GroupedKvCache ------------------------------------------------------------
@@ -204,7 +307,7 @@ const GroupedKvScheme& Validated(const GroupedKvScheme& s, int head_dim) {
 }  // namespace
 
 GroupedKvCache::GroupedKvCache(const GroupedKvScheme& scheme, int n_layers, int max_seq, int n_kv_heads,
-                               int head_dim)
+                               int head_dim, const StaticRanges* ranges)
     : scheme_(Validated(scheme, head_dim)),
       n_layers_(n_layers),
       max_seq_(max_seq),
@@ -214,18 +317,76 @@ GroupedKvCache::GroupedKvCache(const GroupedKvScheme& scheme, int n_layers, int 
       exact_(KvScheme::Fp16, n_layers, max_seq, n_kv_heads, head_dim) {
   KVQ_CHECK_ARG(n_layers >= 1 && n_kv_heads >= 1 && max_seq >= 1, "grouped cache: expected n_layers, n_kv_heads, ",
                 "max_seq >= 1, got ", n_layers, ", ", n_kv_heads, ", ", max_seq);
-  const int G = scheme_.group;
-  max_groups_ = std::max<int64_t>(0, (static_cast<int64_t>(max_seq) - scheme_.sinks) / G);
-  const size_t hd = static_cast<size_t>(head_dim);
-  group_bytes_k_ = 4 * hd + static_cast<size_t>(G) * hd * static_cast<size_t>(scheme_.k_bits) / 8;
-  group_bytes_v_ = 4 * hd + static_cast<size_t>(G) * hd * static_cast<size_t>(scheme_.v_bits) / 8;
-  const size_t per_layer = static_cast<size_t>(n_kv_heads) * static_cast<size_t>(max_groups_) *
-                           (group_bytes_k_ + group_bytes_v_);
-  codes_.assign(per_layer * static_cast<size_t>(n_layers) + 16, 0);  // + 16: Unpack8 reads 8 bytes
-  const size_t E = static_cast<size_t>(n_kv_heads) * hd;
-  pending_k_.assign(static_cast<size_t>(n_layers) * static_cast<size_t>(G) * E, 0.0f);
-  pending_v_.assign(pending_k_.size(), 0.0f);
+  const size_t hd = static_cast<size_t>(head_dim), H = static_cast<size_t>(n_kv_heads);
+  G_ = scheme_.calibrated ? 16 : scheme_.group;
+  header_bytes_ = scheme_.calibrated ? 0 : 4 * hd;
+  // Calibrated: every token after the sinks has a tile lane (the last tile
+  // may be partial); dynamic: whole groups only.
+  const int64_t after = std::max<int64_t>(0, static_cast<int64_t>(max_seq) - scheme_.sinks);
+  max_groups_ = scheme_.calibrated ? (after + G_ - 1) / G_ : after / G_;
+  // K bits per channel: the scheme's, or allocated per head from the
+  // calibrated weights (each head keeps k_bits * head_dim bits).
+  const size_t E = H * hd;
+  const bool need_ranges = scheme_.calibrated || scheme_.k_allocated;
+  KVQ_CHECK_ARG(!need_ranges || ranges != nullptr, "ranges: the scheme ", scheme_.name(),
+                " needs calibrated ranges (StaticRanges)");
+  if (need_ranges) ranges->validate(n_layers, n_kv_heads, head_dim, "ranges");
+  KVQ_CHECK_ARG(!scheme_.k_allocated || ranges->k_weight.size() == static_cast<size_t>(n_layers) * E, "ranges: the ",
+                "scheme ", scheme_.name(), " allocates K bits by calibrated weights, but the ranges have none");
+  kbits_.assign(static_cast<size_t>(n_layers) * E, static_cast<uint8_t>(scheme_.k_bits));
+  koff_.resize(kbits_.size());
+  for (int l = 0; l < n_layers; ++l) {
+    for (size_t h = 0; h < H; ++h) {
+      const size_t base = static_cast<size_t>(l) * E + h * hd;
+      if (scheme_.k_allocated) {
+        const std::vector<int> b = allocate_channel_bits({ranges->k_weight.data() + base, hd}, scheme_.k_bits, std::min(2, scheme_.k_bits));
+        for (size_t i = 0; i < hd; ++i) kbits_[base + i] = static_cast<uint8_t>(b[i]);
+      }
+      uint32_t off = 0;
+      for (size_t i = 0; i < hd; ++i) koff_[base + i] = off, off += 2 * kbits_[base + i];
+    }
+  }
+  ktile_bytes_ = 2 * hd * static_cast<size_t>(scheme_.k_bits);  // the same for every head
+  group_bytes_k_ = header_bytes_ + static_cast<size_t>(G_ / 16) * ktile_bytes_;
+  group_bytes_v_ = header_bytes_ + static_cast<size_t>(G_) * hd * static_cast<size_t>(scheme_.v_bits) / 8;
+  const size_t per_layer = H * static_cast<size_t>(max_groups_) * (group_bytes_k_ + group_bytes_v_);
+  codes_.assign(per_layer * static_cast<size_t>(n_layers) + 16, 0);  // + 16: readers load 4 bytes past a block
+  if (scheme_.calibrated) {
+    static_params_.resize(static_cast<size_t>(n_layers) * 2 * E * 2);
+    for (int l = 0; l < n_layers; ++l) {
+      for (int which = 0; which < 2; ++which) {
+        const std::vector<float>& lo = which == 0 ? ranges->k_lo : ranges->v_lo;
+        const std::vector<float>& hi = which == 0 ? ranges->k_hi : ranges->v_hi;
+        for (size_t h = 0; h < H; ++h) {
+          float* out = const_cast<float*>(StaticParams(l, which, static_cast<int>(h)));
+          for (size_t i = 0; i < hd; ++i) {
+            const size_t c = static_cast<size_t>(l) * E + h * hd + i;
+            const int bits = which == 0 ? kbits_[c] : scheme_.v_bits;
+            uint16_t l16, s16;
+            RangeParams(lo[c], hi[c], bits, &l16, &s16);
+            out[i] = f16_to_f32_ref(l16);
+            out[hd + i] = f16_to_f32_ref(s16);
+          }
+        }
+      }
+    }
+  } else {
+    pending_k_.assign(static_cast<size_t>(n_layers) * static_cast<size_t>(G_) * E, 0.0f);
+    pending_v_.assign(pending_k_.size(), 0.0f);
+  }
   written_.assign(static_cast<size_t>(n_layers), 0);
+}
+
+const float* GroupedKvCache::StaticParams(int layer, int which, int head) const {
+  const size_t hd = static_cast<size_t>(head_dim_), E = static_cast<size_t>(n_kv_heads_) * hd;
+  return static_params_.data() + ((static_cast<size_t>(layer) * 2 + static_cast<size_t>(which)) * E +
+                                  static_cast<size_t>(head) * hd) * 2;
+}
+
+int64_t GroupedKvCache::TileEnd(int64_t T) const {
+  const int64_t S = scheme_.sinks, ce = scheme_.coded_end(T);
+  if (ce <= S) return S;
+  return S + (ce - S) / G_ * G_;
 }
 
 int64_t GroupedKvCache::written(int layer) const {
@@ -261,8 +422,12 @@ void GroupedKvCache::write(int layer, int pos, std::span<const float> k, std::sp
   rope_.apply(kr.data(), n_kv_heads_, pos);
   exact_.write(layer, pos, kr, v);
   w = pos + 1;
-  const int S = scheme_.sinks, G = scheme_.group;
+  const int S = scheme_.sinks, G = G_;
   if (pos < S) return;
+  if (scheme_.calibrated) {
+    EncodeToken(layer, pos, k, v);
+    return;
+  }
   const int64_t idx = (pos - S) % G, g = (pos - S) / G;
   const size_t off = (static_cast<size_t>(layer) * static_cast<size_t>(G) + static_cast<size_t>(idx)) * E;
   std::copy(k.begin(), k.end(), pending_k_.begin() + static_cast<std::ptrdiff_t>(off));
@@ -270,8 +435,39 @@ void GroupedKvCache::write(int layer, int pos, std::span<const float> k, std::sp
   if (idx == G - 1 && g < max_groups_) EncodeGroup(layer, g);
 }
 
+void GroupedKvCache::EncodeToken(int layer, int pos, std::span<const float> k, std::span<const float> v) {
+  const int hd = head_dim_;
+  const int64_t u = pos - scheme_.sinks, g = u / G_;
+  const int lane = static_cast<int>(u % G_);
+  for (int h = 0; h < n_kv_heads_; ++h) {
+    for (int which = 0; which < 2; ++which) {
+      uint8_t* codes = const_cast<uint8_t*>(group_data(layer, which, h, g));
+      const float* prm = StaticParams(layer, which, h);
+      const float* x = (which == 0 ? k.data() : v.data()) + static_cast<size_t>(h) * static_cast<size_t>(hd);
+      const int bits = which == 0 ? scheme_.k_bits : scheme_.v_bits;
+      const size_t bb = static_cast<size_t>(bits);
+      uint8_t q[512];
+      for (int i = 0; i < hd; ++i) {
+        const int cb = which == 0 ? k_channel_bits(layer, h * hd + i) : bits;
+        q[i] = Code(x[i], prm[i], prm[hd + i], (1 << cb) - 1);
+      }
+      if (which == 0) {  // lane `lane` of each channel's two 8-code blocks
+        for (int i = 0; i < hd; ++i) {
+          const int cb = k_channel_bits(layer, h * hd + i);
+          grouped::SetCodeInBlock8(codes + KOff(layer, h * hd + i) + static_cast<size_t>(lane / 8) * static_cast<size_t>(cb),
+                                   lane % 8, cb, q[i]);
+        }
+      } else {
+        for (int i = 0; i < hd; i += 8) {
+          grouped::PackBlock8(q + i, bits, codes + static_cast<size_t>(lane) * hd * bb / 8 + static_cast<size_t>(i / 8) * bb);
+        }
+      }
+    }
+  }
+}
+
 void GroupedKvCache::EncodeGroup(int layer, int64_t g) {
-  const int G = scheme_.group, hd = head_dim_;
+  const int G = G_, hd = head_dim_;
   const size_t E = static_cast<size_t>(n_kv_heads_) * static_cast<size_t>(hd);
   const float* pk = pending_k_.data() + static_cast<size_t>(layer) * static_cast<size_t>(G) * E;
   const float* pv = pending_v_.data() + static_cast<size_t>(layer) * static_cast<size_t>(G) * E;
@@ -284,17 +480,19 @@ void GroupedKvCache::EncodeGroup(int layer, int64_t g) {
       const float* src = (which == 0 ? pk : pv) + static_cast<size_t>(h) * static_cast<size_t>(hd);
       const int bits = which == 0 ? scheme_.k_bits : scheme_.v_bits;
       for (int i = 0; i < hd; ++i) {
-        encode_group_channel_ref(src + i, G, E, bits, lo + i, lo + hd + i, codes.data() + static_cast<size_t>(i) * G);
+        const int cb = which == 0 ? k_channel_bits(layer, h * hd + i) : bits;
+        encode_group_channel_ref(src + i, G, E, cb, lo + i, lo + hd + i, codes.data() + static_cast<size_t>(i) * G);
       }
       uint8_t* out = grp + 4 * static_cast<size_t>(hd);
       const size_t bb = static_cast<size_t>(bits);  // bytes of an 8-code block
       if (which == 0) {  // K tiles: tile j, channel i: tokens 16j..16j+7, then 16j+8..16j+15
         for (int j = 0; j < G / 16; ++j) {
           for (int i = 0; i < hd; ++i) {
+            const int cb = k_channel_bits(layer, h * hd + i);
             const uint8_t* c = codes.data() + static_cast<size_t>(i) * G + static_cast<size_t>(j) * 16;
-            uint8_t* o = out + (static_cast<size_t>(j) * hd + static_cast<size_t>(i)) * 2 * bb;
-            grouped::PackBlock8(c, bits, o);
-            grouped::PackBlock8(c + 8, bits, o + bb);
+            uint8_t* o = out + static_cast<size_t>(j) * ktile_bytes_ + KOff(layer, h * hd + i);
+            grouped::PackBlock8(c, cb, o);
+            grouped::PackBlock8(c + 8, cb, o + static_cast<size_t>(cb));
           }
         }
       } else {  // V rows: token u's channels in blocks of 8
@@ -314,7 +512,7 @@ void GroupedKvCache::read(int layer, int64_t pos, int64_t T, std::span<float> k,
                 written(layer), ", got pos ", pos, ", T ", T);
   const size_t E = static_cast<size_t>(n_kv_heads_) * static_cast<size_t>(head_dim_);
   KVQ_CHECK_ARG(k.size() == E && v.size() == E, "k, v: expected ", E, " values each");
-  const int S = scheme_.sinks, G = scheme_.group, hd = head_dim_;
+  const int S = scheme_.sinks, G = G_, hd = head_dim_;
   if (pos < S || pos >= scheme_.coded_end(T)) {
     exact_.read_k(layer, static_cast<int>(pos), k);
     exact_.read_v(layer, static_cast<int>(pos), v);
@@ -322,23 +520,31 @@ void GroupedKvCache::read(int layer, int64_t pos, int64_t T, std::span<float> k,
   }
   const int64_t g = (pos - S) / G;
   const int u = static_cast<int>((pos - S) % G);
+  std::vector<float> prm(2 * static_cast<size_t>(hd));
   for (int h = 0; h < n_kv_heads_; ++h) {
     for (int which = 0; which < 2; ++which) {
       const uint8_t* grp = group_data(layer, which, h, g);
-      const uint16_t* lo = reinterpret_cast<const uint16_t*>(grp);
-      const uint8_t* codes = grp + 4 * static_cast<size_t>(hd);
+      if (scheme_.calibrated) {
+        const float* sp = StaticParams(layer, which, h);
+        std::copy(sp, sp + 2 * hd, prm.begin());
+      } else {
+        const uint16_t* p16 = reinterpret_cast<const uint16_t*>(grp);
+        for (int i = 0; i < 2 * hd; ++i) prm[static_cast<size_t>(i)] = f16_to_f32_ref(p16[i]);
+      }
+      const uint8_t* codes = grp + header_bytes_;
       const int bits = which == 0 ? scheme_.k_bits : scheme_.v_bits;
+      const size_t bb = static_cast<size_t>(bits);
       float* out = (which == 0 ? k.data() : v.data()) + static_cast<size_t>(h) * static_cast<size_t>(hd);
       for (int i = 0; i < hd; ++i) {
-        const size_t bb = static_cast<size_t>(bits);
+        const int cb = which == 0 ? k_channel_bits(layer, h * hd + i) : bits;
         const uint32_t q =
             which == 0
-                ? grouped::CodeInBlock8(codes + (static_cast<size_t>(u / 16) * hd + static_cast<size_t>(i)) * 2 * bb +
-                                            static_cast<size_t>((u % 16) / 8) * bb,
-                                        u % 8, bits)
+                ? grouped::CodeInBlock8(codes + static_cast<size_t>(u / 16) * ktile_bytes_ + KOff(layer, h * hd + i) +
+                                            static_cast<size_t>((u % 16) / 8) * static_cast<size_t>(cb),
+                                        u % 8, cb)
                 : grouped::CodeInBlock8(codes + static_cast<size_t>(u) * hd * bb / 8 + static_cast<size_t>(i / 8) * bb,
                                         i % 8, bits);
-        out[i] = f16_to_f32_ref(lo[i]) + f16_to_f32_ref(lo[hd + i]) * static_cast<float>(q);
+        out[i] = prm[static_cast<size_t>(i)] + prm[static_cast<size_t>(hd + i)] * static_cast<float>(q);
       }
     }
   }
@@ -363,7 +569,7 @@ AttentionPart GroupedKvCache::coded_part(int layer, int64_t T, std::span<const f
   const float s = scale > 0.0f ? scale : 1.0f / std::sqrt(static_cast<float>(hd));
   std::vector<float> qs(q.begin(), q.end());
   for (float& x : qs) x *= s;
-  const int64_t n_groups = std::max<int64_t>(0, scheme_.coded_end(T) - scheme_.sinks) / scheme_.group;
+  const int64_t n_groups = (TileEnd(T) - scheme_.sinks) / G_;
   const size_t nv = static_cast<size_t>(n_heads) * static_cast<size_t>(hd);
   AttentionPart out;
   out.log_mass.assign(static_cast<size_t>(n_heads), -std::numeric_limits<double>::infinity());
@@ -374,7 +580,11 @@ AttentionPart GroupedKvCache::coded_part(int layer, int64_t T, std::span<const f
   c.v = group_data(layer, 1, 0, 0);
   c.gbk = group_bytes_k_, c.gbv = group_bytes_v_, c.max_groups = max_groups_;
   c.n_kv_heads = n_kv_heads_, c.head_dim = hd, c.n_heads = n_heads;
-  c.k_bits = scheme_.k_bits, c.v_bits = scheme_.v_bits, c.group = scheme_.group, c.first = scheme_.sinks;
+  c.k_bits = scheme_.k_bits, c.v_bits = scheme_.v_bits, c.group = G_, c.first = scheme_.sinks;
+  if (scheme_.calibrated) c.k_static = StaticParams(layer, 0, 0), c.v_static = StaticParams(layer, 1, 0);
+  c.k_bits_ch = kbits_.data() + static_cast<size_t>(layer) * E();
+  c.k_off_ch = koff_.data() + static_cast<size_t>(layer) * E();
+  c.ktile_bytes = ktile_bytes_;
   c.q = qs.data();
   c.rope_cos = rope_.cos(0), c.rope_sin = rope_.sin(0);
   const int nt = static_cast<int>(std::min<int64_t>(threads > 0 ? threads : omp_get_max_threads(), n_groups));
@@ -413,7 +623,24 @@ void GroupedKvCache::attend(int layer, int64_t T, std::span<const float> q, int 
   }
   std::vector<AttentionPart> parts;
   if (S > 0) parts.push_back(decode_attention_part(q, n_heads, all.subview(0, S), o));
-  parts.push_back(coded_part(layer, T, q, n_heads, threads, scale));
+  const int64_t te = TileEnd(T);
+  if (te > S) parts.push_back(coded_part(layer, T, q, n_heads, threads, scale));
+  if (te < ce) {  // calibrated: coded tokens of a partial tile, decoded (at most 15)
+    const size_t E = static_cast<size_t>(n_kv_heads_) * static_cast<size_t>(head_dim_);
+    std::vector<float> kr(static_cast<size_t>(ce - te) * E), vr(kr.size());
+    for (int64_t t = te; t < ce; ++t) {
+      read(layer, t, T, {kr.data() + static_cast<size_t>(t - te) * E, E}, {vr.data() + static_cast<size_t>(t - te) * E, E});
+    }
+    KvRowsView rows;
+    rows.scheme = KvScheme::Fp32;
+    rows.n_kv_heads = n_kv_heads_;
+    rows.head_dim = head_dim_;
+    rows.k = reinterpret_cast<const uint8_t*>(kr.data());
+    rows.v = reinterpret_cast<const uint8_t*>(vr.data());
+    rows.slice_bytes = E * sizeof(float);
+    rows.tokens = ce - te;
+    parts.push_back(decode_attention_part(q, n_heads, rows, o));
+  }
   if (ce < T) parts.push_back(decode_attention_part(q, n_heads, all.subview(ce, T), o));
   const AttentionPart m = parts.size() == 1 ? parts.front() : merge_attention_parts(parts);
   std::copy(m.value.begin(), m.value.end(), out.begin());
@@ -453,11 +680,19 @@ void GroupedKvCache::attend_ref(int layer, int64_t T, std::span<const float> q, 
 
 uint64_t GroupedKvCache::bytes(int64_t T) const {
   if (T <= 0) return 0;
-  const int64_t coded = std::max<int64_t>(0, scheme_.coded_end(T) - scheme_.sinks);
-  const int64_t exact = T - coded, groups = coded / scheme_.group;
   const uint64_t E = static_cast<uint64_t>(n_kv_heads_) * static_cast<uint64_t>(head_dim_);
-  const uint64_t per_layer = static_cast<uint64_t>(coded) * E * static_cast<uint64_t>(scheme_.k_bits + scheme_.v_bits) / 8 +
-                             static_cast<uint64_t>(groups) * E * 8 + static_cast<uint64_t>(exact) * E * 4;
+  const uint64_t kv_bits = static_cast<uint64_t>(scheme_.k_bits + scheme_.v_bits);
+  uint64_t per_layer;
+  if (scheme_.calibrated) {  // codes of every token after the sinks, the exact ones, the table
+    const int64_t coded = std::max<int64_t>(0, T - scheme_.sinks);
+    const int64_t exact = std::min<int64_t>(T, scheme_.sinks) + std::min<int64_t>(scheme_.recent, coded);
+    per_layer = static_cast<uint64_t>(coded) * E * kv_bits / 8 + static_cast<uint64_t>(exact) * E * 4 + E * 8;
+  } else {
+    const int64_t coded = std::max<int64_t>(0, scheme_.coded_end(T) - scheme_.sinks);
+    const int64_t exact = T - coded, groups = coded / scheme_.group;
+    per_layer = static_cast<uint64_t>(coded) * E * kv_bits / 8 + static_cast<uint64_t>(groups) * E * 8 +
+                static_cast<uint64_t>(exact) * E * 4;
+  }
   return per_layer * static_cast<uint64_t>(n_layers_);
 }
 

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "kvq/cluster_bank.h"
+#include "model/calibrate.h"
 
 namespace CLI {
 class App;
@@ -35,6 +36,11 @@ struct EvalCliOptions : ModelTextOptions {
   bool per_token = false;
   int window = 0, sinks = 4, window_chunk = 64;
   ClusterBankOptions bank;
+  // --k / --v (llama.cpp's -ctk / -ctv): K and V schemes chosen apart.
+  std::string k, v;
+  int group = 64, recent = 0, keep_first = 0;
+  bool kv_given = false;  // --kv on the command line
+  model::CalibrationOptions calibration;
 };
 void AddEvalCommand(CLI::App& app, EvalCliOptions& opts);
 int RunEval(const EvalCliOptions& opts);

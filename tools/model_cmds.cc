@@ -17,6 +17,7 @@
 
 #include "CLI/CLI.hpp"
 #include "kvq/error.h"
+#include "model/calibrate.h"
 #include "model/eval.h"
 #include "model/llama2.h"
 #include "model/receipts.h"
@@ -155,22 +156,80 @@ void AddBankOptions(CLI::App* c, ClusterBankOptions& b) {
 void AddEvalCommand(CLI::App& app, EvalCliOptions& o) {
   CLI::App* c = app.add_subcommand("eval", "Perplexity, KL and top-1 of each KV scheme against fp32 on a real model");
   AddModelTextOptions(c, o);
-  c->add_option("--kv", o.kv, "comma-separated KV schemes or 'all'")->default_val("all");
+  c->add_option("--kv", o.kv,
+                "comma-separated KV schemes or 'all': row schemes, grouped k<B>v<B>g<G>[r<R>][s<S>], calibrated "
+                "k<B>v<B>c[r<R>][s<S>] and presets")
+      ->default_val("all")
+      ->each([&o](const std::string&) { o.kv_given = true; });
   c->add_flag("--per-token", o.per_token,
               "with --json: also every token's NLL, KLD, p(target) and argmax agreement, for each scheme and fp32");
   c->add_option("--window", o.window,
                 "also evaluate windowed attention (fp32): a sliding window of N recent tokens + sinks, the same "
                 "window with the E2 bank behind it, and a sliding window with the bank's bytes (0: off)");
+  c->add_option("--k", o.k,
+                "K scheme, chosen apart from V (llama.cpp's -ctk): g<B> (per-channel B-bit codes before RoPE in groups "
+                "of --group tokens), cal<B> (per-channel static ranges calibrated on text the model generates) or a "
+                "row scheme (then --v must be the same); replaces --kv");
+  c->add_option("--v", o.v, "V scheme (llama.cpp's -ctv): g<B>, cal<B> or a row scheme, the same kind as --k");
+  c->add_option("--group", o.group, "with --k/--v g<B>: tokens per group (a multiple of 16)")->capture_default_str();
+  c->add_option("--recent", o.recent, "with --k/--v: the last R tokens are read exact (fp16)")->capture_default_str();
+  c->add_option("--keep-first", o.keep_first, "with --k/--v: the first S tokens are read exact (fp16)")
+      ->capture_default_str();
+  c->add_option("--calib-sequences", o.calibration.sequences,
+                "calibrated schemes: sequences the model generates from BOS for the ranges")
+      ->capture_default_str();
+  c->add_option("--calib-seed", o.calibration.seed, "calibrated schemes: sampler seed")->capture_default_str();
+  c->add_option("--calib-temperature", o.calibration.temperature, "calibrated schemes: sampling temperature")
+      ->capture_default_str();
+  c->add_option("--calib-clip", o.calibration.clip,
+                "calibrated schemes: share of samples left outside each channel's range at each end")
+      ->capture_default_str();
   c->add_option("--sinks", o.sinks, "first tokens always attended in windowed mode")->capture_default_str();
   c->add_option("--window-chunk", o.window_chunk, "tokens per birth_and_merge chunk in windowed mode")
       ->capture_default_str();
   AddBankOptions(c, o.bank);
 }
 
+// --k / --v (+ --group, --recent, --keep-first) as one cache scheme.
+model::CacheScheme KvPairScheme(const EvalCliOptions& o) {
+  auto grouped_bits = [](const std::string& s, const char* prefix, int& bits) {
+    const size_t n = std::strlen(prefix);
+    if (s.size() != n + 1 || s.compare(0, n, prefix) != 0 || s[n] < '2' || s[n] > '8') return false;
+    bits = s[n] - '0';
+    return true;
+  };
+  GroupedKvScheme g;
+  g.recent = o.recent;
+  g.sinks = o.keep_first;
+  if (grouped_bits(o.k, "g", g.k_bits)) {
+    KVQ_CHECK_ARG(grouped_bits(o.v, "g", g.v_bits), "--v: with --k ", o.k, " expected g2..g8, got '", o.v, "'");
+    g.group = o.group;
+  } else if (grouped_bits(o.k, "cal", g.k_bits)) {
+    KVQ_CHECK_ARG(grouped_bits(o.v, "cal", g.v_bits), "--v: with --k ", o.k, " expected cal2..cal8, got '", o.v, "'");
+    g.calibrated = true;
+    g.group = 16;
+  } else {
+    const KvScheme k = parse_kv_scheme(o.k, "--k");
+    const KvScheme v = parse_kv_scheme(o.v, "--v");
+    KVQ_CHECK_ARG(k == v, "--k, --v: row schemes store K and V in one scheme (got ", o.k, " and ", o.v,
+                  "); K and V apart need grouped codes (g2..g8 or cal2..cal8)");
+    return k;
+  }
+  g.validate("--k/--v");
+  return g;
+}
+
 int RunEval(const EvalCliOptions& o) {
   model::EvalOptions e;
   FillModelText(o, e);
-  e.schemes = model::parse_cache_schemes(o.kv, "--kv");
+  if (o.k.empty() && o.v.empty()) {
+    e.schemes = model::parse_cache_schemes(o.kv, "--kv");
+  } else {
+    KVQ_CHECK_ARG(!o.k.empty() && !o.v.empty(), "--k, --v: expected both");
+    KVQ_CHECK_ARG(!o.kv_given, "--kv: use either --kv or --k/--v");
+    e.schemes = {KvPairScheme(o)};
+  }
+  e.calibration = o.calibration;
   e.window = o.window;
   e.sinks = o.sinks;
   e.window_chunk = o.window_chunk;
@@ -297,37 +356,17 @@ int RunGenerate(const GenerateOptions& o) {
   KVQ_CHECK_ARG(static_cast<int>(prompt.size()) <= o.steps, "--prompt: ", prompt.size(),
                 " tokens do not fit in --steps ", o.steps);
   model::Transformer tf(ckpt, scheme, o.steps);
-  const int V = ckpt.config().vocab_size;
   uint64_t rng = o.seed ? o.seed : 0x9E3779B97F4A7C15ull;
-  auto uniform = [&] {  // xorshift64*
-    rng ^= rng >> 12, rng ^= rng << 25, rng ^= rng >> 27;
-    return static_cast<float>((rng * 0x2545F4914F6CDD1Dull) >> 40) / 16777216.0f;
-  };
   int token = prompt[0];
   int generated = 0;
   const auto t0 = std::chrono::steady_clock::now();
-  std::vector<float> probs(static_cast<size_t>(V));
   for (int pos = 0; pos < o.steps; ++pos) {
     const std::span<const float> logits = tf.forward(token, pos);
     int next;
     if (pos + 1 < static_cast<int>(prompt.size())) {
       next = prompt[static_cast<size_t>(pos) + 1];
-    } else if (o.temperature == 0.0) {
-      next = static_cast<int>(std::max_element(logits.begin(), logits.end()) - logits.begin());
     } else {
-      float m = *std::max_element(logits.begin(), logits.end());
-      double sum = 0;
-      for (int i = 0; i < V; ++i) sum += probs[static_cast<size_t>(i)] = std::exp((logits[static_cast<size_t>(i)] - m) / static_cast<float>(o.temperature));
-      const double r = uniform() * sum;
-      double c = 0;
-      next = V - 1;
-      for (int i = 0; i < V; ++i) {
-        c += probs[static_cast<size_t>(i)];
-        if (r < c) {
-          next = i;
-          break;
-        }
-      }
+      next = model::sample_token(logits, o.temperature, rng);
     }
     if (next == model::Tokenizer::kBos) break;  // BOS delimits sequences
     const std::string piece = tok.decode(token, next);

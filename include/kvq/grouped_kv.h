@@ -9,6 +9,19 @@
 //   S       the first S tokens (sinks) are always read exact (default 0)
 // Named presets (grouped_kv_presets()) expand to such names.
 //
+// k<Bk>a... ("allocated") spends Bk bits per key on average but not evenly:
+// each head's Bk * head_dim bits go to its channels by reverse water-filling
+// on calibrated weights (StaticRanges::k_weight: the channel's share of the
+// score error, E|q_pair|^2 / 2 times its mean squared group range), 1..8
+// bits each (allocate_channel_bits).
+//
+// k<Bk>v<Bv>c[r<R>][s<S>] is the calibrated (static) form: one range per
+// layer and channel, fixed before the sequence (StaticRanges, e.g. measured
+// on text the model generated), so every token is coded when it is written
+// (no open group, no per-group parameters); the table costs 64 bits per
+// channel (K and V lo and step, fp16), amortised over the tokens. Values
+// outside a channel's range are clamped to it.
+//
 // What a cache of T tokens holds (per layer, K and V alike): tokens [S,
 // coded_end(T)) in complete groups of codes, where coded_end(T) = S + G *
 // floor(max(0, T - R - S) / G) (a group is read from its codes once its
@@ -27,7 +40,7 @@
 //
 // Layout of one layer's codes, K and V apart, head-major: head h, group g at
 // (h * max_groups + g) * group_bytes: lo[head_dim] | step[head_dim] (fp16)
-// then the codes.
+// then the codes (calibrated: groups of 16 tokens, codes only).
 //   K (tiles, lanes = tokens): tile j of 16 tokens, channel i: 2 B bytes at
 //     4 head_dim + (j head_dim + i) 2 B, token 16 j + l's code at bits
 //     [B l, B l + B) (little-endian).
@@ -52,12 +65,15 @@ namespace kvq {
 
 struct GroupedKvScheme {
   int k_bits = 4, v_bits = 4;
-  int group = 64;
+  int group = 64;           // calibrated: 16 (one K tile)
   int recent = 0;
   int sinks = 0;
+  bool calibrated = false;  // static per-channel ranges (StaticRanges)
+  bool k_allocated = false; // per-channel K bits from StaticRanges::k_weight
   // Canonical name, k<Bk>v<Bv>g<G>[r<R>][s<S>].
   std::string name() const;
-  // Tokens read from codes when the cache holds T tokens (see above).
+  // Tokens [S, coded_end(T)) are read from codes when the cache holds T
+  // tokens (see above; calibrated: max(S, T - R)).
   int64_t coded_end(int64_t T) const;
   // Stored bits for T tokens divided by the 2 T E elements (E = per-token
   // elements of K, n_kv_heads * head_dim; bits do not depend on E).
@@ -74,6 +90,36 @@ GroupedKvScheme parse_grouped_kv_scheme(const std::string& name, const char* arg
 bool is_grouped_kv_scheme(const std::string& name);
 // Presets, best measured pair per bit budget: (preset name, scheme).
 const std::vector<std::pair<std::string, GroupedKvScheme>>& grouped_kv_presets();
+
+// Calibrated ranges of K (before RoPE) and V: for layer l and channel c =
+// head * head_dim + i, [lo, hi] at index l * n_kv_heads * head_dim + c.
+struct StaticRanges {
+  int n_layers = 0, n_kv_heads = 0, head_dim = 0;
+  std::vector<float> k_lo, k_hi, v_lo, v_hi;
+  int64_t samples = 0;  // tokens the ranges were measured on
+  // Per channel (same indexing), the weight of its quantization error in
+  // the scores (K) for bit allocation; empty: none measured.
+  std::vector<float> k_weight;
+
+  // From samples: per layer, rows of n_kv_heads * head_dim values (K before
+  // RoPE and V, equal row counts). clip: the share of each channel's
+  // samples left outside its range at each end (0: min and max). Throws
+  // kvq::Error on no samples, ragged input, non-finite values or clip
+  // outside [0, 0.25).
+  static StaticRanges from_samples(const std::vector<std::vector<float>>& k, const std::vector<std::vector<float>>& v,
+                                   int n_kv_heads, int head_dim, double clip = 0.0);
+  // Throws kvq::Error naming `arg` unless the geometry matches and every
+  // range is finite with lo <= hi.
+  void validate(int n_layers, int n_kv_heads, int head_dim, const char* arg = "ranges") const;
+};
+
+// Bits per channel minimising sum_i w_i 4^-b_i (the quantization error of
+// channel i at b_i bits, uniform levels) with sum_i b_i = avg_bits * n and
+// min_bits <= b_i <= max_bits: greedy, one bit at a time to the channel
+// whose error drops most (ties: the lowest index). Throws kvq::Error on
+// non-finite or negative weights or an infeasible budget.
+std::vector<int> allocate_channel_bits(std::span<const float> weights, int avg_bits, int min_bits = 1,
+                                       int max_bits = 8);
 
 // RoPE as llama2.c applies it: pairs (2p, 2p + 1) of each head rotated by
 // angle pos * 10000^(-2p / head_dim), the angle computed in float. One
@@ -102,8 +148,11 @@ void encode_group_channel_ref(const float* x, int n, size_t stride, int bits, ui
 class GroupedKvCache {
  public:
   // Throws kvq::Error on a bad scheme or geometry (head_dim even for RoPE
-  // and a multiple of 8, max_seq >= 1, n_layers, n_kv_heads >= 1).
-  GroupedKvCache(const GroupedKvScheme& scheme, int n_layers, int max_seq, int n_kv_heads, int head_dim);
+  // and a multiple of 8, max_seq >= 1, n_layers, n_kv_heads >= 1), or when a
+  // calibrated scheme comes without ranges of this geometry (ranges are
+  // copied; a dynamic scheme ignores them).
+  GroupedKvCache(const GroupedKvScheme& scheme, int n_layers, int max_seq, int n_kv_heads, int head_dim,
+                 const StaticRanges* ranges = nullptr);
 
   const GroupedKvScheme& scheme() const { return scheme_; }
   int n_layers() const { return n_layers_; }
@@ -153,14 +202,31 @@ class GroupedKvCache {
   // Raw stored bytes of one group (tests): K (which = 0) or V (1).
   const uint8_t* group_data(int layer, int which, int head, int64_t group) const;
   const KvCache& exact() const { return exact_; }
+  // K bits of channel c = head * head_dim + i of `layer` (allocated or the
+  // scheme's k_bits).
+  int k_channel_bits(int layer, int c) const { return kbits_[static_cast<size_t>(layer) * E() + static_cast<size_t>(c)]; }
 
  private:
   void EncodeGroup(int layer, int64_t g);
+  void EncodeToken(int layer, int pos, std::span<const float> k, std::span<const float> v);
   void Check(int layer, int64_t T, std::span<const float> q, int n_heads) const;
+  size_t E() const { return static_cast<size_t>(n_kv_heads_) * static_cast<size_t>(head_dim_); }
+  // Byte offset of channel c's two 8-code blocks in a K tile.
+  size_t KOff(int layer, int c) const { return koff_[static_cast<size_t>(layer) * E() + static_cast<size_t>(c)]; }
+  // End of the tokens the fused kernel reads (whole groups / tiles).
+  int64_t TileEnd(int64_t T) const;
+  // Static parameters of (layer, K or V, head): lo[hd] then step[hd].
+  const float* StaticParams(int layer, int which, int head) const;
   GroupedKvScheme scheme_;
   int n_layers_, max_seq_, n_kv_heads_, head_dim_;
   int64_t max_groups_;
+  int G_;                    // tokens per stored group (calibrated: 16)
+  size_t header_bytes_;      // per-group parameters in front of the codes (calibrated: 0)
   size_t group_bytes_k_, group_bytes_v_;
+  std::vector<float> static_params_;  // calibrated: [layer][K|V][head][lo | step]
+  std::vector<uint8_t> kbits_;        // [layer][channel] K code bits
+  std::vector<uint32_t> koff_;        // [layer][channel] byte offset in a K tile (within the head's tile)
+  size_t ktile_bytes_ = 0;            // one head's K tile: 2 sum_i bits_i
   RopeTable rope_;
   KvCache exact_;                      // fp16, K after RoPE
   std::vector<uint8_t> codes_;         // [layer][K heads x groups | V heads x groups]

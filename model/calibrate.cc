@@ -1,0 +1,97 @@
+// Static ranges from text the model generates (see calibrate.h).
+#include "model/calibrate.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "kvq/error.h"
+
+namespace kvq::model {
+
+int sample_token(std::span<const float> logits, double temperature, uint64_t& rng) {
+  const int V = static_cast<int>(logits.size());
+  if (temperature == 0.0) return static_cast<int>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+  rng ^= rng >> 12, rng ^= rng << 25, rng ^= rng >> 27;  // xorshift64*
+  const float u = static_cast<float>((rng * 0x2545F4914F6CDD1Dull) >> 40) / 16777216.0f;
+  const float m = *std::max_element(logits.begin(), logits.end());
+  std::vector<float> probs(static_cast<size_t>(V));
+  double sum = 0;
+  for (int i = 0; i < V; ++i) {
+    sum += probs[static_cast<size_t>(i)] =
+        std::exp((logits[static_cast<size_t>(i)] - m) / static_cast<float>(temperature));
+  }
+  const double r = u * sum;
+  double c = 0;
+  for (int i = 0; i < V; ++i) {
+    c += probs[static_cast<size_t>(i)];
+    if (r < c) return i;
+  }
+  return V - 1;
+}
+
+StaticRanges calibrate_static_ranges(const Checkpoint& ckpt, const CalibrationOptions& o) {
+  const Config& cfg = ckpt.config();
+  const int len = o.length > 0 ? o.length : cfg.seq_len;
+  KVQ_CHECK_ARG(o.sequences >= 1 && o.sequences <= 100000, "calibration sequences: expected 1..100000, got ",
+                o.sequences);
+  KVQ_CHECK_ARG(len >= 1 && len <= cfg.seq_len, "calibration length: expected 1..", cfg.seq_len, ", got ", o.length);
+  KVQ_CHECK_ARG(std::isfinite(o.temperature) && o.temperature > 0.0 && o.temperature <= 100.0,
+                "calibration temperature: expected (0, 100], got ", o.temperature);
+  const size_t L = static_cast<size_t>(cfg.n_layers), E = static_cast<size_t>(cfg.kv_dim());
+  std::vector<std::vector<float>> k(L), v(L);
+  for (size_t l = 0; l < L; ++l) {
+    k[l].reserve(static_cast<size_t>(o.sequences) * static_cast<size_t>(len) * E);
+    v[l].reserve(k[l].capacity());
+  }
+  // Query energy per KV head channel: E |q_pair|^2 / 2 over the query heads
+  // of its GQA group (RoPE keeps a pair's norm, so q before RoPE serves).
+  const int hd = cfg.head_size(), rep = cfg.n_heads / cfg.n_kv_heads;
+  std::vector<double> qe(L * E, 0.0);
+  Transformer tf(ckpt, KvScheme::Fp32, len);
+  tf.set_kv_observer([&](int layer, int, std::span<const float> qp, std::span<const float> kp,
+                         std::span<const float> vp) {
+    const size_t l = static_cast<size_t>(layer);
+    k[l].insert(k[l].end(), kp.begin(), kp.end());
+    v[l].insert(v[l].end(), vp.begin(), vp.end());
+    for (int qh = 0; qh < cfg.n_heads; ++qh) {
+      const float* qv = qp.data() + static_cast<size_t>(qh) * static_cast<size_t>(hd);
+      for (int i = 0; i < hd; ++i) {
+        const int p0 = i - i % 2;
+        qe[l * E + static_cast<size_t>((qh / rep) * hd + i)] += 0.5 * (qv[p0] * qv[p0] + qv[p0 + 1] * qv[p0 + 1]);
+      }
+    }
+  });
+  uint64_t rng = o.seed ? o.seed : 0x9E3779B97F4A7C15ull;
+  for (int s = 0; s < o.sequences; ++s) {
+    int token = Tokenizer::kBos;
+    for (int pos = 0; pos < len; ++pos) token = sample_token(tf.forward(token, pos), o.temperature, rng);
+  }
+  StaticRanges r = StaticRanges::from_samples(k, v, cfg.n_kv_heads, cfg.head_size(), o.clip);
+  // K weights: query energy times the mean squared range of the channel
+  // over windows of kWindow consecutive tokens (what a group's step sees).
+  constexpr int kWindow = 64;
+  const double n_q = static_cast<double>(o.sequences) * len * rep;
+  r.k_weight.assign(L * E, 0.0f);
+  for (size_t l = 0; l < L; ++l) {
+    for (size_t c = 0; c < E; ++c) {
+      double sum = 0;
+      int64_t windows = 0;
+      for (int s = 0; s < o.sequences; ++s) {
+        for (int t0 = 0; t0 + std::min(kWindow, len) <= len; t0 += kWindow) {
+          float mn = std::numeric_limits<float>::infinity(), mx = -mn;
+          for (int t = t0; t < std::min(t0 + kWindow, len); ++t) {
+            const float x = k[l][(static_cast<size_t>(s) * static_cast<size_t>(len) + static_cast<size_t>(t)) * E + c];
+            mn = std::min(mn, x), mx = std::max(mx, x);
+          }
+          sum += static_cast<double>(mx - mn) * (mx - mn);
+          ++windows;
+        }
+      }
+      r.k_weight[l * E + c] = static_cast<float>(qe[l * E + c] / n_q * sum / static_cast<double>(std::max<int64_t>(1, windows)));
+    }
+  }
+  return r;
+}
+
+}  // namespace kvq::model
