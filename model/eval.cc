@@ -126,6 +126,7 @@ struct TokenValues {
 // the thread count does not change any result.
 struct WindowSums {
   double nll = 0, nll2 = 0, d = 0, d2 = 0, kld = 0, kld2 = 0, kld_max = 0, dp2 = 0, dp4 = 0, state_bytes = 0, secs = 0;
+  double bits_ss = 0;  // grouped schemes: steady-state bits of this window's cache
   int64_t same_top = 0;
   void add(const TokenValues& v) {
     const double dd = v.nll - v.nll_ref, dp = v.p - v.p_ref;
@@ -287,6 +288,7 @@ EvalReport run_eval(const EvalOptions& o) {
           WindowSums& ws = sums[row * static_cast<size_t>(windows) + static_cast<size_t>(w)];
           const std::span<const float> logits = tf[i]->forward_window({win, static_cast<size_t>(ctx)});
           ws.state_bytes = static_cast<double>(tf[i]->attention_state_bytes());
+          if (const GroupedKvCache* gc = tf[i]->grouped_cache()) ws.bits_ss = gc->steady_state_bits(ctx);
           for (int t = 0; t < ctx; ++t) {
             const float* lg = logits.data() + static_cast<size_t>(t) * static_cast<size_t>(V);
             const float* rp = ref_logp.data() + static_cast<size_t>(t) * static_cast<size_t>(V);
@@ -340,7 +342,7 @@ EvalReport run_eval(const EvalOptions& o) {
         const WindowSums& ws = sums[row * static_cast<size_t>(windows) + static_cast<size_t>(w)];
         t.nll += ws.nll, t.nll2 += ws.nll2, t.d += ws.d, t.d2 += ws.d2, t.kld += ws.kld, t.kld2 += ws.kld2;
         t.kld_max = std::max(t.kld_max, ws.kld_max), t.dp2 += ws.dp2, t.dp4 += ws.dp4;
-        t.state_bytes += ws.state_bytes, t.secs += ws.secs, t.same_top += ws.same_top;
+        t.state_bytes += ws.state_bytes, t.secs += ws.secs, t.same_top += ws.same_top, t.bits_ss += ws.bits_ss;
       }
       const double n = static_cast<double>(n_tok);
       SchemeResult r;
@@ -372,7 +374,7 @@ EvalReport run_eval(const EvalOptions& o) {
       r.kv_bytes = static_cast<uint64_t>(std::llround(t.state_bytes / windows));
       r.bits_at_ctx = 8.0 * static_cast<double>(r.kv_bytes) /
                       (2.0 * cfg.kv_dim() * static_cast<double>(cfg.n_layers) * static_cast<double>(ctx));
-      r.bits_per_element = v.scheme.grouped ? v.scheme.grouped->steady_state_bits(ctx) : r.bits_at_ctx;
+      r.bits_per_element = v.scheme.grouped ? t.bits_ss / windows : r.bits_at_ctx;
       if (o.per_token) {
         const auto& pt = per_tok[row];
         r.token_nll.resize(n_tok), r.token_nll_ref.resize(n_tok), r.token_kld.resize(n_tok);

@@ -55,6 +55,10 @@ bool ParseName(const std::string& s, GroupedKvScheme& out) {
   } else if (!ReadNumber(s, i, 'g', g.group)) {
     return false;
   }
+  if (!g.calibrated && ReadNumber(s, i, 'o', g.open_bits)) {
+    if (g.open_bits != 8) return false;
+    ReadNumber(s, i, 'x', g.exact_recent);
+  }
   ReadNumber(s, i, 'r', g.recent);
   ReadNumber(s, i, 's', g.sinks);
   if (i != s.size()) return false;
@@ -74,6 +78,8 @@ std::string GroupedKvScheme::name() const {
     s.append("c");
   } else {
     s.append("g").append(std::to_string(group));
+    if (open_bits == 8) s.append("o8");
+    if (open_bits == 8 && exact_recent > 0) s.append("x").append(std::to_string(exact_recent));
   }
   if (recent > 0) s.append("r").append(std::to_string(recent));
   if (sinks > 0) s.append("s").append(std::to_string(sinks));
@@ -96,8 +102,13 @@ double GroupedKvScheme::bits(int64_t T) const {
   }
   const int64_t coded = std::max<int64_t>(0, coded_end(T) - sinks);
   const int64_t exact = T - coded, groups = coded / group;
+  // open_bits 8: the open tokens in 8 bits, except the sinks and the
+  // first group's (no previous range) in fp16.
+  const int64_t first = std::min<int64_t>(T, static_cast<int64_t>(sinks) + (coded == 0 ? group : 0));
+  const int64_t x16 = open_bits == 8 ? std::max<int64_t>(first, std::min<int64_t>(exact, first + exact_recent)) : exact;
+  const double exact_bits = static_cast<double>(x16) * 2 * 16 + static_cast<double>(exact - x16) * 2 * 8;
   const double stored = static_cast<double>(coded) * (k_bits + v_bits) + static_cast<double>(groups) * 2 * 32 +
-                        static_cast<double>(exact) * 2 * 16;
+                        exact_bits;
   return stored / (2.0 * static_cast<double>(T));
 }
 
@@ -112,6 +123,10 @@ void GroupedKvScheme::validate(const char* arg) const {
   KVQ_CHECK_ARG(k_bits >= 2 && k_bits <= kMaxBits && v_bits >= 2 && v_bits <= kMaxBits, arg,
                 ": grouped code bits must be 2..8, got k", k_bits, " v", v_bits);
   KVQ_CHECK_ARG(!calibrated || group == 16, arg, ": calibrated schemes store tiles of 16 tokens, got group ", group);
+  KVQ_CHECK_ARG(open_bits == 16 || (open_bits == 8 && !calibrated), arg,
+                ": open tokens are held in 16 or (dynamic groups) 8 bits, got ", open_bits);
+  KVQ_CHECK_ARG(exact_recent >= 0 && exact_recent <= (1 << 20) && (exact_recent == 0 || open_bits == 8), arg,
+                ": x<N> (the last N open tokens in fp16) needs o8 and N in 0..1048576, got ", exact_recent);
   KVQ_CHECK_ARG(group >= 16 && group <= kMaxGroup && group % 16 == 0, arg,
                 ": group size G must be a multiple of 16 (one K tile) in 16..1024, got ", group);
   KVQ_CHECK_ARG(recent >= 0 && recent <= (1 << 20), arg, ": recent window must be 0..1048576, got ", recent);
@@ -213,7 +228,10 @@ std::vector<int> allocate_channel_bits(std::span<const float> weights, int avg_b
   for (int64_t left = static_cast<int64_t>(avg_bits - min_bits) * n; left > 0; --left) {
     int best = -1;
     for (int i = 0; i < n; ++i) {
-      if (b[static_cast<size_t>(i)] < max_bits && (best < 0 || err[static_cast<size_t>(i)] > err[static_cast<size_t>(best)])) best = i;
+      const size_t u = static_cast<size_t>(i);
+      if (b[u] >= max_bits) continue;
+      const size_t ub = static_cast<size_t>(best);
+      if (best < 0 || err[u] > err[ub] || (err[u] == err[ub] && b[u] < b[ub])) best = i;
     }
     ++b[static_cast<size_t>(best)];
     err[static_cast<size_t>(best)] *= 0.25;
@@ -373,6 +391,10 @@ GroupedKvCache::GroupedKvCache(const GroupedKvScheme& scheme, int n_layers, int 
   } else {
     pending_k_.assign(static_cast<size_t>(n_layers) * static_cast<size_t>(G_) * E, 0.0f);
     pending_v_.assign(pending_k_.size(), 0.0f);
+    if (scheme_.open_bits == 8) {
+      open8_.assign(static_cast<size_t>(n_layers) * static_cast<size_t>(max_seq) * 2 * E, 0);
+      open_exact_.assign(static_cast<size_t>(n_layers) * static_cast<size_t>(max_seq), 1);
+    }
   }
   written_.assign(static_cast<size_t>(n_layers), 0);
 }
@@ -430,8 +452,40 @@ void GroupedKvCache::write(int layer, int pos, std::span<const float> k, std::sp
   }
   const int64_t idx = (pos - S) % G, g = (pos - S) / G;
   const size_t off = (static_cast<size_t>(layer) * static_cast<size_t>(G) + static_cast<size_t>(idx)) * E;
-  std::copy(k.begin(), k.end(), pending_k_.begin() + static_cast<std::ptrdiff_t>(off));
-  std::copy(v.begin(), v.end(), pending_v_.begin() + static_cast<std::ptrdiff_t>(off));
+  // The group is encoded from the values the store holds: fp16, or the
+  // 8-bit codes' values (open_bits 8).
+  float* pk = pending_k_.data() + off;
+  float* pv = pending_v_.data() + off;
+  for (size_t i = 0; i < E; ++i) pk[i] = f16_to_f32_ref(f32_to_f16_ref(k[i])), pv[i] = f16_to_f32_ref(f32_to_f16_ref(v[i]));
+  if (scheme_.open_bits == 8) {
+    const size_t at = static_cast<size_t>(layer) * static_cast<size_t>(max_seq_) + static_cast<size_t>(pos);
+    uint8_t* codes = open8_.data() + at * 2 * E;
+    bool fits = g >= 1;
+    std::vector<float> dec(2 * E);
+    for (int which = 0; which < 2 && fits; ++which) {
+      const float* x = which == 0 ? k.data() : v.data();
+      for (int h = 0; h < n_kv_heads_ && fits; ++h) {
+        for (int i = 0; i < head_dim_; ++i) {
+          const size_t c = static_cast<size_t>(h * head_dim_ + i);
+          float lo, st;
+          OpenGrid(layer, which, h, g, i, &lo, &st);
+          const uint8_t q = Code(x[c], lo, st, 255);
+          const float y = lo + st * static_cast<float>(q);
+          if (!(std::fabs(y - x[c]) <= 0.5f * st)) {  // outside the grid (or a zero-width range)
+            fits = false;
+            break;
+          }
+          codes[static_cast<size_t>(which) * E + c] = q;
+          dec[static_cast<size_t>(which) * E + c] = y;
+        }
+      }
+    }
+    open_exact_[at] = fits ? 0 : 1;
+    if (fits) {
+      std::copy(dec.begin(), dec.begin() + static_cast<std::ptrdiff_t>(E), pk);
+      std::copy(dec.begin() + static_cast<std::ptrdiff_t>(E), dec.end(), pv);
+    }
+  }
   if (idx == G - 1 && g < max_groups_) EncodeGroup(layer, g);
 }
 
@@ -507,12 +561,39 @@ void GroupedKvCache::EncodeGroup(int layer, int64_t g) {
   }
 }
 
+void GroupedKvCache::OpenGrid(int layer, int which, int head, int64_t g, int i, float* lo, float* step) const {
+  const uint16_t* p16 = reinterpret_cast<const uint16_t*>(group_data(layer, which, head, g - 1));
+  const int bits = which == 0 ? k_channel_bits(layer, head * head_dim_ + i) : scheme_.v_bits;
+  const float w = f16_to_f32_ref(p16[head_dim_ + i]) * static_cast<float>((1 << bits) - 1);
+  *lo = f16_to_f32_ref(p16[i]) - 0.5f * w;
+  *step = 2.0f * w / 255.0f;
+}
+
 void GroupedKvCache::read(int layer, int64_t pos, int64_t T, std::span<float> k, std::span<float> v) const {
   KVQ_CHECK_ARG(T >= 1 && T <= written(layer) && pos >= 0 && pos < T, "read: expected 0 <= pos < T <= ",
                 written(layer), ", got pos ", pos, ", T ", T);
   const size_t E = static_cast<size_t>(n_kv_heads_) * static_cast<size_t>(head_dim_);
   KVQ_CHECK_ARG(k.size() == E && v.size() == E, "k, v: expected ", E, " values each");
   const int S = scheme_.sinks, G = G_, hd = head_dim_;
+  if (pos >= S && pos >= scheme_.coded_end(T) && scheme_.open_bits == 8 && pos < T - scheme_.exact_recent &&
+      !open_exact_[static_cast<size_t>(layer) * static_cast<size_t>(max_seq_) + static_cast<size_t>(pos)]) {
+    const uint8_t* codes =
+        open8_.data() + (static_cast<size_t>(layer) * static_cast<size_t>(max_seq_) + static_cast<size_t>(pos)) * 2 * E;
+    const int64_t g = (pos - S) / G;
+    for (int which = 0; which < 2; ++which) {
+      float* out = which == 0 ? k.data() : v.data();
+      for (int h = 0; h < n_kv_heads_; ++h) {
+        for (int i = 0; i < hd; ++i) {
+          const size_t c = static_cast<size_t>(h * hd + i);
+          float lo, st;
+          OpenGrid(layer, which, h, g, i, &lo, &st);
+          out[c] = lo + st * static_cast<float>(codes[static_cast<size_t>(which) * E + c]);
+        }
+      }
+    }
+    rope_.apply(k.data(), n_kv_heads_, static_cast<int>(pos));
+    return;
+  }
   if (pos < S || pos >= scheme_.coded_end(T)) {
     exact_.read_k(layer, static_cast<int>(pos), k);
     exact_.read_v(layer, static_cast<int>(pos), v);
@@ -625,25 +706,34 @@ void GroupedKvCache::attend(int layer, int64_t T, std::span<const float> q, int 
   if (S > 0) parts.push_back(decode_attention_part(q, n_heads, all.subview(0, S), o));
   const int64_t te = TileEnd(T);
   if (te > S) parts.push_back(coded_part(layer, T, q, n_heads, threads, scale));
-  if (te < ce) {  // calibrated: coded tokens of a partial tile, decoded (at most 15)
-    const size_t E = static_cast<size_t>(n_kv_heads_) * static_cast<size_t>(head_dim_);
-    std::vector<float> kr(static_cast<size_t>(ce - te) * E), vr(kr.size());
-    for (int64_t t = te; t < ce; ++t) {
-      read(layer, t, T, {kr.data() + static_cast<size_t>(t - te) * E, E}, {vr.data() + static_cast<size_t>(t - te) * E, E});
-    }
-    KvRowsView rows;
-    rows.scheme = KvScheme::Fp32;
-    rows.n_kv_heads = n_kv_heads_;
-    rows.head_dim = head_dim_;
-    rows.k = reinterpret_cast<const uint8_t*>(kr.data());
-    rows.v = reinterpret_cast<const uint8_t*>(vr.data());
-    rows.slice_bytes = E * sizeof(float);
-    rows.tokens = ce - te;
-    parts.push_back(decode_attention_part(q, n_heads, rows, o));
+  if (te < ce) parts.push_back(DecodedPart(layer, te, ce, T, q, n_heads, o));  // calibrated: a partial tile
+  if (ce < T && scheme_.open_bits == 8) {  // 8-bit open tokens decoded, the last x in fp16
+    const int64_t x0 = std::max<int64_t>(ce, T - scheme_.exact_recent);
+    if (ce < x0) parts.push_back(DecodedPart(layer, ce, x0, T, q, n_heads, o));
+    if (x0 < T) parts.push_back(decode_attention_part(q, n_heads, all.subview(x0, T), o));
+  } else if (ce < T) {
+    parts.push_back(decode_attention_part(q, n_heads, all.subview(ce, T), o));
   }
-  if (ce < T) parts.push_back(decode_attention_part(q, n_heads, all.subview(ce, T), o));
   const AttentionPart m = parts.size() == 1 ? parts.front() : merge_attention_parts(parts);
   std::copy(m.value.begin(), m.value.end(), out.begin());
+}
+
+AttentionPart GroupedKvCache::DecodedPart(int layer, int64_t t0, int64_t t1, int64_t T, std::span<const float> q,
+                                          int n_heads, const DecodeAttentionOptions& o) const {
+  const size_t E = static_cast<size_t>(n_kv_heads_) * static_cast<size_t>(head_dim_);
+  std::vector<float> kr(static_cast<size_t>(t1 - t0) * E), vr(kr.size());
+  for (int64_t t = t0; t < t1; ++t) {
+    read(layer, t, T, {kr.data() + static_cast<size_t>(t - t0) * E, E}, {vr.data() + static_cast<size_t>(t - t0) * E, E});
+  }
+  KvRowsView rows;
+  rows.scheme = KvScheme::Fp32;
+  rows.n_kv_heads = n_kv_heads_;
+  rows.head_dim = head_dim_;
+  rows.k = reinterpret_cast<const uint8_t*>(kr.data());
+  rows.v = reinterpret_cast<const uint8_t*>(vr.data());
+  rows.slice_bytes = E * sizeof(float);
+  rows.tokens = t1 - t0;
+  return decode_attention_part(q, n_heads, rows, o);
 }
 
 void GroupedKvCache::attend_ref(int layer, int64_t T, std::span<const float> q, int n_heads, std::span<float> out,
@@ -690,10 +780,38 @@ uint64_t GroupedKvCache::bytes(int64_t T) const {
   } else {
     const int64_t coded = std::max<int64_t>(0, scheme_.coded_end(T) - scheme_.sinks);
     const int64_t exact = T - coded, groups = coded / scheme_.group;
-    per_layer = static_cast<uint64_t>(coded) * E * kv_bits / 8 + static_cast<uint64_t>(groups) * E * 8 +
-                static_cast<uint64_t>(exact) * E * 4;
+    per_layer = static_cast<uint64_t>(coded) * E * kv_bits / 8 + static_cast<uint64_t>(groups) * E * 8;
+    if (scheme_.open_bits != 8) return (per_layer + static_cast<uint64_t>(exact) * E * 4) * static_cast<uint64_t>(n_layers_);
+    uint64_t total = 0;  // open tokens: 8-bit codes (2 E bytes) or fp16 (4 E bytes), per layer
+    const int64_t o0 = std::max<int64_t>(scheme_.sinks, scheme_.coded_end(T));
+    for (int l = 0; l < n_layers_; ++l) {
+      uint64_t b = per_layer + static_cast<uint64_t>(std::min<int64_t>(T, scheme_.sinks)) * E * 4;
+      for (int64_t t = o0; t < T; ++t) {
+        const bool fp16 = t >= T - scheme_.exact_recent ||
+                          open_exact_[static_cast<size_t>(l) * static_cast<size_t>(max_seq_) + static_cast<size_t>(t)];
+        b += fp16 ? E * 4 : E * 2;
+      }
+      total += b;
+    }
+    return total;
   }
   return per_layer * static_cast<uint64_t>(n_layers_);
+}
+
+double GroupedKvCache::bits(int64_t T) const {
+  const double elements = 2.0 * static_cast<double>(T) * static_cast<double>(E()) * n_layers_;
+  return T > 0 ? 8.0 * static_cast<double>(bytes(T)) / elements : 0.0;
+}
+
+double GroupedKvCache::steady_state_bits(int64_t ctx) const {
+  for (int l = 0; l < n_layers_; ++l) {
+    KVQ_CHECK_ARG(ctx >= 1 && ctx <= written_[static_cast<size_t>(l)], "ctx: expected 1..", written_[static_cast<size_t>(l)],
+                  " (tokens written), got ", ctx);
+  }
+  const int64_t lo = std::max<int64_t>(1, ctx - 127);
+  double s = 0;
+  for (int64_t T = lo; T <= ctx; ++T) s += bits(T);
+  return s / static_cast<double>(ctx - lo + 1);
 }
 
 }  // namespace kvq

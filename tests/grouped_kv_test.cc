@@ -133,10 +133,11 @@ TEST(GroupedKv, GroupCodesMatchAnIndependentScalarImplementationBitForBit) {
     GroupedKvScheme g{bits, bits == 8 ? 2 : bits + 1, G, 0, 0};
     GroupedKvCache c(g, 1, 2 * G, H, hd);
     std::vector<float> k(static_cast<size_t>(2 * G * E)), v(k.size());
-    for (size_t i = 0; i < k.size(); ++i) {
+    auto f16 = [](double x) { return f16_to_f32_ref(f32_to_f16_ref(static_cast<float>(x))); };
+    for (size_t i = 0; i < k.size(); ++i) {  // fp16 values: what the store holds for an open group
       const int ch = static_cast<int>(i % E);
-      k[i] = static_cast<float>(rng.Gaussian()) * (ch == 3 ? 30.0f : 1.0f) + (ch == 5 ? 7.0f : 0.0f);
-      v[i] = ch == 9 ? 1.25f : static_cast<float>(rng.Gaussian());  // channel 9: constant (step 0)
+      k[i] = f16(rng.Gaussian() * (ch == 3 ? 30.0 : 1.0) + (ch == 5 ? 7.0 : 0.0));
+      v[i] = ch == 9 ? 1.25f : f16(rng.Gaussian());  // channel 9: constant (step 0)
     }
     for (int t = 0; t < 2 * G; ++t) {
       c.write(0, t, {k.data() + static_cast<size_t>(t * E), static_cast<size_t>(E)},
@@ -364,6 +365,184 @@ TEST(GroupedKv, BadArgumentsAreClearErrors) {
   EXPECT_NE(ErrorOf([&] { c.read(0, 20, 20, x, y); }).find("pos"), std::string::npos);
   c.attend(0, 20, q, 4, out);  // still usable
   for (float o : out) EXPECT_NEAR(o, 0.25f, 1e-6f);
+}
+
+}  // namespace
+}  // namespace kvq
+
+namespace kvq {
+namespace {
+
+// Greedy reverse water-filling by hand: weights 1, 16, 256, 4096, 3 bits on
+// average (12 in all), from 1 bit each: the 8 extra bits go to channels 3,
+// 3, 2, 3, 2, 3, 1, 2 (largest w 4^-b first, ties to the lowest index).
+TEST(GroupedKv, ChannelBitsAllocatedByHand) {
+  const std::vector<float> w = {1, 16, 256, 4096};
+  EXPECT_EQ(allocate_channel_bits(w, 3), (std::vector<int>{1, 2, 4, 5}));
+  EXPECT_EQ(allocate_channel_bits(w, 3, 3), (std::vector<int>{3, 3, 3, 3}));  // min = average: uniform
+  EXPECT_EQ(allocate_channel_bits(w, 6, 1, 6), (std::vector<int>{6, 6, 6, 6}));
+  const std::vector<float> zero = {0, 0, 0};
+  EXPECT_EQ(allocate_channel_bits(zero, 2), (std::vector<int>{2, 2, 2}));  // ties: the fewest bits first (round robin)
+  EXPECT_NE(ErrorOf([&] { allocate_channel_bits(std::vector<float>{1, -1}, 2); }).find("weights"), std::string::npos);
+  EXPECT_NE(ErrorOf([&] { allocate_channel_bits(std::vector<float>{1, NAN}, 2); }).find("weights"), std::string::npos);
+  EXPECT_NE(ErrorOf([&] { allocate_channel_bits(w, 9); }).find("bits"), std::string::npos);
+  EXPECT_NE(ErrorOf([&] { allocate_channel_bits(w, 2, 3); }).find("bits"), std::string::npos);
+}
+
+StaticRanges SyntheticRanges(int L, int H, int hd, float width, uint64_t seed) {
+  test::Rng rng(seed);
+  StaticRanges r;
+  r.n_layers = L, r.n_kv_heads = H, r.head_dim = hd, r.samples = 1;
+  for (int i = 0; i < L * H * hd; ++i) {
+    const float c = static_cast<float>(rng.Gaussian());
+    r.k_lo.push_back(c - width), r.k_hi.push_back(c + width);
+    r.v_lo.push_back(-width), r.v_hi.push_back(width);
+    r.k_weight.push_back(static_cast<float>(std::exp(3.0 * rng.Gaussian())));
+  }
+  return r;
+}
+
+// Calibrated (static ranges, coded on arrival) and allocated (per-channel K
+// bits) caches: the fused kernel against the reference on every target,
+// and every token read back as its code's value (clamped to the range).
+TEST(GroupedKv, CalibratedAndAllocatedSchemesMatchTheReference) {
+  struct Case {
+    const char* scheme;
+    int H, hd, nq, N;
+  };
+  const Case cases[] = {{"k4v3c", 2, 8, 8, 77}, {"k3av2g32r5", 2, 16, 4, 150}, {"k4av4cr9s2", 1, 64, 4, 100},
+                        {"k3av3g16o8x3", 2, 8, 4, 90}};
+  test::ForEachTarget([&](const char*) {
+    for (const Case& cs : cases) {
+      SCOPED_TRACE(cs.scheme);
+      const GroupedKvScheme g = parse_grouped_kv_scheme(cs.scheme);
+      const StaticRanges ranges = SyntheticRanges(1, cs.H, cs.hd, 2.5f, 5);
+      GroupedKvCache c(g, 1, cs.N, cs.H, cs.hd, &ranges);
+      if (g.k_allocated) {  // each head keeps k_bits * head_dim bits, spread by weight
+        for (int h = 0; h < cs.H; ++h) {
+          int sum = 0, lo = 8, hi = 0;
+          for (int i = 0; i < cs.hd; ++i) {
+            const int b = c.k_channel_bits(0, h * cs.hd + i);
+            sum += b, lo = std::min(lo, b), hi = std::max(hi, b);
+          }
+          EXPECT_EQ(sum, g.k_bits * cs.hd);
+          EXPECT_LT(lo, hi);
+        }
+      }
+      test::Rng rng(17);
+      const int E = cs.H * cs.hd;
+      std::vector<std::vector<float>> K, V;
+      for (int t = 0; t < cs.N; ++t) {
+        std::vector<float> k(static_cast<size_t>(E)), v(k.size());
+        for (int i = 0; i < E; ++i) {
+          k[static_cast<size_t>(i)] = ranges.k_lo[static_cast<size_t>(i)] + 2.5f + static_cast<float>(rng.Gaussian());
+          v[static_cast<size_t>(i)] = static_cast<float>(rng.Gaussian());
+        }
+        if (t == 40) k[3] = 40.0f;  // outside every range: clamped (calibrated) or held in fp16 (o8)
+        c.write(0, t, k, v);
+        K.push_back(k), V.push_back(v);
+      }
+      std::vector<float> q(static_cast<size_t>(cs.nq * cs.hd)), a(q.size()), b(q.size());
+      for (float& x : q) x = static_cast<float>(rng.Gaussian());
+      for (int T : {1, 17, cs.N / 2, cs.N}) {
+        SCOPED_TRACE(T);
+        c.attend(0, T, q, cs.nq, a, 2);
+        c.attend_ref(0, T, q, cs.nq, b);
+        for (size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], b[i], 2e-4f) << i;
+      }
+      if (g.calibrated) {  // codes on the static grid, values clamped into it
+        const RopeTable rope(cs.N, cs.hd);
+        std::vector<float> rk(static_cast<size_t>(E)), rv(rk.size());
+        for (int t = g.sinks; t < cs.N - g.recent; ++t) {
+          c.read(0, t, cs.N, rk, rv);
+          std::vector<float> want(rk.size());
+          for (int i = 0; i < E; ++i) {
+            uint16_t lo, st;
+            std::vector<uint8_t> code(1);
+            const int bits = c.k_channel_bits(0, i);
+            // The grid of the range: encode its two ends, then the value.
+            const float ends[2] = {ranges.k_lo[static_cast<size_t>(i)], ranges.k_hi[static_cast<size_t>(i)]};
+            encode_group_channel_ref(ends, 2, 1, bits, &lo, &st, code.data());
+            const float lof = f16_to_f32_ref(lo), sf = f16_to_f32_ref(st);
+            const float x = K[static_cast<size_t>(t)][static_cast<size_t>(i)];
+            const float qv = std::clamp(std::nearbyint((x - lof) / sf), 0.0f, static_cast<float>((1 << bits) - 1));
+            want[static_cast<size_t>(i)] = lof + sf * qv;
+          }
+          rope.apply(want.data(), cs.H, t);
+          for (int i = 0; i < E; ++i) ASSERT_NEAR(rk[static_cast<size_t>(i)], want[static_cast<size_t>(i)], 1e-5f) << t << " " << i;
+        }
+      }
+    }
+  });
+  const GroupedKvScheme cal = parse_grouped_kv_scheme("k4v4c");
+  EXPECT_NE(ErrorOf([&] { GroupedKvCache c(cal, 1, 32, 2, 8); }).find("needs calibrated ranges"), std::string::npos);
+  StaticRanges wrong = SyntheticRanges(1, 2, 8, 1.0f, 1);
+  EXPECT_NE(ErrorOf([&] { GroupedKvCache c(cal, 2, 32, 2, 8, &wrong); }).find("ranges"), std::string::npos);
+  wrong.k_lo[3] = wrong.k_hi[3] + 1;
+  EXPECT_NE(ErrorOf([&] { GroupedKvCache c(cal, 1, 32, 2, 8, &wrong); }).find("lo <= hi"), std::string::npos);
+  StaticRanges no_weights = SyntheticRanges(1, 2, 8, 1.0f, 1);
+  no_weights.k_weight.clear();
+  EXPECT_NE(ErrorOf([&] { GroupedKvCache c(parse_grouped_kv_scheme("k3av3g16"), 1, 32, 2, 8, &no_weights); })
+                .find("weights"),
+            std::string::npos);
+}
+
+// o8: the open tokens in 8-bit codes on the previous group's range widened
+// to twice its width; bits counted by hand for one run with one fp16
+// fallback, and every open token within half an 8-bit step.
+TEST(GroupedKv, OpenTokensInEightBitsCountedByHand) {
+  const GroupedKvScheme g = parse_grouped_kv_scheme("k4v2g16o8x2");
+  const int H = 1, hd = 8, E = 8, N = 60;
+  GroupedKvCache c(g, 1, N, H, hd);
+  test::Rng rng(23);
+  std::vector<std::vector<float>> K;
+  for (int t = 0; t < N; ++t) {
+    std::vector<float> k(E), v(E);
+    // Every group spans [-1, 1] in every channel (its first two tokens), the
+    // rest inside (-0.5, 0.5): the widened grid [-2, 2] holds every value.
+    for (int i = 0; i < E; ++i) {
+      const float x = t % 16 == 0 ? 1.0f : t % 16 == 1 ? -1.0f : static_cast<float>(rng.Uniform() - 0.5);
+      k[static_cast<size_t>(i)] = f16_to_f32_ref(f32_to_f16_ref(x));
+      v[static_cast<size_t>(i)] = f16_to_f32_ref(f32_to_f16_ref(-x));
+    }
+    if (t == 37) k[2] = 50.0f;  // far outside group 1's range: held in fp16 (and widens group 2's)
+    c.write(0, t, k, v);
+    K.push_back(k);
+  }
+  // T = 45: groups 0, 1 coded ([0, 32)), open tokens 32..44: 43, 44 are the
+  // x2 fp16 ones, 37 fell back, the other 10 in 8 bits. Per element of K and
+  // V: codes 32 x (4 + 2), parameters 2 groups x 2 x 32, fp16 3 x 32, 8-bit
+  // 10 x 16; bits = that / (2 x 45).
+  const double by_hand = (32.0 * 6 + 2 * 64 + 3 * 32 + 10 * 16) / 90.0;
+  EXPECT_DOUBLE_EQ(c.bits(45), by_hand);
+  EXPECT_EQ(c.bytes(45), static_cast<uint64_t>(by_hand * 90 * E / 8 + 0.5));
+  // Without the fallback the scheme's formula would say 2 tokens less in fp16.
+  EXPECT_DOUBLE_EQ(g.bits(45), (32.0 * 6 + 2 * 64 + 2 * 32 + 11 * 16) / 90.0);
+  // The first group has no previous range: all fp16 until it is coded.
+  EXPECT_DOUBLE_EQ(c.bits(10), 16.0);
+  const RopeTable rope(N, hd);
+  std::vector<float> rk(E), rv(E);
+  for (int T : {20, 45, 60}) {
+    for (int t = static_cast<int>(g.coded_end(T)); t < T - 2; ++t) {
+      c.read(0, t, T, rk, rv);
+      std::vector<float> want = K[static_cast<size_t>(t)];
+      rope.apply(want.data(), H, t);
+      for (int i = 0; i < E; ++i) {
+        if (t < 16 || t == 37) {
+          ASSERT_EQ(rk[static_cast<size_t>(i)], f16_to_f32_ref(f32_to_f16_ref(want[static_cast<size_t>(i)])));
+        } else {
+          // Half an 8-bit step of the widened grid (x sqrt 2 for the rotation):
+          // w ~ 2 -> 4 / 255 / 2; group 3's grid comes from group 2, whose
+          // range reaches 50: w ~ 51.
+          const float tol = (t < 48 ? 4.0f / 255 : 102.0f / 255) * 0.5f * 1.5f;
+          ASSERT_NEAR(rk[static_cast<size_t>(i)], want[static_cast<size_t>(i)], tol) << t;
+        }
+      }
+    }
+  }
+  EXPECT_NE(ErrorOf([] { parse_grouped_kv_scheme("k4v4g16x4"); }).find("k<bits>"), std::string::npos);
+  EXPECT_NE(ErrorOf([] { parse_grouped_kv_scheme("k4v4g16o4"); }).find("k<bits>"), std::string::npos);
+  EXPECT_NE(ErrorOf([] { parse_grouped_kv_scheme("k4v4co8"); }).find("k<bits>"), std::string::npos);
 }
 
 }  // namespace

@@ -9,6 +9,16 @@
 //   S       the first S tokens (sinks) are always read exact (default 0)
 // Named presets (grouped_kv_presets()) expand to such names.
 //
+// ...g<G>o8... holds the open tokens (those not yet read from group codes:
+// the open group and the recent window) in 8-bit codes instead of fp16: per
+// channel, on the previous group's range widened to twice its width around
+// it (lo' = lo - w / 2, step' = 2 w / 255, w = step (2^B - 1)); a token with
+// any value outside that grid, and every token of the first group, is held
+// in fp16 instead. The group is encoded from these held values (what a
+// streaming store has). Bits then depend on the data: bytes(T) counts them.
+// ...o8x<N>... keeps the last N of the open tokens in fp16 (8-bit codes are
+// made when they leave those N).
+//
 // k<Bk>a... ("allocated") spends Bk bits per key on average but not evenly:
 // each head's Bk * head_dim bits go to its channels by reverse water-filling
 // on calibrated weights (StaticRanges::k_weight: the channel's share of the
@@ -70,13 +80,17 @@ struct GroupedKvScheme {
   int sinks = 0;
   bool calibrated = false;  // static per-channel ranges (StaticRanges)
   bool k_allocated = false; // per-channel K bits from StaticRanges::k_weight
+  int open_bits = 16;       // dynamic: open tokens in fp16 (16) or 8-bit codes (8)
+  int exact_recent = 0;     // open_bits 8: the last N open tokens held in fp16 (x<N>)
   // Canonical name, k<Bk>v<Bv>g<G>[r<R>][s<S>].
   std::string name() const;
   // Tokens [S, coded_end(T)) are read from codes when the cache holds T
   // tokens (see above; calibrated: max(S, T - R)).
   int64_t coded_end(int64_t T) const;
   // Stored bits for T tokens divided by the 2 T E elements (E = per-token
-  // elements of K, n_kv_heads * head_dim; bits do not depend on E).
+  // elements of K, n_kv_heads * head_dim; bits do not depend on E). With
+  // open_bits 8: as if no token fell back to fp16 (GroupedKvCache::bytes
+  // counts the ones that did).
   double bits(int64_t T) const;
   // Mean of bits(T) over T = max(1, ctx - 127) .. ctx.
   double steady_state_bits(int64_t ctx) const;
@@ -116,7 +130,7 @@ struct StaticRanges {
 // Bits per channel minimising sum_i w_i 4^-b_i (the quantization error of
 // channel i at b_i bits, uniform levels) with sum_i b_i = avg_bits * n and
 // min_bits <= b_i <= max_bits: greedy, one bit at a time to the channel
-// whose error drops most (ties: the lowest index). Throws kvq::Error on
+// whose error drops most (ties: the fewest bits, then the lowest index). Throws kvq::Error on
 // non-finite or negative weights or an infeasible budget.
 std::vector<int> allocate_channel_bits(std::span<const float> weights, int avg_bits, int min_bits = 1,
                                        int max_bits = 8);
@@ -197,6 +211,10 @@ class GroupedKvCache {
   // Bytes a streaming store holds at length T, all layers (codes, fp16
   // group parameters, exact fp16 tokens).
   uint64_t bytes(int64_t T) const;
+  // 8 bytes(T) / (2 T E n_layers), and its mean over T = ctx - 127 .. ctx
+  // (T <= written by every layer).
+  double bits(int64_t T) const;
+  double steady_state_bits(int64_t ctx) const;
   size_t group_bytes_k() const { return group_bytes_k_; }
   size_t group_bytes_v() const { return group_bytes_v_; }
   // Raw stored bytes of one group (tests): K (which = 0) or V (1).
@@ -210,6 +228,9 @@ class GroupedKvCache {
   void EncodeGroup(int layer, int64_t g);
   void EncodeToken(int layer, int pos, std::span<const float> k, std::span<const float> v);
   void Check(int layer, int64_t T, std::span<const float> q, int n_heads) const;
+  // Tokens [t0, t1) as read at length T, decoded to fp32 rows and attended.
+  AttentionPart DecodedPart(int layer, int64_t t0, int64_t t1, int64_t T, std::span<const float> q, int n_heads,
+                            const DecodeAttentionOptions& o) const;
   size_t E() const { return static_cast<size_t>(n_kv_heads_) * static_cast<size_t>(head_dim_); }
   // Byte offset of channel c's two 8-code blocks in a K tile.
   size_t KOff(int layer, int c) const { return koff_[static_cast<size_t>(layer) * E() + static_cast<size_t>(c)]; }
@@ -232,6 +253,12 @@ class GroupedKvCache {
   std::vector<uint8_t> codes_;         // [layer][K heads x groups | V heads x groups]
   std::vector<float> pending_k_, pending_v_;  // [layer][G][E]: the open group, K before RoPE
   std::vector<int64_t> written_;
+  // open_bits 8: [layer][pos][K (before RoPE) | V] 8-bit codes on the
+  // previous group's widened range, and [layer][pos] 1 = held in fp16.
+  std::vector<uint8_t> open8_, open_exact_;
+  // The 8-bit grid of channel i of (layer, K or V, head) for a token of group
+  // g >= 1 (from group g - 1's parameters).
+  void OpenGrid(int layer, int which, int head, int64_t g, int i, float* lo, float* step) const;
 };
 
 }  // namespace kvq
