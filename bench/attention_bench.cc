@@ -125,6 +125,39 @@ void BM_decode_attention(benchmark::State& state, kvq::KvScheme scheme, int T, b
                                                benchmark::Counter::kIsRate);
 }
 
+// A grouped cache of the synthetic rows; allocated (k<B>a) and calibrated
+// schemes get ranges measured on the first 256 rows, with the channel
+// weights of a model (one large channel per head, the rest in a geometric
+// spread), so the per-channel bit widths vary as they would.
+std::unique_ptr<kvq::GroupedKvCache> BuildGroupedCache(const kvq::GroupedKvScheme& g, int layers, int T) {
+  const int n = std::min(T, 256);
+  auto probe = BuildCache<kvq::KvCache>(kvq::KvScheme::Fp32, 1, n);
+  const size_t E = static_cast<size_t>(kKvHeads) * kHeadDim;
+  std::vector<std::vector<float>> k(static_cast<size_t>(layers)), v(k.size());
+  std::vector<float> rk(E), rv(E);
+  for (int t = 0; t < n; ++t) {
+    probe->read_k(0, t, rk);
+    probe->read_v(0, t, rv);
+    for (int l = 0; l < layers; ++l) {
+      k[static_cast<size_t>(l)].insert(k[static_cast<size_t>(l)].end(), rk.begin(), rk.end());
+      v[static_cast<size_t>(l)].insert(v[static_cast<size_t>(l)].end(), rv.begin(), rv.end());
+    }
+  }
+  kvq::StaticRanges r = kvq::StaticRanges::from_samples(k, v, kKvHeads, kHeadDim);
+  for (size_t c = 0; c < r.k_lo.size(); ++c) {
+    r.k_weight.push_back(c % kHeadDim == 17 ? 1e4f : std::pow(1.05f, static_cast<float>(c % kHeadDim)));
+  }
+  auto cache = std::make_unique<kvq::GroupedKvCache>(g, layers, T, kKvHeads, kHeadDim, &r);
+  std::vector<float> kw(E), vw(E);
+  auto rows = BuildCache<kvq::KvCache>(kvq::KvScheme::Fp32, 1, T);
+  for (int t = 0; t < T; ++t) {
+    rows->read_k(0, t, kw);
+    rows->read_v(0, t, vw);
+    for (int l = 0; l < layers; ++l) cache->write(l, t, kw, vw);
+  }
+  return cache;
+}
+
 // Grouped schemes (grouped_kv.h): the cache as it stands at length T (R
 // recent tokens and the open group exact in fp16, the rest in codes), the
 // fused grouped kernel merged with the fp16 kernel over the exact tokens.
@@ -135,7 +168,7 @@ const kvq::GroupedKvCache& GroupedCacheFor(const std::string& name, int layers, 
   static int built_T = -1, built_layers = -1;
   if (!cache || built_name != name || built_T != T || built_layers != layers) {
     cache.reset();
-    cache = BuildCache<kvq::GroupedKvCache>(kvq::parse_grouped_kv_scheme(name), layers, T);
+    cache = BuildGroupedCache(kvq::parse_grouped_kv_scheme(name), layers, T);
     built_name = name;
     built_T = T;
     built_layers = layers;

@@ -17,6 +17,7 @@
 #include "kvq/attention.h"
 #include "kvq/cluster_bank.h"
 #include "kvq/cluster_outliers.h"
+#include "kvq/grouped_kv.h"
 #include "kvq/sorted_profile.h"
 #include "kvq/stats.h"
 
@@ -409,6 +410,105 @@ PYBIND11_MODULE(_kvq, m) {
     const KvRowsView view = c.view(layer, tokens);
     return ToNumpy(WithoutGil([&] { return decode_attention(qv, view, o); }));
   });
+
+  // ---- grouped low-bit caches (K before RoPE) ----------------------------------
+  m.def("grouped_kv_presets", [] {
+    std::vector<std::pair<std::string, std::string>> out;
+    for (const auto& [name, g] : grouped_kv_presets()) out.emplace_back(name, g.name());
+    return out;
+  });
+  m.def("grouped_kv_scheme_name", [](const std::string& name) { return parse_grouped_kv_scheme(name, "scheme").name(); });
+  m.def("grouped_kv_scheme_bits", [](const std::string& name, int64_t T) {
+    KVQ_CHECK_ARG(T >= 1 && T <= (int64_t{1} << 40), "tokens: expected 1..2^40, got ", T);
+    return parse_grouped_kv_scheme(name, "scheme").bits(T);
+  });
+  py::class_<StaticRanges, std::shared_ptr<StaticRanges>>(m, "StaticRanges")
+      .def_readonly("n_layers", &StaticRanges::n_layers)
+      .def_readonly("n_kv_heads", &StaticRanges::n_kv_heads)
+      .def_readonly("head_dim", &StaticRanges::head_dim)
+      .def_readonly("samples", &StaticRanges::samples)
+      .def_property_readonly("k_lo", [](const StaticRanges& r) { return VectorToNumpy(r.k_lo); })
+      .def_property_readonly("k_hi", [](const StaticRanges& r) { return VectorToNumpy(r.k_hi); })
+      .def_property_readonly("v_lo", [](const StaticRanges& r) { return VectorToNumpy(r.v_lo); })
+      .def_property_readonly("v_hi", [](const StaticRanges& r) { return VectorToNumpy(r.v_hi); })
+      .def_property_readonly("k_weight", [](const StaticRanges& r) { return VectorToNumpy(r.k_weight); });
+  // k, v: lists (one per layer) of float32 (T, n_kv_heads * head_dim); k_weight: float32 (layers * E) or empty.
+  m.def("static_ranges_from_samples", [](const std::vector<py::array>& k, const std::vector<py::array>& v,
+                                         int n_kv_heads, int head_dim, double clip, const py::array& k_weight) {
+    auto rows = [&](const std::vector<py::array>& in, const char* arg) {
+      std::vector<std::vector<float>> out;
+      for (const py::array& a : in) {
+        const TensorView t = ViewOf(a, DType::F32, arg);
+        out.emplace_back(t.data_as<float>(), t.data_as<float>() + t.numel());
+      }
+      return out;
+    };
+    auto r = std::make_shared<StaticRanges>(
+        StaticRanges::from_samples(rows(k, "k"), rows(v, "v"), n_kv_heads, head_dim, clip));
+    const TensorView w = ViewOf(k_weight, DType::F32, "k_weight");
+    if (w.numel() > 0) {
+      KVQ_CHECK_ARG(static_cast<size_t>(w.numel()) == r->k_lo.size(), "k_weight: expected ", r->k_lo.size(),
+                    " values (layers x n_kv_heads x head_dim), got ", w.numel());
+      r->k_weight.assign(w.data_as<float>(), w.data_as<float>() + w.numel());
+      for (float x : r->k_weight) KVQ_CHECK_ARG(std::isfinite(x) && x >= 0, "k_weight: expected finite values >= 0");
+    }
+    return r;
+  });
+  py::class_<GroupedKvCache>(m, "GroupedKvCache")
+      .def(py::init([](const std::string& scheme, int n_layers, int max_seq, int n_kv_heads, int head_dim,
+                       std::shared_ptr<StaticRanges> ranges) {
+        return std::make_unique<GroupedKvCache>(parse_grouped_kv_scheme(scheme, "scheme"), n_layers, max_seq,
+                                                n_kv_heads, head_dim, ranges.get());
+      }))
+      // k (before RoPE), v: float32 C-contiguous (T, n_kv_heads * head_dim) at pos0 .. pos0 + T - 1.
+      .def("write_many",
+           [](GroupedKvCache& c, int layer, int pos0, const py::array& k, const py::array& v) {
+             const TensorView kv = ViewOf(k, DType::F32, "k"), vv = ViewOf(v, DType::F32, "v");
+             const int64_t row = int64_t{c.n_kv_heads()} * c.head_dim();
+             KVQ_CHECK_ARG(kv.rank() == 2 && kv.dim(1) == row && vv.shape() == kv.shape(), "k, v: expected shape (T, ",
+                           row, ") each, got ", shape_str(kv.shape()), " and ", shape_str(vv.shape()));
+             WithoutGil([&] {
+               for (int64_t t = 0; t < kv.dim(0); ++t) {
+                 c.write(layer, static_cast<int>(pos0 + t), {kv.data_as<float>() + t * row, static_cast<size_t>(row)},
+                         {vv.data_as<float>() + t * row, static_cast<size_t>(row)});
+               }
+               return 0;
+             });
+           })
+      .def("read",
+           [](const GroupedKvCache& c, int layer, int64_t pos, int64_t length) {
+             const size_t row = static_cast<size_t>(c.n_kv_heads()) * static_cast<size_t>(c.head_dim());
+             std::vector<float> k(row), v(row);
+             c.read(layer, pos, length, k, v);
+             return py::make_tuple(VectorToNumpy(k), VectorToNumpy(v));
+           })
+      .def("attend",
+           [](const GroupedKvCache& c, const py::array& q, int layer, int64_t length, int threads, bool reference) {
+             const TensorView qv = ViewOf(q, DType::F32, "q");
+             KVQ_CHECK_ARG(qv.rank() == 2 && qv.dim(1) == c.head_dim(), "q: expected shape (n_heads, ", c.head_dim(),
+                           "), got ", shape_str(qv.shape()));
+             const size_t n = static_cast<size_t>(qv.numel());
+             std::vector<float> out(n);
+             const std::span<const float> qs(qv.data_as<float>(), n);
+             WithoutGil([&] {
+               if (reference) {
+                 c.attend_ref(layer, length, qs, static_cast<int>(qv.dim(0)), out);
+               } else {
+                 c.attend(layer, length, qs, static_cast<int>(qv.dim(0)), out, threads);
+               }
+               return 0;
+             });
+             return VectorToNumpy(out);
+           })
+      .def("written", &GroupedKvCache::written)
+      .def("bytes", &GroupedKvCache::bytes)
+      .def("bits", py::overload_cast<int64_t>(&GroupedKvCache::bits, py::const_))
+      .def("steady_state_bits", &GroupedKvCache::steady_state_bits)
+      .def_property_readonly("scheme", [](const GroupedKvCache& c) { return c.scheme().name(); })
+      .def_property_readonly("n_layers", &GroupedKvCache::n_layers)
+      .def_property_readonly("max_seq", &GroupedKvCache::max_seq)
+      .def_property_readonly("n_kv_heads", &GroupedKvCache::n_kv_heads)
+      .def_property_readonly("head_dim", &GroupedKvCache::head_dim);
 
   m.def("spearman", [](const py::array& a, const py::array& b) {
     const TensorView av = ViewOf(a, DType::F32, "a"), bv = ViewOf(b, DType::F32, "b");

@@ -411,7 +411,8 @@ TEST(GroupedKv, CalibratedAndAllocatedSchemesMatchTheReference) {
     int H, hd, nq, N;
   };
   const Case cases[] = {{"k4v3c", 2, 8, 8, 77}, {"k3av2g32r5", 2, 16, 4, 150}, {"k4av4cr9s2", 1, 64, 4, 100},
-                        {"k3av3g16o8x3", 2, 8, 4, 90}};
+                        {"k3av3g16o8x3", 2, 8, 4, 90},
+                        {"k3av2g32o8r16", 2, 16, 4, 90}};
   test::ForEachTarget([&](const char*) {
     for (const Case& cs : cases) {
       SCOPED_TRACE(cs.scheme);
@@ -444,7 +445,7 @@ TEST(GroupedKv, CalibratedAndAllocatedSchemesMatchTheReference) {
       }
       std::vector<float> q(static_cast<size_t>(cs.nq * cs.hd)), a(q.size()), b(q.size());
       for (float& x : q) x = static_cast<float>(rng.Gaussian());
-      for (int T : {1, 17, cs.N / 2, cs.N}) {
+      for (int T : {1, 17, 40, cs.N / 2, cs.N}) {
         SCOPED_TRACE(T);
         c.attend(0, T, q, cs.nq, a, 2);
         c.attend_ref(0, T, q, cs.nq, b);

@@ -15,6 +15,7 @@
 #include <sstream>
 
 #include "kvq/error.h"
+#include "model/calibrate.h"
 #include "model/eval.h"
 #include "model/receipts.h"
 #include "model/llama2.h"
@@ -84,8 +85,18 @@ TEST(Model, WindowIsBitwiseIdenticalToTokenByTokenDecoding) {
   // Row schemes, and grouped ones whose groups complete, hand over to codes
   // and stay open inside the window (G 16: groups end at 16, 32; with r5 and
   // s3 the coded range starts at 3 and trails by 5; k2v3g32: one group).
+  // Calibrated (coded on arrival), allocated and o8 (open tokens in 8-bit
+  // codes) schemes read ranges measured on text the model generated.
   std::vector<CacheScheme> schemes(all_kv_schemes().begin(), all_kv_schemes().end());
-  for (const char* g : {"k4v4g16", "k3v2g16r5s3", "k2v3g32", "k8v8g16r7"}) schemes.push_back(parse_grouped_kv_scheme(g));
+  CalibrationOptions co;
+  co.sequences = 2;
+  co.length = 64;
+  const auto ranges = std::make_shared<const StaticRanges>(calibrate_static_ranges(ckpt, co));
+  for (const char* g : {"k4v4g16", "k3v2g16r5s3", "k2v3g32", "k8v8g16r7", "k3av2g16o8x3r2", "k4v3cr5s1", "k2v2c"}) {
+    CacheScheme s = parse_grouped_kv_scheme(g);
+    s.ranges = ranges;
+    schemes.push_back(s);
+  }
   for (const CacheScheme& s : schemes) {
     SCOPED_TRACE(s.name());
     Transformer batched(ckpt, s, T), stepwise(ckpt, s, T);
@@ -97,6 +108,36 @@ TEST(Model, WindowIsBitwiseIdenticalToTokenByTokenDecoding) {
           << "position " << t;
     }
   }
+}
+
+// Calibration samples the model's own text: deterministic for a seed, a
+// different seed gives different ranges, and every channel's range and
+// weight is finite (never the evaluation text: no text is read at all).
+TEST(Model, CalibrationIsDeterministicAndReadsNoText) {
+  KVQ_MODEL_FILES();
+  const Checkpoint ckpt(model_path);
+  CalibrationOptions o;
+  o.sequences = 3;
+  o.length = 40;
+  const StaticRanges a = calibrate_static_ranges(ckpt, o), b = calibrate_static_ranges(ckpt, o);
+  EXPECT_EQ(a.k_lo, b.k_lo);
+  EXPECT_EQ(a.v_hi, b.v_hi);
+  EXPECT_EQ(a.k_weight, b.k_weight);
+  EXPECT_EQ(a.samples, 3 * 40);
+  const Config& c = ckpt.config();
+  a.validate(c.n_layers, c.n_kv_heads, c.head_size());
+  ASSERT_EQ(a.k_weight.size(), a.k_lo.size());
+  for (float w : a.k_weight) EXPECT_TRUE(std::isfinite(w) && w >= 0);
+  o.seed = 2;
+  EXPECT_NE(calibrate_static_ranges(ckpt, o).k_lo, a.k_lo);
+  o.clip = 0.3;
+  EXPECT_NE(test::ErrorOf([&] { calibrate_static_ranges(ckpt, o); }).find("clip"), std::string::npos);
+  o.clip = 0;
+  o.temperature = 0;
+  EXPECT_NE(test::ErrorOf([&] { calibrate_static_ranges(ckpt, o); }).find("temperature"), std::string::npos);
+  o.temperature = 1;
+  o.length = c.seq_len + 1;
+  EXPECT_NE(test::ErrorOf([&] { calibrate_static_ranges(ckpt, o); }).find("length"), std::string::npos);
 }
 
 // The model card reports 1.2968 on TinyStories validation; the full dev text

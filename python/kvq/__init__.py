@@ -46,9 +46,9 @@ from ._kvq import Error, Estimator, GaussianEstimator, LaplaceEstimator
 
 __all__ = [
     "AffineQuantized", "ClusterBank", "DEFAULT_KS_MAX", "Error", "Estimator", "GaussianEstimator",
-    "KvCache", "LaplaceEstimator", "QuantizedClusterOutliers", "SortedProfileEncoding", "decode_attention",
-    "dequantize_cluster_outliers", "dequantize_kv_cache", "fit_sorted_profile", "kv_schemes",
-    "quantization_error_per_token", "quantize_cluster_outliers", "quantize_kv_cache", "spearman",
+    "GroupedKvCache", "KvCache", "LaplaceEstimator", "QuantizedClusterOutliers", "SortedProfileEncoding", "decode_attention",
+    "dequantize_cluster_outliers", "dequantize_kv_cache", "fit_sorted_profile", "grouped_kv_presets", "kv_schemes",
+    "quantization_error_per_token", "static_ranges_from_samples", "quantize_cluster_outliers", "quantize_kv_cache", "spearman",
 ]
 
 Error.__doc__ = ("kvq's error: a bad argument (wrong shape, dtype or mode, NaN/Inf, empty or out-of-range input, "
@@ -419,6 +419,105 @@ def decode_attention(q, cache, layer, tokens, *, int8_query=False, scale=0.0, th
     out = _kvq.decode_attention(a, cache._c, _int(layer, "layer"), _int(tokens, "tokens", 0, 2 ** 62),
                                 int8_query, _float(scale, "scale"), _int(threads, "threads"))
     return _output(out, as_torch)
+
+
+# ---- grouped low-bit caches ------------------------------------------------------------
+
+
+def grouped_kv_presets():
+    """{preset name: scheme name} of the grouped low-bit presets (see GroupedKvCache)."""
+    return dict(_kvq.grouped_kv_presets())
+
+
+def static_ranges_from_samples(k, v, n_kv_heads, head_dim, *, clip=0.0, k_weight=None):
+    """Calibrated ranges for the calibrated (k<B>v<B>c) and allocated (k<B>a...) schemes.
+
+    k, v: one array per layer of shape (T, n_kv_heads, head_dim) or (T, n_kv_heads * head_dim),
+    K before RoPE; measure them on text the model generates, not on evaluation text.
+    clip: share of each channel's samples left outside its range at each end.
+    k_weight: optional (layers * n_kv_heads * head_dim) per-channel weights for bit allocation.
+    """
+    n, d = _int(n_kv_heads, "n_kv_heads"), _int(head_dim, "head_dim")
+    if not isinstance(k, (list, tuple)) or not isinstance(v, (list, tuple)):
+        raise Error("k, v: expected a list of per-layer arrays each")
+    ks = [_contiguous(_f32(x, "k")[0]) for x in k]
+    vs = [_contiguous(_f32(x, "v")[0]) for x in v]
+    w = _np.zeros(0, _np.float32) if k_weight is None else _contiguous(_f32(k_weight, "k_weight")[0].reshape(-1))
+    return _kvq.static_ranges_from_samples(ks, vs, n, d, _float(clip, "clip"), w)
+
+
+class GroupedKvCache:
+    """A low-bit grouped KV cache: K per channel before RoPE, V per channel (kvq/grouped_kv.h).
+
+    GroupedKvCache(scheme, n_layers, max_seq, n_kv_heads, head_dim, ranges=None)
+    scheme: k<B>v<B>g<G>[o8[x<N>]][r<R>][s<S>], k<B>v<B>c[r<R>][s<S>] (calibrated: needs
+        ranges), k<B>a... (per-channel K bits: needs ranges with k_weight), or a preset
+        (grouped_kv_presets()).
+    write(layer, pos, k, v) / write_many(layer, pos0, k, v): K before RoPE (RoPE is applied
+        when attention reads it), positions of a layer in order (or 0: a new sequence).
+    read(layer, pos, length) -> (k, v): token pos as attention reads it at cache length
+        `length` (K after RoPE), float32 (n_kv_heads, head_dim).
+    attend(q, layer, length): one decode step at position length - 1 (q after RoPE).
+    bits(length), steady_state_bits(ctx), bytes(length): stored bits, all counted.
+    """
+
+    def __init__(self, scheme, n_layers, max_seq, n_kv_heads, head_dim, ranges=None):
+        if ranges is not None and not isinstance(ranges, _kvq.StaticRanges):
+            raise Error(f"ranges: expected static_ranges_from_samples(...), got {type(ranges).__name__}")
+        self._c = _kvq.GroupedKvCache(_str(scheme, "scheme"), _int(n_layers, "n_layers"), _int(max_seq, "max_seq"),
+                                      _int(n_kv_heads, "n_kv_heads"), _int(head_dim, "head_dim"), ranges)
+
+    scheme = property(lambda self: self._c.scheme)
+    n_layers = property(lambda self: self._c.n_layers)
+    max_seq = property(lambda self: self._c.max_seq)
+    n_kv_heads = property(lambda self: self._c.n_kv_heads)
+    head_dim = property(lambda self: self._c.head_dim)
+
+    _rows = KvCache._rows
+
+    def write(self, layer, pos, k, v):
+        """Stores one token: k before RoPE, v."""
+        self._c.write_many(_int(layer, "layer"), _int(pos, "pos"), self._rows(k, "k", False),
+                           self._rows(v, "v", False))
+
+    def write_many(self, layer, pos0, k, v):
+        """Stores T tokens at pos0 .. pos0 + T - 1 (K before RoPE)."""
+        kr, vr = self._rows(k, "k", True), self._rows(v, "v", True)
+        if kr.shape != vr.shape:
+            raise Error(f"v: expected {kr.shape[0]} tokens like k, got {vr.shape[0]}")
+        self._c.write_many(_int(layer, "layer"), _int(pos0, "pos0"), kr, vr)
+
+    def written(self, layer):
+        return self._c.written(_int(layer, "layer"))
+
+    def read(self, layer, pos, length):
+        k, v = self._c.read(_int(layer, "layer"), _int(pos, "pos", 0, 2 ** 62), _int(length, "length", 0, 2 ** 62))
+        return k.reshape(self.n_kv_heads, self.head_dim), v.reshape(self.n_kv_heads, self.head_dim)
+
+    def attend(self, q, layer, length, *, threads=1, reference=False):
+        """Attention of a query at position length - 1 over tokens [0, length); q (n_heads, head_dim)
+        after RoPE. reference=True: the decode-then-attend reference (double precision)."""
+        a, as_torch = _f32(q, "q")
+        if a.ndim != 2 or a.shape[1] != self.head_dim:
+            raise Error(f"q: expected shape (n_heads, {self.head_dim}), got {tuple(a.shape)}")
+        if not isinstance(reference, bool):
+            raise Error(f"reference: expected True or False, got {reference!r}")
+        out = self._c.attend(a, _int(layer, "layer"), _int(length, "length", 0, 2 ** 62), _int(threads, "threads"),
+                             reference)
+        return _output(out.reshape(a.shape), as_torch)
+
+    def bits(self, length):
+        return self._c.bits(_int(length, "length", 0, 2 ** 62))
+
+    def bytes(self, length):
+        return self._c.bytes(_int(length, "length", 0, 2 ** 62))
+
+    def steady_state_bits(self, ctx):
+        return self._c.steady_state_bits(_int(ctx, "ctx", 0, 2 ** 62))
+
+    def __repr__(self):
+        return (f"GroupedKvCache({self.scheme!r}, n_layers={self.n_layers}, max_seq={self.max_seq}, "
+                f"n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim})")
 
 
 # ---- E2 ---------------------------------------------------------------------------

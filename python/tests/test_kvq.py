@@ -468,3 +468,78 @@ def test_kv_schemes_lists_every_scheme_with_honest_bits():
     assert "q4_0" not in small and "int8" in small
     with pytest.raises(kvq.Error, match="n_kv_heads"):
         kvq.kv_schemes(0, 16)
+
+
+# ---- grouped low-bit caches -------------------------------------------------
+
+
+def _rope(x, pos, head_dim):
+    """llama2.c's RoPE (pairs (2p, 2p + 1), angle pos * 10000^(-2p / head_dim)) in float32."""
+    x = np.array(x, np.float32).reshape(-1, head_dim)
+    i = np.arange(0, head_dim, 2, dtype=np.float32)
+    ang = np.float32(pos) * (np.float32(1.0) / np.power(np.float32(10000.0), i / np.float32(head_dim)))
+    c, s = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    x0, x1 = x[:, 0::2].copy(), x[:, 1::2].copy()
+    x[:, 0::2], x[:, 1::2] = x0 * c - x1 * s, x0 * s + x1 * c
+    return x
+
+
+@pytest.mark.parametrize("scheme", ["k4v3g32", "k2v2g16r5s2", "k3v3g16o8x4", "k4v3g32o8r16"])
+def test_grouped_cache_reachable_by_name_and_matches_numpy(scheme):
+    rng = np.random.default_rng(5)
+    H, hd, nq, N = 2, 16, 8, 90
+    c = kvq.GroupedKvCache(scheme, 1, N, H, hd)
+    k = rng.standard_normal((N, H, hd)).astype(np.float32)
+    v = rng.standard_normal((N, H, hd)).astype(np.float32)
+    c.write_many(0, 0, k, v)
+    assert c.written(0) == N
+    q = rng.standard_normal((nq, hd)).astype(np.float32)
+    for T in (1, 40, N):
+        # numpy attention over the tokens as the cache holds them at length T
+        kk = np.stack([c.read(0, t, T)[0] for t in range(T)])
+        vv = np.stack([c.read(0, t, T)[1] for t in range(T)])
+        ref = np.empty_like(q)
+        for h in range(nq):
+            s = kk[:, h // (nq // H)] @ q[h] / np.sqrt(hd)
+            p = np.exp(s - s.max())
+            ref[h] = (p / p.sum()) @ vv[:, h // (nq // H)]
+        np.testing.assert_allclose(c.attend(q, 0, T), ref, atol=2e-4)
+        np.testing.assert_allclose(c.attend(q, 0, T, reference=True), ref, atol=2e-5)
+    # a token in a coded group decodes near its value after RoPE (K) and as is (V)
+    t = 3 if "s2" not in c.scheme else 5
+    kr, vr = c.read(0, t, N)
+    np.testing.assert_allclose(kr, _rope(k[t], t, hd), atol=1.5)
+    assert 0 < c.bits(N) < 16 and c.bytes(N) > 0
+    assert c.steady_state_bits(N) == pytest.approx(np.mean([c.bits(T) for T in range(N - 127 if N > 127 else 1, N + 1)]))
+    assert c.scheme == scheme
+    assert set(kvq.grouped_kv_presets()) == {"kvq-6.5", "kvq-4.5", "kvq-3.5", "kvq-3"}
+
+
+def test_grouped_cache_calibrated_and_allocated_need_ranges_and_errors():
+    rng = np.random.default_rng(2)
+    H, hd = 2, 8
+    ks = [rng.standard_normal((50, H * hd)).astype(np.float32)]
+    vs = [rng.standard_normal((50, H * hd)).astype(np.float32)]
+    r = kvq.static_ranges_from_samples(ks, vs, H, hd, k_weight=np.arange(1, 17, dtype=np.float32))
+    assert r.samples == 50 and r.k_lo.shape == (16,) and np.all(r.k_lo <= r.k_hi)
+    for scheme in ("k4v3c", "k3av2g16"):
+        with pytest.raises(kvq.Error, match="ranges"):
+            kvq.GroupedKvCache(scheme, 1, 32, H, hd)
+        c = kvq.GroupedKvCache(scheme, 1, 32, H, hd, r)
+        c.write_many(0, 0, ks[0][:32], vs[0][:32])
+        q = rng.standard_normal((4, hd)).astype(np.float32)
+        np.testing.assert_allclose(c.attend(q, 0, 32), c.attend(q, 0, 32, reference=True), atol=2e-4)
+    c = kvq.GroupedKvCache("k4v4g16", 1, 32, H, hd)
+    for bad, match in [(lambda: kvq.GroupedKvCache("k4v4g24", 1, 32, H, hd), "multiple of 16"),
+                       (lambda: kvq.GroupedKvCache("q4_0", 1, 32, H, hd), "grouped scheme"),
+                       (lambda: kvq.GroupedKvCache("k4v4g16", 1, 32, H, 7), "head_dim"),
+                       (lambda: kvq.GroupedKvCache("k4v4g16", 1, 32, H, hd, ranges=3), "ranges"),
+                       (lambda: c.write(0, 1, np.zeros(16), np.zeros(16)), "in order"),
+                       (lambda: c.write(0, 0, np.full(16, np.nan), np.zeros(16)), "fp16 range"),
+                       (lambda: c.write(0, 0, np.zeros(15), np.zeros(16)), "k:"),
+                       (lambda: c.attend(np.zeros((4, hd), np.float32), 0, 1), "T: expected"),
+                       (lambda: c.read(0, 0, 5), "read"),
+                       (lambda: kvq.static_ranges_from_samples(ks, vs, H, hd, clip=0.5), "clip"),
+                       (lambda: kvq.static_ranges_from_samples(ks, [], H, hd), "layers")]:
+        with pytest.raises(kvq.Error, match=match):
+            bad()
