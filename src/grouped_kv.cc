@@ -474,24 +474,15 @@ void GroupedKvCache::write(int layer, int pos, std::span<const float> k, std::sp
     const size_t at = static_cast<size_t>(layer) * static_cast<size_t>(max_seq_) + static_cast<size_t>(pos);
     uint8_t* codes = open8_.data() + at * 2 * E;
     bool fits = g >= 1;
-    std::vector<float> dec(2 * E);
-    for (int which = 0; which < 2 && fits; ++which) {
-      const float* x = which == 0 ? k.data() : v.data();
-      for (int h = 0; h < n_kv_heads_ && fits; ++h) {
-        for (int i = 0; i < head_dim_; ++i) {
-          const size_t c = static_cast<size_t>(h * head_dim_ + i);
-          float lo, st;
-          OpenGrid(layer, which, h, g, i, &lo, &st);
-          const uint8_t q = Code(x[c], lo, st, 255);
-          const float y = lo + st * static_cast<float>(q);
-          if (!(std::fabs(y - x[c]) <= 0.5f * st)) {  // outside the grid (or a zero-width range)
-            fits = false;
-            break;
-          }
-          codes[static_cast<size_t>(which) * E + c] = q;
-          dec[static_cast<size_t>(which) * E + c] = y;
-        }
-      }
+    std::vector<float> dec(2 * E), lo(2 * E), st(2 * E);
+    if (fits) OpenGrids(layer, g, lo.data(), st.data());
+    for (size_t c = 0; c < 2 * E && fits; ++c) {
+      const float x = c < E ? k[c] : v[c - E];
+      const uint8_t q = Code(x, lo[c], st[c], 255);
+      const float y = lo[c] + st[c] * static_cast<float>(q);
+      fits = std::fabs(y - x) <= 0.5f * st[c];  // else outside the grid (or a zero-width range)
+      codes[c] = q;
+      dec[c] = y;
     }
     open_exact_[at] = fits ? 0 : 1;
     if (fits) {
@@ -574,12 +565,38 @@ void GroupedKvCache::EncodeGroup(int layer, int64_t g) {
   }
 }
 
-void GroupedKvCache::OpenGrid(int layer, int which, int head, int64_t g, int i, float* lo, float* step) const {
-  const uint16_t* p16 = reinterpret_cast<const uint16_t*>(group_data(layer, which, head, g - 1));
-  const int bits = which == 0 ? k_channel_bits(layer, head * head_dim_ + i) : scheme_.v_bits;
-  const float w = f16_to_f32_ref(p16[head_dim_ + i]) * static_cast<float>((1 << bits) - 1);
-  *lo = f16_to_f32_ref(p16[i]) - 0.5f * w;
-  *step = 2.0f * w / 255.0f;
+void GroupedKvCache::OpenGrids(int layer, int64_t g, float* lo, float* step) const {
+  const size_t hd = static_cast<size_t>(head_dim_), E = this->E();
+  std::vector<float> prm(2 * hd);
+  for (int which = 0; which < 2; ++which) {
+    for (int h = 0; h < n_kv_heads_; ++h) {
+      const uint16_t* p16 = reinterpret_cast<const uint16_t*>(group_data(layer, which, h, g - 1));
+      f16_to_f32({p16, 2 * hd}, prm);
+      for (size_t i = 0; i < hd; ++i) {
+        const size_t c = static_cast<size_t>(h) * hd + i;
+        const int bits = which == 0 ? k_channel_bits(layer, static_cast<int>(c)) : scheme_.v_bits;
+        const float w = prm[hd + i] * static_cast<float>((1 << bits) - 1);
+        lo[static_cast<size_t>(which) * E + c] = prm[i] - 0.5f * w;
+        step[static_cast<size_t>(which) * E + c] = 2.0f * w / 255.0f;
+      }
+    }
+  }
+}
+
+void GroupedKvCache::DecodeOpen8(int layer, int64_t pos, const float* lo, const float* step, float* k,
+                                 float* v) const {
+  const size_t E = this->E();
+  const uint8_t* codes =
+      open8_.data() + (static_cast<size_t>(layer) * static_cast<size_t>(max_seq_) + static_cast<size_t>(pos)) * 2 * E;
+  for (size_t c = 0; c < E; ++c) k[c] = lo[c] + step[c] * static_cast<float>(codes[c]);
+  for (size_t c = 0; c < E; ++c) v[c] = lo[E + c] + step[E + c] * static_cast<float>(codes[E + c]);
+  rope_.apply(k, n_kv_heads_, static_cast<int>(pos));
+}
+
+bool GroupedKvCache::IsOpen8(int layer, int64_t pos, int64_t T) const {
+  return scheme_.open_bits == 8 && pos >= scheme_.sinks && pos >= scheme_.coded_end(T) &&
+         pos < T - scheme_.exact_recent &&
+         !open_exact_[static_cast<size_t>(layer) * static_cast<size_t>(max_seq_) + static_cast<size_t>(pos)];
 }
 
 void GroupedKvCache::read(int layer, int64_t pos, int64_t T, std::span<float> k, std::span<float> v) const {
@@ -588,23 +605,10 @@ void GroupedKvCache::read(int layer, int64_t pos, int64_t T, std::span<float> k,
   const size_t E = static_cast<size_t>(n_kv_heads_) * static_cast<size_t>(head_dim_);
   KVQ_CHECK_ARG(k.size() == E && v.size() == E, "k, v: expected ", E, " values each");
   const int S = scheme_.sinks, G = G_, hd = head_dim_;
-  if (pos >= S && pos >= scheme_.coded_end(T) && scheme_.open_bits == 8 && pos < T - scheme_.exact_recent &&
-      !open_exact_[static_cast<size_t>(layer) * static_cast<size_t>(max_seq_) + static_cast<size_t>(pos)]) {
-    const uint8_t* codes =
-        open8_.data() + (static_cast<size_t>(layer) * static_cast<size_t>(max_seq_) + static_cast<size_t>(pos)) * 2 * E;
-    const int64_t g = (pos - S) / G;
-    for (int which = 0; which < 2; ++which) {
-      float* out = which == 0 ? k.data() : v.data();
-      for (int h = 0; h < n_kv_heads_; ++h) {
-        for (int i = 0; i < hd; ++i) {
-          const size_t c = static_cast<size_t>(h * hd + i);
-          float lo, st;
-          OpenGrid(layer, which, h, g, i, &lo, &st);
-          out[c] = lo + st * static_cast<float>(codes[static_cast<size_t>(which) * E + c]);
-        }
-      }
-    }
-    rope_.apply(k.data(), n_kv_heads_, static_cast<int>(pos));
+  if (IsOpen8(layer, pos, T)) {
+    std::vector<float> lo(2 * E), st(2 * E);
+    OpenGrids(layer, (pos - S) / G, lo.data(), st.data());
+    DecodeOpen8(layer, pos, lo.data(), st.data(), k.data(), v.data());
     return;
   }
   if (pos < S || pos >= scheme_.coded_end(T)) {
@@ -735,8 +739,18 @@ AttentionPart GroupedKvCache::DecodedPart(int layer, int64_t t0, int64_t t1, int
                                           int n_heads, const DecodeAttentionOptions& o) const {
   const size_t E = static_cast<size_t>(n_kv_heads_) * static_cast<size_t>(head_dim_);
   std::vector<float> kr(static_cast<size_t>(t1 - t0) * E), vr(kr.size());
+  std::vector<float> lo(2 * E), st(2 * E);
+  int64_t grid_of = -1;  // the group whose 8-bit grids lo / st hold
   for (int64_t t = t0; t < t1; ++t) {
-    read(layer, t, T, {kr.data() + static_cast<size_t>(t - t0) * E, E}, {vr.data() + static_cast<size_t>(t - t0) * E, E});
+    float* k = kr.data() + static_cast<size_t>(t - t0) * E;
+    float* v = vr.data() + static_cast<size_t>(t - t0) * E;
+    if (IsOpen8(layer, t, T)) {
+      const int64_t g = (t - scheme_.sinks) / G_;
+      if (g != grid_of) OpenGrids(layer, g, lo.data(), st.data()), grid_of = g;
+      DecodeOpen8(layer, t, lo.data(), st.data(), k, v);
+    } else {
+      read(layer, t, T, {k, E}, {v, E});
+    }
   }
   KvRowsView rows;
   rows.scheme = KvScheme::Fp32;

@@ -47,6 +47,27 @@ assert all(keys<=set(x) for x in r)
 assert r[0][\"delta_ppl\"]==0 and r[2][\"bits_per_element\"]==4.5
 "'
 
+# Grouped low-bit schemes: by name, by --k/--v, presets; steady-state bits
+# in the table and both bit counts in JSON; calibration stated.
+"$KVQ" eval --kv k4v3g16r4,kvq-4.5 --ctx 64 --max-windows 2 --json "$T/g.json" >"$T/out" 2>"$T/err"; rc=$?
+check "grouped eval succeeds" '[ $rc -eq 0 ] && grep -q "| k4v3g16r4" "$T/out" && grep -q "| kvq-4.5" "$T/out"'
+check "grouped eval states its bits and calibration" 'grep -q "steady state" "$T/out" && grep -q "kvq-4.5 = k4av3g64o8r16" "$T/out" && grep -q "tokens the model generated" "$T/out"'
+check "grouped JSON has both bit counts" '/usr/bin/python3 -c "
+import json
+r=json.load(open(\"$T/g.json\"))[\"results\"]
+assert [x[\"scheme\"] for x in r]==[\"fp32\",\"k4v3g16r4\",\"k4av3g64o8r16\"], r
+g=r[1]; assert 4 < g[\"bits_per_element\"] < 16 and g[\"bits_at_ctx\"] > 0, g
+"'
+"$KVQ" eval --k g4 --v g2 --group 32 --recent 8 --keep-first 2 --ctx 64 --max-windows 1 >"$T/out" 2>"$T/err"; rc=$?
+check "--k/--v build one grouped scheme" '[ $rc -eq 0 ] && grep -q "| k4v2g32r8s2" "$T/out"'
+"$KVQ" eval --k cal4 --v cal3 --ctx 64 --max-windows 1 --calib-sequences 2 >"$T/out" 2>"$T/err"; rc=$?
+check "--k/--v calibrated" '[ $rc -eq 0 ] && grep -q "| k4v3c" "$T/out" && grep -q "2 sequences" "$T/out"'
+for bad in "--k g4 --v q4_0" "--k q4_0 --v q8_0" "--k g4" "--k g4 --v g4 --group 24" "--k g9 --v g4" "--kv q4_0 --k g4 --v g4" \
+           "--kv k4v4g24" "--kv k4v4co8" "--kv k4v4g64 --window 16" "--kv k4v4c --calib-clip 0.5" "--kv k4v4c --calib-temperature 0"; do
+  "$KVQ" eval $bad --ctx 64 --max-windows 1 --json "$T/bad.json" >/dev/null 2>"$T/err"; rc=$?
+  check "eval $bad exits 2 with one line" '[ $rc -eq 2 ] && [ $(wc -l < "$T/err") -eq 1 ] && grep -q "^kvq: error: " "$T/err" && [ ! -e "$T/bad.json" ]'
+done
+
 "$KVQ" eval --kv fp32 --ctx 64 --max-windows 2 --window 16 --window-chunk 8 >"$T/out" 2>"$T/err"; rc=$?
 check "eval --window adds the windowed rows" '[ $rc -eq 0 ] && grep -q "| win 16+4 " "$T/out" && grep -q "| e2 16+4+bank " "$T/out" && grep -q "=e2" "$T/out"'
 "$KVQ" eval --kv fp32 --window -3 >/dev/null 2>"$T/err"; rc=$?

@@ -256,9 +256,13 @@ class GroupedKvCache {
   // open_bits 8: [layer][pos][K (before RoPE) | V] 8-bit codes on the
   // previous group's widened range, and [layer][pos] 1 = held in fp16.
   std::vector<uint8_t> open8_, open_exact_;
-  // The 8-bit grid of channel i of (layer, K or V, head) for a token of group
-  // g >= 1 (from group g - 1's parameters).
-  void OpenGrid(int layer, int which, int head, int64_t g, int i, float* lo, float* step) const;
+  // The 8-bit grids of every channel of `layer` (K then V: 2 E each) for the
+  // tokens of group g >= 1, from group g - 1's parameters.
+  void OpenGrids(int layer, int64_t g, float* lo, float* step) const;
+  // Token pos's 8-bit codes on those grids (K rotated to pos).
+  void DecodeOpen8(int layer, int64_t pos, const float* lo, const float* step, float* k, float* v) const;
+  // Whether attention at length T reads token pos from its 8-bit codes.
+  bool IsOpen8(int layer, int64_t pos, int64_t T) const;
 };
 
 }  // namespace kvq
