@@ -459,7 +459,7 @@ TEST(GroupedKv, CalibratedAndAllocatedSchemesMatchTheReference) {
           std::vector<float> want(rk.size());
           for (int i = 0; i < E; ++i) {
             uint16_t lo, st;
-            std::vector<uint8_t> code(1);
+            std::vector<uint8_t> code(2);
             const int bits = c.k_channel_bits(0, i);
             // The grid of the range: encode its two ends, then the value.
             const float ends[2] = {ranges.k_lo[static_cast<size_t>(i)], ranges.k_hi[static_cast<size_t>(i)]};
