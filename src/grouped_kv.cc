@@ -328,26 +328,33 @@ void encode_group_channel_ref(const float* x, int n, size_t stride, int bits, ui
 // ---- GroupedKvCache ------------------------------------------------------------
 
 namespace {
-const GroupedKvScheme& Validated(const GroupedKvScheme& s, int head_dim) {
+// Checked before any member is built (scheme_ is the first member).
+const GroupedKvScheme& Validated(const GroupedKvScheme& s, int n_layers, int max_seq, int n_kv_heads, int head_dim) {
   s.validate("kv");
   KVQ_CHECK_ARG(head_dim >= 2 && head_dim % 8 == 0 && head_dim <= 512,
                 "head_dim: grouped schemes need an even head_dim (RoPE rotates pairs), a multiple of 8 up to 512, got ",
                 head_dim);
+  KVQ_CHECK_ARG(n_layers >= 1 && n_kv_heads >= 1 && max_seq >= 1, "grouped cache: expected n_layers, n_kv_heads, ",
+                "max_seq >= 1, got ", n_layers, ", ", n_kv_heads, ", ", max_seq);
+  // Every position keeps an fp16 row and 8-bit codes besides its group codes:
+  // about 8 bytes per element; refuse what cannot be allocated on purpose.
+  const double bytes = 8.0 * n_layers * static_cast<double>(max_seq) * n_kv_heads * head_dim;
+  KVQ_CHECK_ARG(int64_t{n_kv_heads} * head_dim <= (1 << 20) && bytes <= 0x1p40, "grouped cache: ", n_layers,
+                " layers x ", max_seq, " positions x ", n_kv_heads, " heads x ", head_dim,
+                " exceeds the limits (n_kv_heads * head_dim <= 2^20, about 1 TiB in all)");
   return s;
 }
 }  // namespace
 
 GroupedKvCache::GroupedKvCache(const GroupedKvScheme& scheme, int n_layers, int max_seq, int n_kv_heads,
                                int head_dim, const StaticRanges* ranges)
-    : scheme_(Validated(scheme, head_dim)),
+    : scheme_(Validated(scheme, n_layers, max_seq, n_kv_heads, head_dim)),
       n_layers_(n_layers),
       max_seq_(max_seq),
       n_kv_heads_(n_kv_heads),
       head_dim_(head_dim),
       rope_(std::max(max_seq, 16), head_dim),
       exact_(KvScheme::Fp16, n_layers, max_seq, n_kv_heads, head_dim) {
-  KVQ_CHECK_ARG(n_layers >= 1 && n_kv_heads >= 1 && max_seq >= 1, "grouped cache: expected n_layers, n_kv_heads, ",
-                "max_seq >= 1, got ", n_layers, ", ", n_kv_heads, ", ", max_seq);
   const size_t hd = static_cast<size_t>(head_dim), H = static_cast<size_t>(n_kv_heads);
   G_ = scheme_.calibrated ? 16 : scheme_.group;
   header_bytes_ = scheme_.calibrated ? 0 : 4 * hd;

@@ -330,6 +330,9 @@ TEST(GroupedKv, BadArgumentsAreClearErrors) {
   EXPECT_NE(ErrorOf([&] { GroupedKvCache c(g, 1, 64, 2, 12); }).find("multiple of 8"), std::string::npos);
   EXPECT_NE(ErrorOf([&] { GroupedKvCache c(g, 0, 64, 2, 8); }).find("n_layers"), std::string::npos);
   EXPECT_NE(ErrorOf([&] { GroupedKvCache c(g, 1, 0, 2, 8); }).find("max_seq"), std::string::npos);
+  EXPECT_NE(ErrorOf([&] { GroupedKvCache c(g, 1000, 1 << 30, 64, 128); }).find("exceeds the limits"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf([&] { GroupedKvCache c(g, 1, 16, 1 << 20, 128); }).find("exceeds the limits"), std::string::npos);
   GroupedKvScheme bad = g;
   bad.group = 40;
   EXPECT_NE(ErrorOf([&] { GroupedKvCache c(bad, 1, 64, 2, 8); }).find("multiple of 16"), std::string::npos);
