@@ -144,6 +144,10 @@ check "generate stdout is the text only" 'head -c 16 "$T/gen" | grep -q "^Once u
 check "generate stats on stderr" 'grep -q "tok/s" "$T/err"'
 "$KVQ" generate --kv q8_0 --prompt "Lily" --steps 30 --temperature 0.8 --seed 3 >"$T/gen2" 2>/dev/null; rc=$?
 check "generate with prompt and sampling" '[ $rc -eq 0 ] && grep -q "^Lily" "$T/gen2"'
+"$KVQ" generate --kv kvq-4.5 --steps 80 >"$T/gen3" 2>"$T/err"; rc=$?
+check "generate with a grouped preset" '[ $rc -eq 0 ] && head -c 16 "$T/gen3" | grep -q "^Once upon a time" && grep -q "kv k4av3g64o8r16 (.* bits/element at 80 tokens" "$T/err"'
+"$KVQ" generate --kv k4v4g24 >/dev/null 2>"$T/err"; rc=$?
+check "generate with a bad grouped scheme exits 2" '[ $rc -eq 2 ] && grep -q "multiple of 16" "$T/err"'
 "$KVQ" generate --steps 9999 >/dev/null 2>"$T/err"; rc=$?
 check "generate --steps out of range exits 2" '[ $rc -eq 2 ]'
 

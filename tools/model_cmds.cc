@@ -342,19 +342,25 @@ void AddGenerateCommand(CLI::App& app, GenerateOptions& o) {
   c->add_option("--temperature", o.temperature, "0 = greedy (default)")->check(CLI::Range(0.0, 100.0));
   c->add_option("--seed", o.seed, "sampling seed");
   c->add_option("--steps", o.steps, "forward steps, prompt included (default 256, max seq_len)");
-  c->add_option("--kv", o.kv, "KV scheme")->default_val("fp32");
+  c->add_option("--kv", o.kv, "KV scheme: a row scheme, a grouped scheme (k4v3g64o8r16) or a preset (kvq-4.5)")
+      ->default_val("fp32");
 }
 
 int RunGenerate(const GenerateOptions& o) {
   const model::Checkpoint ckpt(o.model.empty() ? DefaultModel() : o.model);
   const model::Tokenizer tok(o.tokenizer.empty() ? DefaultTokenizer() : o.tokenizer, ckpt.config().vocab_size);
-  const KvScheme scheme = parse_kv_scheme(o.kv, "--kv");
+  const std::vector<model::CacheScheme> schemes = model::parse_cache_schemes(o.kv, "--kv");
+  KVQ_CHECK_ARG(schemes.size() == 1, "--kv: expected one scheme, got '", o.kv, "'");
+  model::CacheScheme scheme = schemes.front();
   KVQ_CHECK_ARG(o.steps >= 1 && o.steps <= ckpt.config().seq_len, "--steps: expected 1..", ckpt.config().seq_len,
                 ", got ", o.steps);
   KVQ_CHECK_ARG(std::isfinite(o.temperature) && o.temperature >= 0, "--temperature: expected >= 0");
   const std::vector<int> prompt = tok.encode(o.prompt, /*bos=*/true);
   KVQ_CHECK_ARG(static_cast<int>(prompt.size()) <= o.steps, "--prompt: ", prompt.size(),
                 " tokens do not fit in --steps ", o.steps);
+  if (scheme.grouped && (scheme.grouped->calibrated || scheme.grouped->k_allocated)) {  // ranges: never the prompt
+    scheme.ranges = std::make_shared<const StaticRanges>(model::calibrate_static_ranges(ckpt));
+  }
   model::Transformer tf(ckpt, scheme, o.steps);
   uint64_t rng = o.seed ? o.seed : 0x9E3779B97F4A7C15ull;
   int token = prompt[0];
@@ -381,9 +387,16 @@ int RunGenerate(const GenerateOptions& o) {
   std::fputs("\n", stdout);
   std::fflush(stdout);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  std::fprintf(stderr, "kvq generate: %d tokens, kv %s (%.3f bits/element, %zu bytes/token), %.1f tok/s\n", generated,
-               kv_scheme_name(scheme), tf.cache().bits_per_element(), tf.cache().bytes_per_token(),
-               generated / secs);
+  if (const GroupedKvCache* g = tf.grouped_cache()) {  // bits at the length reached, every stored bit counted
+    const int64_t T = std::max<int64_t>(1, g->written(0));
+    std::fprintf(stderr, "kvq generate: %d tokens, kv %s (%.3f bits/element at %lld tokens, %llu bytes), %.1f tok/s\n",
+                 generated, scheme.name().c_str(), g->bits(T), static_cast<long long>(T),
+                 static_cast<unsigned long long>(g->bytes(T)), generated / secs);
+  } else {
+    std::fprintf(stderr, "kvq generate: %d tokens, kv %s (%.3f bits/element, %zu bytes/token), %.1f tok/s\n", generated,
+                 kv_scheme_name(scheme.row), tf.cache().bits_per_element(), tf.cache().bytes_per_token(),
+                 generated / secs);
+  }
   return 0;
 }
 
