@@ -199,7 +199,7 @@ std::span<const float> Transformer::run(std::span<const int> tokens, int pos0, b
       lb.out_v.clear();
     }
   }
-  const int dim = cfg_.dim, hid = cfg_.hidden_dim, kv_dim = cfg_.kv_dim(), hs = cfg_.head_size();
+  const int dim = cfg_.dim, hid = cfg_.hidden_dim, kv_dim = cfg_.kv_dim();
   const int vocab = cfg_.vocab_size;
   const size_t uT = static_cast<size_t>(T);
   auto ensure = [&](std::vector<float>& v, int width) {
@@ -233,20 +233,11 @@ std::span<const float> Transformer::run(std::span<const int> tokens, int pos0, b
       float* k = row(k_, t, kv_dim);
       if (observer_) observer_(l, pos, {q, udim}, {k, ukv}, {row(v_, t, kv_dim), ukv});
       if (grouped_) grouped_->write(l, pos, {k, ukv}, {row(v_, t, kv_dim), ukv});  // K before RoPE
-      const float* rc = rope_.cos(pos);
-      const float* rs = rope_.sin(pos);
-      for (int i = 0; i < dim; i += 2) {
-        const float fcr = rc[(i % hs) / 2], fci = rs[(i % hs) / 2];
-        const float q0 = q[i], q1 = q[i + 1];
-        q[i] = q0 * fcr - q1 * fci;
-        q[i + 1] = q0 * fci + q1 * fcr;
-        if (i < kv_dim) {
-          const float k0 = k[i], k1 = k[i + 1];
-          k[i] = k0 * fcr - k1 * fci;
-          k[i + 1] = k0 * fci + k1 * fcr;
-        }
+      rope_.apply(q, cfg_.n_heads, pos);
+      if (cache_) {  // row schemes store K after RoPE
+        rope_.apply(k, cfg_.n_kv_heads, pos);
+        cache_->write(l, pos, {k, ukv}, {row(v_, t, kv_dim), ukv});
       }
-      if (cache_) cache_->write(l, pos, {k, ukv}, {row(v_, t, kv_dim), ukv});
     }
     for (int t = 0; t < T; ++t) attention(l, pos0 + t, row(q_, t, dim), row(xb_, t, dim));
     mm(xb2_.data(), xb_.data(), w_.wo + ul * udim * udim, dim, dim);
