@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <tuple>
 
 #include "kvq/error.h"
 #include "kvq/half.h"
@@ -92,24 +93,34 @@ int64_t GroupedKvScheme::coded_end(int64_t T) const {
   return sinks + group * (open / group);
 }
 
-double GroupedKvScheme::bits(int64_t T) const {
-  if (T <= 0) return 0.0;
+int64_t GroupedKvScheme::stored_bits(int64_t T) const {
+  if (T <= 0) return 0;
+  const int64_t kv = k_bits + v_bits;
   if (calibrated) {  // every token after the sinks coded on arrival; the recent ones also exact; the table
     const int64_t coded = std::max<int64_t>(0, T - sinks);
     const int64_t exact = std::min<int64_t>(T, sinks) + std::min<int64_t>(recent, coded);
-    const double stored = static_cast<double>(coded) * (k_bits + v_bits) + static_cast<double>(exact) * 2 * 16 + 64.0;
-    return stored / (2.0 * static_cast<double>(T));
+    return coded * kv + exact * 32 + 64;
   }
-  const int64_t coded = std::max<int64_t>(0, coded_end(T) - sinks);
-  const int64_t exact = T - coded, groups = coded / group;
-  // open_bits 8: the open tokens in 8 bits, except the sinks and the
-  // first group's (no previous range) in fp16.
-  const int64_t first = std::min<int64_t>(T, static_cast<int64_t>(sinks) + (coded == 0 ? group : 0));
-  const int64_t x16 = open_bits == 8 ? std::max<int64_t>(first, std::min<int64_t>(exact, first + exact_recent)) : exact;
-  const double exact_bits = static_cast<double>(x16) * 2 * 16 + static_cast<double>(exact - x16) * 2 * 8;
-  const double stored = static_cast<double>(coded) * (k_bits + v_bits) + static_cast<double>(groups) * 2 * 32 +
-                        exact_bits;
-  return stored / (2.0 * static_cast<double>(T));
+  const int64_t ce = coded_end(T), coded = ce - sinks, o0 = std::max<int64_t>(sinks, ce);
+  const int64_t open = std::max<int64_t>(0, T - o0);
+  int64_t bits = coded * kv + coded / group * 64 + std::min<int64_t>(T, sinks) * 32;
+  if (open_bits != 8 || open == 0) return bits + open * 32;
+  // 8-bit open tokens, except in fp16 the first group's (no previous range:
+  // [S, S + G) while nothing is coded) and the last x.
+  const auto [f0, f1, x0] = OpenFp16(T);
+  const int64_t fp16 = (f1 - f0) + (T - x0) - std::max<int64_t>(0, f1 - x0);
+  return bits + fp16 * 32 + (open - fp16) * 16;
+}
+
+std::tuple<int64_t, int64_t, int64_t> GroupedKvScheme::OpenFp16(int64_t T) const {
+  const int64_t ce = coded_end(T), o0 = std::max<int64_t>(sinks, ce);
+  const int64_t f1 = ce == sinks ? std::clamp<int64_t>(static_cast<int64_t>(sinks) + group, o0, std::max(o0, T)) : o0;
+  const int64_t x0 = std::clamp<int64_t>(T - exact_recent, o0, std::max(o0, T));
+  return {o0, f1, x0};
+}
+
+double GroupedKvScheme::bits(int64_t T) const {
+  return T > 0 ? static_cast<double>(stored_bits(T)) / (2.0 * static_cast<double>(T)) : 0.0;
 }
 
 double GroupedKvScheme::steady_state_bits(int64_t ctx) const {
@@ -805,31 +816,16 @@ void GroupedKvCache::attend_ref(int layer, int64_t T, std::span<const float> q, 
 uint64_t GroupedKvCache::bytes(int64_t T) const {
   if (T <= 0) return 0;
   const uint64_t E = static_cast<uint64_t>(n_kv_heads_) * static_cast<uint64_t>(head_dim_);
-  const uint64_t kv_bits = static_cast<uint64_t>(scheme_.k_bits + scheme_.v_bits);
-  uint64_t per_layer;
-  if (scheme_.calibrated) {  // codes of every token after the sinks, the exact ones, the table
-    const int64_t coded = std::max<int64_t>(0, T - scheme_.sinks);
-    const int64_t exact = std::min<int64_t>(T, scheme_.sinks) + std::min<int64_t>(scheme_.recent, coded);
-    per_layer = static_cast<uint64_t>(coded) * E * kv_bits / 8 + static_cast<uint64_t>(exact) * E * 4 + E * 8;
-  } else {
-    const int64_t coded = std::max<int64_t>(0, scheme_.coded_end(T) - scheme_.sinks);
-    const int64_t exact = T - coded, groups = coded / scheme_.group;
-    per_layer = static_cast<uint64_t>(coded) * E * kv_bits / 8 + static_cast<uint64_t>(groups) * E * 8;
-    if (scheme_.open_bits != 8) return (per_layer + static_cast<uint64_t>(exact) * E * 4) * static_cast<uint64_t>(n_layers_);
-    uint64_t total = 0;  // open tokens: 8-bit codes (2 E bytes) or fp16 (4 E bytes), per layer
-    const int64_t o0 = std::max<int64_t>(scheme_.sinks, scheme_.coded_end(T));
+  uint64_t total = static_cast<uint64_t>(scheme_.stored_bits(T)) * E / 8 * static_cast<uint64_t>(n_layers_);
+  if (scheme_.open_bits == 8) {  // 8-bit open tokens held in fp16 instead (outside the grid): 16 bits more
+    const auto [o0, f1, x0] = scheme_.OpenFp16(T);
     for (int l = 0; l < n_layers_; ++l) {
-      uint64_t b = per_layer + static_cast<uint64_t>(std::min<int64_t>(T, scheme_.sinks)) * E * 4;
-      for (int64_t t = o0; t < T; ++t) {
-        const bool fp16 = t >= T - scheme_.exact_recent ||
-                          open_exact_[static_cast<size_t>(l) * static_cast<size_t>(max_seq_) + static_cast<size_t>(t)];
-        b += fp16 ? E * 4 : E * 2;
+      for (int64_t t = f1; t < x0; ++t) {
+        if (open_exact_[static_cast<size_t>(l) * static_cast<size_t>(max_seq_) + static_cast<size_t>(t)]) total += 2 * E;
       }
-      total += b;
     }
-    return total;
   }
-  return per_layer * static_cast<uint64_t>(n_layers_);
+  return total;
 }
 
 double GroupedKvCache::bits(int64_t T) const {

@@ -524,6 +524,19 @@ TEST(GroupedKv, OpenTokensInEightBitsCountedByHand) {
   EXPECT_DOUBLE_EQ(g.bits(45), (32.0 * 6 + 2 * 64 + 2 * 32 + 11 * 16) / 90.0);
   // The first group has no previous range: all fp16 until it is coded.
   EXPECT_DOUBLE_EQ(c.bits(10), 16.0);
+  // Without a fallback the cache counts what the scheme's formula says, at
+  // every length (sinks, the first group, the last x, hand-overs).
+  for (const char* name : {"k4v2g16o8x2", "k3v3g16o8x4r8s3", "k2v4g32o8r5"}) {
+    const GroupedKvScheme gs = parse_grouped_kv_scheme(name);
+    GroupedKvCache cc(gs, 2, 80, H, hd);
+    for (int t = 0; t < 80; ++t) {
+      std::vector<float> k(E, (t % 16) == 0 ? 1.0f : (t % 16) == 1 ? -1.0f : 0.25f), v(k);
+      cc.write(0, t, k, v);
+      cc.write(1, t, k, v);
+      ASSERT_EQ(cc.bytes(t + 1) * 8, static_cast<uint64_t>(gs.stored_bits(t + 1)) * E * 2) << name << " T " << t + 1;
+      ASSERT_DOUBLE_EQ(cc.bits(t + 1), gs.bits(t + 1));
+    }
+  }
   const RopeTable rope(N, hd);
   std::vector<float> rk(E), rv(E);
   for (int T : {20, 45, 60}) {

@@ -65,6 +65,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -92,6 +93,13 @@ struct GroupedKvScheme {
   // open_bits 8: as if no token fell back to fp16 (GroupedKvCache::bytes
   // counts the ones that did).
   double bits(int64_t T) const;
+  // The stored bits behind bits(T): per channel, K and V together (so the
+  // bytes of T tokens are stored_bits(T) * E / 8 per layer).
+  int64_t stored_bits(int64_t T) const;
+  // open_bits 8, at length T: the open tokens [o0, T), of which [o0, f1)
+  // (the first group, while nothing is coded) and [x0, T) (the last x) are
+  // fp16 whatever their values.
+  std::tuple<int64_t, int64_t, int64_t> OpenFp16(int64_t T) const;
   // Mean of bits(T) over T = max(1, ctx - 127) .. ctx.
   double steady_state_bits(int64_t ctx) const;
   // Throws kvq::Error naming `arg` unless every field is in range.
