@@ -31,12 +31,11 @@ namespace {
 
 constexpr int kHeads = 32, kKvHeads = 8, kHeadDim = 128, kThreads = 2;
 
-// Deterministic, roughly Gaussian K and V rows (one large K channel) for
-// `layers` layers and T positions (the grouped caches take these K rows as
+// Deterministic, roughly Gaussian K and V rows (one large K channel): calls
+// row(t, k, v) for t = 0 .. T - 1 (the grouped caches take these K rows as
 // their keys before RoPE).
-template <typename Cache, typename Scheme>
-std::unique_ptr<Cache> BuildCache(Scheme scheme, int layers, int T) {
-  auto cache = std::make_unique<Cache>(scheme, layers, T, kKvHeads, kHeadDim);
+template <typename Fn>
+void ForEachRow(int T, const Fn& row) {
   std::vector<float> k(kKvHeads * kHeadDim), v(k.size());
   uint64_t s = 99;
   auto next = [&s] {  // sum of uniforms
@@ -53,8 +52,21 @@ std::unique_ptr<Cache> BuildCache(Scheme scheme, int layers, int T) {
       k[i] = big * next();
       v[i] = next();
     }
-    for (int l = 0; l < layers; ++l) cache->write(l, t, k, v);
+    row(t, k, v);
   }
+}
+
+// Those rows in `layers` layers of a cache.
+template <typename Cache>
+void Fill(Cache& cache, int layers, int T) {
+  ForEachRow(T, [&](int t, const std::vector<float>& k, const std::vector<float>& v) {
+    for (int l = 0; l < layers; ++l) cache.write(l, t, k, v);
+  });
+}
+
+std::unique_ptr<kvq::KvCache> BuildCache(kvq::KvScheme scheme, int layers, int T) {
+  auto cache = std::make_unique<kvq::KvCache>(scheme, layers, T, kKvHeads, kHeadDim);
+  Fill(*cache, layers, T);
   return cache;
 }
 
@@ -65,7 +77,7 @@ const kvq::KvCache& CacheFor(kvq::KvScheme scheme, int layers, int T) {
   static int built_T = -1, built_layers = -1;
   if (!cache || built_scheme != scheme || built_T != T || built_layers != layers) {
     cache.reset();
-    cache = BuildCache<kvq::KvCache>(scheme, layers, T);
+    cache = BuildCache(scheme, layers, T);
     built_scheme = scheme;
     built_T = T;
     built_layers = layers;
@@ -130,31 +142,19 @@ void BM_decode_attention(benchmark::State& state, kvq::KvScheme scheme, int T, b
 // weights of a model (one large channel per head, the rest in a geometric
 // spread), so the per-channel bit widths vary as they would.
 std::unique_ptr<kvq::GroupedKvCache> BuildGroupedCache(const kvq::GroupedKvScheme& g, int layers, int T) {
-  const int n = std::min(T, 256);
-  auto probe = BuildCache<kvq::KvCache>(kvq::KvScheme::Fp32, 1, n);
-  const size_t E = static_cast<size_t>(kKvHeads) * kHeadDim;
   std::vector<std::vector<float>> k(static_cast<size_t>(layers)), v(k.size());
-  std::vector<float> rk(E), rv(E);
-  for (int t = 0; t < n; ++t) {
-    probe->read_k(0, t, rk);
-    probe->read_v(0, t, rv);
+  ForEachRow(std::min(T, 256), [&](int, const std::vector<float>& kr, const std::vector<float>& vr) {
     for (int l = 0; l < layers; ++l) {
-      k[static_cast<size_t>(l)].insert(k[static_cast<size_t>(l)].end(), rk.begin(), rk.end());
-      v[static_cast<size_t>(l)].insert(v[static_cast<size_t>(l)].end(), rv.begin(), rv.end());
+      k[static_cast<size_t>(l)].insert(k[static_cast<size_t>(l)].end(), kr.begin(), kr.end());
+      v[static_cast<size_t>(l)].insert(v[static_cast<size_t>(l)].end(), vr.begin(), vr.end());
     }
-  }
+  });
   kvq::StaticRanges r = kvq::StaticRanges::from_samples(k, v, kKvHeads, kHeadDim);
   for (size_t c = 0; c < r.k_lo.size(); ++c) {
     r.k_weight.push_back(c % kHeadDim == 17 ? 1e4f : std::pow(1.05f, static_cast<float>(c % kHeadDim)));
   }
   auto cache = std::make_unique<kvq::GroupedKvCache>(g, layers, T, kKvHeads, kHeadDim, &r);
-  std::vector<float> kw(E), vw(E);
-  auto rows = BuildCache<kvq::KvCache>(kvq::KvScheme::Fp32, 1, T);
-  for (int t = 0; t < T; ++t) {
-    rows->read_k(0, t, kw);
-    rows->read_v(0, t, vw);
-    for (int l = 0; l < layers; ++l) cache->write(l, t, kw, vw);
-  }
+  Fill(*cache, layers, T);
   return cache;
 }
 
@@ -192,7 +192,7 @@ void BM_grouped_attention(benchmark::State& state, const std::string& name, int 
   }
   const double bytes = static_cast<double>(cache.bytes(T)) / layers;
   state.SetBytesProcessed(static_cast<int64_t>(bytes * static_cast<double>(state.iterations())));
-  state.counters["bits"] = g.bits(T);
+  state.counters["bits"] = cache.bits(T);  // measured: 8-bit fallbacks counted
   state.counters["layers"] = layers;
   const double macs = 2.0 * kHeads * kHeadDim * static_cast<double>(T);
   state.counters["MAC/s"] = benchmark::Counter(macs * static_cast<double>(state.iterations()),
