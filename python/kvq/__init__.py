@@ -334,36 +334,14 @@ def kv_schemes(n_kv_heads=8, head_dim=128):
     return out
 
 
-class KvCache:
-    """kvq's KV cache: K and V rows of every layer stored in one scheme.
-
-    KvCache(scheme, n_layers, max_seq, n_kv_heads, head_dim)
-    scheme: a name from kv_schemes() ("fp32", "fp16", "int8", "q4_0", ...).
-    write(layer, pos, k, v): one token; k, v of n_kv_heads * head_dim values
-        ((n_kv_heads, head_dim) or flat), numpy or torch, finite.
-    write_many(layer, pos0, k, v): tokens pos0 .. pos0 + T - 1; k, v of shape
-        (T, n_kv_heads, head_dim) or (T, n_kv_heads * head_dim).
-    read(layer, pos) -> (k, v): the stored row decoded to float32 (n_kv_heads, head_dim).
-    Attention reads the stored codes directly (decode_attention); positions it
-    attends must have been written. The GIL is released while encoding; one
-    cache must not be written from two threads at once.
-    """
-
-    def __init__(self, scheme, n_layers, max_seq, n_kv_heads, head_dim):
-        self._c = _kvq.KvCache(_str(scheme, "scheme"), _int(n_layers, "n_layers"), _int(max_seq, "max_seq"),
-                               _int(n_kv_heads, "n_kv_heads"), _int(head_dim, "head_dim"))
+class _Cache:
+    """What both caches share: geometry, and writing K and V rows (T, n_kv_heads[, head_dim])."""
 
     scheme = property(lambda self: self._c.scheme)
     n_layers = property(lambda self: self._c.n_layers)
     max_seq = property(lambda self: self._c.max_seq)
     n_kv_heads = property(lambda self: self._c.n_kv_heads)
     head_dim = property(lambda self: self._c.head_dim)
-    bits_per_element = property(lambda self: self._c.bits_per_element,
-                                doc="Stored bits per K/V value, codes and scales counted.")
-
-    def bytes(self, tokens):
-        """Exact stored bytes of `tokens` tokens (K and V, all layers)."""
-        return self._c.bytes_per_token * _int(tokens, "tokens", 0, 2 ** 62)
 
     def _rows(self, x, arg, many):
         a, _ = _f32(x, arg)
@@ -388,6 +366,33 @@ class KvCache:
         if kr.shape != vr.shape:
             raise Error(f"v: expected {kr.shape[0]} tokens like k, got {vr.shape[0]}")
         self._c.write_many(_int(layer, "layer"), _int(pos0, "pos0"), kr, vr)
+
+
+class KvCache(_Cache):
+    """kvq's KV cache: K and V rows of every layer stored in one scheme.
+
+    KvCache(scheme, n_layers, max_seq, n_kv_heads, head_dim)
+    scheme: a name from kv_schemes() ("fp32", "fp16", "int8", "q4_0", ...).
+    write(layer, pos, k, v): one token; k, v of n_kv_heads * head_dim values
+        ((n_kv_heads, head_dim) or flat), numpy or torch, finite.
+    write_many(layer, pos0, k, v): tokens pos0 .. pos0 + T - 1; k, v of shape
+        (T, n_kv_heads, head_dim) or (T, n_kv_heads * head_dim).
+    read(layer, pos) -> (k, v): the stored row decoded to float32 (n_kv_heads, head_dim).
+    Attention reads the stored codes directly (decode_attention); positions it
+    attends must have been written. The GIL is released while encoding; one
+    cache must not be written from two threads at once.
+    """
+
+    def __init__(self, scheme, n_layers, max_seq, n_kv_heads, head_dim):
+        self._c = _kvq.KvCache(_str(scheme, "scheme"), _int(n_layers, "n_layers"), _int(max_seq, "max_seq"),
+                               _int(n_kv_heads, "n_kv_heads"), _int(head_dim, "head_dim"))
+
+    bits_per_element = property(lambda self: self._c.bits_per_element,
+                                doc="Stored bits per K/V value, codes and scales counted.")
+
+    def bytes(self, tokens):
+        """Exact stored bytes of `tokens` tokens (K and V, all layers)."""
+        return self._c.bytes_per_token * _int(tokens, "tokens", 0, 2 ** 62)
 
     def read(self, layer, pos):
         """(k, v) of one stored token, decoded to float32 arrays (n_kv_heads, head_dim)."""
@@ -446,7 +451,7 @@ def static_ranges_from_samples(k, v, n_kv_heads, head_dim, *, clip=0.0, k_weight
     return _kvq.static_ranges_from_samples(ks, vs, n, d, _float(clip, "clip"), w)
 
 
-class GroupedKvCache:
+class GroupedKvCache(_Cache):
     """A low-bit grouped KV cache: K per channel before RoPE, V per channel (kvq/grouped_kv.h).
 
     GroupedKvCache(scheme, n_layers, max_seq, n_kv_heads, head_dim, ranges=None)
@@ -466,26 +471,6 @@ class GroupedKvCache:
             raise Error(f"ranges: expected static_ranges_from_samples(...), got {type(ranges).__name__}")
         self._c = _kvq.GroupedKvCache(_str(scheme, "scheme"), _int(n_layers, "n_layers"), _int(max_seq, "max_seq"),
                                       _int(n_kv_heads, "n_kv_heads"), _int(head_dim, "head_dim"), ranges)
-
-    scheme = property(lambda self: self._c.scheme)
-    n_layers = property(lambda self: self._c.n_layers)
-    max_seq = property(lambda self: self._c.max_seq)
-    n_kv_heads = property(lambda self: self._c.n_kv_heads)
-    head_dim = property(lambda self: self._c.head_dim)
-
-    _rows = KvCache._rows
-
-    def write(self, layer, pos, k, v):
-        """Stores one token: k before RoPE, v."""
-        self._c.write_many(_int(layer, "layer"), _int(pos, "pos"), self._rows(k, "k", False),
-                           self._rows(v, "v", False))
-
-    def write_many(self, layer, pos0, k, v):
-        """Stores T tokens at pos0 .. pos0 + T - 1 (K before RoPE)."""
-        kr, vr = self._rows(k, "k", True), self._rows(v, "v", True)
-        if kr.shape != vr.shape:
-            raise Error(f"v: expected {kr.shape[0]} tokens like k, got {vr.shape[0]}")
-        self._c.write_many(_int(layer, "layer"), _int(pos0, "pos0"), kr, vr)
 
     def written(self, layer):
         return self._c.written(_int(layer, "layer"))
