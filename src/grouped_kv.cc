@@ -425,6 +425,7 @@ GroupedKvCache::GroupedKvCache(const GroupedKvScheme& scheme, int n_layers, int 
     if (scheme_.open_bits == 8) {
       open8_.assign(static_cast<size_t>(n_layers) * static_cast<size_t>(max_seq) * 2 * E, 0);
       open_exact_.assign(static_cast<size_t>(n_layers) * static_cast<size_t>(max_seq), 1);
+      open_grid_.assign(static_cast<size_t>(n_layers) * 4 * E, 0.0f);
     }
   }
   written_.assign(static_cast<size_t>(n_layers), 0);
@@ -492,8 +493,11 @@ void GroupedKvCache::write(int layer, int pos, std::span<const float> k, std::sp
     const size_t at = static_cast<size_t>(layer) * static_cast<size_t>(max_seq_) + static_cast<size_t>(pos);
     uint8_t* codes = open8_.data() + at * 2 * E;
     bool fits = g >= 1;
-    std::vector<float> dec(2 * E), lo(2 * E), st(2 * E);
-    if (fits) OpenGrids(layer, g, lo.data(), st.data());
+    // The group's grids, computed at its first token (positions come in order).
+    float* lo = open_grid_.data() + static_cast<size_t>(layer) * 4 * E;
+    float* st = lo + 2 * E;
+    if (fits && idx == 0) OpenGrids(layer, g, lo, st);
+    std::vector<float> dec(2 * E);
     for (size_t c = 0; c < 2 * E && fits; ++c) {
       const float x = c < E ? k[c] : v[c - E];
       const uint8_t q = Code(x, lo[c], st[c], 255);

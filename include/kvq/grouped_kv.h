@@ -264,6 +264,7 @@ class GroupedKvCache {
   // open_bits 8: [layer][pos][K (before RoPE) | V] 8-bit codes on the
   // previous group's widened range, and [layer][pos] 1 = held in fp16.
   std::vector<uint8_t> open8_, open_exact_;
+  std::vector<float> open_grid_;  // [layer][lo: K | V][step: K | V] of the group being written
   // The 8-bit grids of every channel of `layer` (K then V: 2 E each) for the
   // tokens of group g >= 1, from group g - 1's parameters.
   void OpenGrids(int layer, int64_t g, float* lo, float* step) const;
