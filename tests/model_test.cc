@@ -110,6 +110,26 @@ TEST(Model, WindowIsBitwiseIdenticalToTokenByTokenDecoding) {
   }
 }
 
+// --kv lists: row and grouped names and presets, "all" = every row scheme
+// then every preset, duplicates (a preset and its expansion) once.
+TEST(Model, CacheSchemeListsTakeGroupedNamesAndAllHasThePresets) {
+  const std::vector<CacheScheme> all = parse_cache_schemes("all");
+  ASSERT_EQ(all.size(), all_kv_schemes().size() + grouped_kv_presets().size());
+  for (size_t i = 0; i < grouped_kv_presets().size(); ++i) {
+    const CacheScheme& s = all[all_kv_schemes().size() + i];
+    ASSERT_TRUE(s.grouped.has_value());
+    EXPECT_EQ(s.name(), grouped_kv_presets()[i].second.name());
+    EXPECT_EQ(cache_scheme_label(s), grouped_kv_presets()[i].first);
+  }
+  const std::vector<CacheScheme> l = parse_cache_schemes("q4_0,k4av3g64o8r16,kvq-4.5,k2v2c,q4_0");
+  ASSERT_EQ(l.size(), 3u);
+  EXPECT_EQ(l[0].name(), "q4_0");
+  EXPECT_EQ(cache_scheme_label(l[1]), "kvq-4.5");
+  EXPECT_TRUE(l[2].grouped && l[2].grouped->calibrated);
+  EXPECT_NE(test::ErrorOf([] { parse_cache_schemes("k4v4g24", "--kv"); }).find("--kv"), std::string::npos);
+  EXPECT_NE(test::ErrorOf([] { parse_cache_schemes("int3", "--kv"); }).find("int3"), std::string::npos);
+}
+
 // Calibration samples the model's own text: deterministic for a seed, a
 // different seed gives different ranges, and every channel's range and
 // weight is finite (never the evaluation text: no text is read at all).
