@@ -393,7 +393,7 @@ EvalReport run_eval(const EvalOptions& o) {
   std::vector<Variant> first;
   std::shared_ptr<const StaticRanges> ranges;
   for (CacheScheme s : o.schemes) {
-    if (s.grouped && (s.grouped->calibrated || s.grouped->k_allocated) && !s.ranges) {
+    if (s.grouped && s.grouped->needs_ranges() && !s.ranges) {
       if (!ranges) {
         ranges = std::make_shared<const StaticRanges>(calibrate_static_ranges(ckpt, o.calibration));
         rep.calibration_tokens = ranges->samples;

@@ -162,7 +162,7 @@ void AttendImpl(const Call& c) {
                             Shifts(5), Shifts(6), Shifts(7), Shifts(8)};  // by bits (0 unused)
   const Shifts& vsh = shifts[c.v_bits];
   const size_t vrow = uhd * static_cast<size_t>(c.v_bits) / 8;
-  const size_t header = c.k_static ? 0 : 4 * uhd;  // per-group fp16 lo | step
+  const size_t header = c.k_static ? 0 : GroupHeaderBytes(uhd, c.k_grid != nullptr);  // per-group lo | step
   // Rotation of each pair at lane offsets 0..15 (transposed: [pair][lane]),
   // and the tile's rotation (aligned: read with Load).
   const size_t pl = static_cast<size_t>(P) * kL;
@@ -194,9 +194,9 @@ void AttendImpl(const Call& c) {
 
   for (int64_t g = c.g0; g < c.g1; ++g) {
     for (int h = 0; h < H && !c.k_static; ++h) {
-      const uint16_t* p16 = reinterpret_cast<const uint16_t*>(
-          c.k + (static_cast<size_t>(h) * static_cast<size_t>(c.max_groups) + static_cast<size_t>(g)) * c.gbk);
-      f16_to_f32({p16, 2 * uhd}, {kparams.data() + static_cast<size_t>(h) * 2 * uhd, 2 * uhd});
+      const uint8_t* hdr = c.k + (static_cast<size_t>(h) * static_cast<size_t>(c.max_groups) + static_cast<size_t>(g)) * c.gbk;
+      float* kp = kparams.data() + static_cast<size_t>(h) * 2 * uhd;
+      DecodeGroupParams(hdr, uhd, c.k_grid ? c.k_grid + static_cast<size_t>(h) * 3 * uhd : nullptr, kp, kp + uhd);
     }
     for (int j = 0; j < tiles; ++j) {
       const int64_t t0 = c.first + g * G + j * kL;
@@ -243,9 +243,7 @@ void AttendImpl(const Call& c) {
         std::copy(c.v_static + static_cast<size_t>(h) * 2 * uhd + uhd, c.v_static + static_cast<size_t>(h) * 2 * uhd + 2 * uhd,
                   vst);
       } else {
-        const uint16_t* p16 = reinterpret_cast<const uint16_t*>(grp);
-        f16_to_f32({p16, uhd}, {vlo, uhd});
-        f16_to_f32({p16 + uhd, uhd}, {vst, uhd});
+        DecodeGroupParams(grp, uhd, c.v_grid ? c.v_grid + static_cast<size_t>(h) * 3 * uhd : nullptr, vlo, vst);
       }
       for (int r = 0; r < rep; ++r) {
         const size_t qh = static_cast<size_t>(h * rep + r);

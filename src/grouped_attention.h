@@ -5,6 +5,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kvq/half.h"
+
 namespace kvq::grouped {
 
 struct Call {
@@ -23,6 +25,10 @@ struct Call {
   // group starts with its fp16 lo and step.
   const float* k_static = nullptr;
   const float* v_static = nullptr;
+  // p8 caches: per KV head the 8-bit parameter grid (see DecodeGroupParams)
+  // of K and of V, 3 * head_dim floats each; null: fp16 parameters.
+  const float* k_grid = nullptr;
+  const float* v_grid = nullptr;
   // K bits and byte offset in a tile of each channel (n_kv_heads * head_dim),
   // and one head's tile bytes.
   const uint8_t* k_bits_ch = nullptr;
@@ -34,6 +40,30 @@ struct Call {
 
 // One thread; never throws.
 void Attend(const Call& c);
+
+// Bytes of a group's parameter header for one head: fp16 lo | step (4 per
+// channel), or with an 8-bit grid (p8) the codes a | b (2 per channel).
+inline size_t GroupHeaderBytes(size_t hd, bool p8) { return (p8 ? 2 : 4) * hd; }
+
+// One head's group parameters from its header at p: lo[hd] and step[hd].
+// fp16 (grid null): lo[hd] | step[hd] as halves. p8: the codes a[hd] | b[hd]
+// (u8) on the channel's grid, grid = base[hd] | unit[hd] | ustep[hd] with
+// base and unit fp16 values and ustep = unit / (2^B - 1):
+//   lo = base + unit a,  step = ustep (b - a).
+// unit * a is exact in float (11 x 8 significant bits), so the result is
+// the same with or without a fused multiply-add, on every target.
+inline void DecodeGroupParams(const uint8_t* p, size_t hd, const float* grid, float* lo, float* step) {
+  if (grid == nullptr) {
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(p);  // group headers are 2-byte aligned
+    f16_to_f32({h, hd}, {lo, hd});
+    f16_to_f32({h + hd, hd}, {step, hd});
+    return;
+  }
+  for (size_t i = 0; i < hd; ++i) {
+    lo[i] = grid[i] + grid[hd + i] * static_cast<float>(p[i]);
+    step[i] = grid[2 * hd + i] * static_cast<float>(p[hd + i] - p[i]);
+  }
+}
 
 // An 8-code block of B bits (2..8) takes B bytes: codes j = 0..7 at bits
 // [lb j, lb j + lb) of its first 4 bytes' little-endian word, lb = min(B, 4)

@@ -56,8 +56,13 @@ bool ParseName(const std::string& s, GroupedKvScheme& out) {
   } else if (!ReadNumber(s, i, 'g', g.group)) {
     return false;
   }
+  int p = 0;
+  if (!g.calibrated && ReadNumber(s, i, 'p', p)) {
+    if (p != 8) return false;
+    g.params8 = true;
+  }
   if (!g.calibrated && ReadNumber(s, i, 'o', g.open_bits)) {
-    if (g.open_bits != 8) return false;
+    if (g.open_bits < 3 || g.open_bits > 8) return false;
     ReadNumber(s, i, 'x', g.exact_recent);
   }
   ReadNumber(s, i, 'r', g.recent);
@@ -79,8 +84,9 @@ std::string GroupedKvScheme::name() const {
     s.append("c");
   } else {
     s.append("g").append(std::to_string(group));
-    if (open_bits == 8) s.append("o8");
-    if (open_bits == 8 && exact_recent > 0) s.append("x").append(std::to_string(exact_recent));
+    if (params8) s.append("p8");
+    if (open_coded()) s.append("o").append(std::to_string(open_bits));
+    if (open_coded() && exact_recent > 0) s.append("x").append(std::to_string(exact_recent));
   }
   if (recent > 0) s.append("r").append(std::to_string(recent));
   if (sinks > 0) s.append("s").append(std::to_string(sinks));
@@ -103,13 +109,16 @@ int64_t GroupedKvScheme::stored_bits(int64_t T) const {
   }
   const int64_t ce = coded_end(T), coded = ce - sinks, o0 = std::max<int64_t>(sinks, ce);
   const int64_t open = std::max<int64_t>(0, T - o0);
-  int64_t bits = coded * kv + coded / group * 64 + std::min<int64_t>(T, sinks) * 32;
-  if (open_bits != 8 || open == 0) return bits + open * 32;
+  // Per group and channel, K and V: fp16 lo and step (64 bits), or p8's
+  // 8-bit a and b (32 bits) plus its grid table (fp16 base and unit of K and
+  // V: 64 bits per channel, once).
+  int64_t bits = coded * kv + coded / group * (params8 ? 32 : 64) + (params8 ? 64 : 0) + std::min<int64_t>(T, sinks) * 32;
+  if (!open_coded() || open == 0) return bits + open * 32;
   // 8-bit open tokens, except in fp16 the first group's (no previous range:
   // [S, S + G) while nothing is coded) and the last x.
   const auto [f0, f1, x0] = OpenFp16(T);
   const int64_t fp16 = (f1 - f0) + (T - x0) - std::max<int64_t>(0, f1 - x0);
-  return bits + fp16 * 32 + (open - fp16) * 16;
+  return bits + fp16 * 32 + (open - fp16) * 2 * open_bits;
 }
 
 std::tuple<int64_t, int64_t, int64_t> GroupedKvScheme::OpenFp16(int64_t T) const {
@@ -133,10 +142,11 @@ double GroupedKvScheme::steady_state_bits(int64_t ctx) const {
 void GroupedKvScheme::validate(const char* arg) const {
   KVQ_CHECK_ARG(k_bits >= 2 && k_bits <= kMaxBits && v_bits >= 2 && v_bits <= kMaxBits, arg,
                 ": grouped code bits must be 2..8, got k", k_bits, " v", v_bits);
+  KVQ_CHECK_ARG(!calibrated || !params8, arg, ": p8 (8-bit group parameters) needs dynamic groups, not c");
   KVQ_CHECK_ARG(!calibrated || group == 16, arg, ": calibrated schemes store tiles of 16 tokens, got group ", group);
-  KVQ_CHECK_ARG(open_bits == 16 || (open_bits == 8 && !calibrated), arg,
-                ": open tokens are held in 16 or (dynamic groups) 8 bits, got ", open_bits);
-  KVQ_CHECK_ARG(exact_recent >= 0 && exact_recent <= (1 << 20) && (exact_recent == 0 || open_bits == 8), arg,
+  KVQ_CHECK_ARG(open_bits == 16 || (open_bits >= 3 && open_bits <= 8 && !calibrated), arg,
+                ": open tokens are held in 16 or (dynamic groups, o<N>) 3..8 bits, got ", open_bits);
+  KVQ_CHECK_ARG(exact_recent >= 0 && exact_recent <= (1 << 20) && (exact_recent == 0 || open_coded()), arg,
                 ": x<N> (the last N open tokens in fp16) needs o8 and N in 0..1048576, got ", exact_recent);
   KVQ_CHECK_ARG(group >= 16 && group <= kMaxGroup && group % 16 == 0, arg,
                 ": group size G must be a multiple of 16 (one K tile) in 16..1024, got ", group);
@@ -160,9 +170,10 @@ const std::vector<std::pair<std::string, GroupedKvScheme>>& grouped_kv_presets()
   // text the model generates).
   static const std::vector<std::pair<std::string, GroupedKvScheme>> p = {
       {"kvq-6.5", Named("k6av5g128o8x16")},
-      {"kvq-4.5", Named("k4av3g64o8r16")},
-      {"kvq-3.5", Named("k3av2g64o8r8")},
-      {"kvq-3", Named("k2av2g64o8r16")},
+      {"kvq-4.5", Named("k4av3g64p8o8r16")},
+      {"kvq-3.5", Named("k3av2g64p8o8r8")},
+      {"kvq-3", Named("k2av2g64p8o8r16")},
+      {"kvq-2.5", Named("k2av2g128p8o4x4r8")},
   };
   return p;
 }
@@ -180,7 +191,7 @@ GroupedKvScheme parse_grouped_kv_scheme(const std::string& name, const char* arg
     if (n == name) return s;
   }
   GroupedKvScheme g;
-  KVQ_CHECK_ARG(ParseName(name, g), arg, ": expected a grouped scheme k<bits>v<bits>g<G>[r<R>][s<S>] (e.g. k4v3g64r16)",
+  KVQ_CHECK_ARG(ParseName(name, g), arg, ": expected a grouped scheme k<bits>[a]v<bits>g<G>[p8][o<N>[x<X>]][r<R>][s<S>] (e.g. k4v3g64r16)",
                 " or a preset, got '", name, "'");
   g.validate(arg);
   return g;
@@ -321,6 +332,41 @@ uint8_t Code(float x, float lo, float step, int levels) {
   return static_cast<uint8_t>(std::clamp(q, 0.0f, static_cast<float>(levels)));
 }
 
+// p8's grid of one channel from its calibrated range [mn, mx] (width w):
+// [mn - w, mx + w] in 255 units, base rounded down and unit up to fp16
+// values, ustep = unit / (2^bits - 1). A zero-width range gets w = 2^-8
+// max(1, |mn|).
+void P8Grid(float mn, float mx, int bits, float* base, float* unit, float* ustep) {
+  float w = mx - mn;
+  if (!(w > 0.0f)) w = std::ldexp(std::max(1.0f, std::fabs(mn)), -8);
+  uint16_t b16 = f32_to_f16_ref(std::max(mn - w, -kF16Max));
+  if (f16_to_f32_ref(b16) > mn - w && b16 != 0xFBFF) b16 = F16Down(b16);  // not below -65504
+  const float u = 3.0f * w / 255.0f;
+  uint16_t u16 = f32_to_f16_ref(u);
+  if (f16_to_f32_ref(u16) < u) u16 = F16Up(u16);
+  *base = f16_to_f32_ref(b16);
+  *unit = f16_to_f32_ref(u16);
+  *ustep = *unit / static_cast<float>((1 << bits) - 1);
+}
+
+// p8 codes of a group channel's range [mn, mx] on its grid (base, unit):
+// a rounded down, b up, both clamped to 0..255 (values beyond the grid
+// are clamped by the codes).
+// The decoded range (DecodeGroupParams) then covers [mn, mx] where the grid
+// does: a and b are moved by one unit where float rounding left it short.
+void P8Codes(float mn, float mx, float base, float unit, float ustep, int levels, uint8_t* a, uint8_t* b) {
+  const float fa = std::floor((mn - base) / unit), fb = std::ceil((mx - base) / unit);
+  int ia = static_cast<int>(std::clamp(fa, 0.0f, 255.0f));
+  if (ia > 0 && base + unit * static_cast<float>(ia) > mn) --ia;
+  int ib = static_cast<int>(std::clamp(fb, static_cast<float>(ia), 255.0f));
+  const auto top = [&](int x) {
+    return base + unit * static_cast<float>(ia) + ustep * static_cast<float>(x - ia) * static_cast<float>(levels);
+  };
+  if (ib < 255 && top(ib) < mx) ++ib;
+  *a = static_cast<uint8_t>(ia);
+  *b = static_cast<uint8_t>(ib);
+}
+
 }  // namespace
 
 void encode_group_channel_ref(const float* x, int n, size_t stride, int bits, uint16_t* lo, uint16_t* step,
@@ -368,7 +414,7 @@ GroupedKvCache::GroupedKvCache(const GroupedKvScheme& scheme, int n_layers, int 
       exact_(KvScheme::Fp16, n_layers, max_seq, n_kv_heads, head_dim) {
   const size_t hd = static_cast<size_t>(head_dim), H = static_cast<size_t>(n_kv_heads);
   G_ = scheme_.calibrated ? 16 : scheme_.group;
-  header_bytes_ = scheme_.calibrated ? 0 : 4 * hd;
+  header_bytes_ = scheme_.calibrated ? 0 : grouped::GroupHeaderBytes(hd, scheme_.params8);
   // Calibrated: every token after the sinks has a tile lane (the last tile
   // may be partial); dynamic: whole groups only.
   const int64_t after = std::max<int64_t>(0, static_cast<int64_t>(max_seq) - scheme_.sinks);
@@ -376,7 +422,7 @@ GroupedKvCache::GroupedKvCache(const GroupedKvScheme& scheme, int n_layers, int 
   // K bits per channel: the scheme's, or allocated per head from the
   // calibrated weights (each head keeps k_bits * head_dim bits).
   const size_t E = H * hd;
-  const bool need_ranges = scheme_.calibrated || scheme_.k_allocated;
+  const bool need_ranges = scheme_.needs_ranges();
   KVQ_CHECK_ARG(!need_ranges || ranges != nullptr, "ranges: the scheme ", scheme_.name(),
                 " needs calibrated ranges (StaticRanges)");
   if (need_ranges) ranges->validate(n_layers, n_kv_heads, head_dim, "ranges");
@@ -400,6 +446,23 @@ GroupedKvCache::GroupedKvCache(const GroupedKvScheme& scheme, int n_layers, int 
   group_bytes_v_ = header_bytes_ + static_cast<size_t>(G_) * hd * static_cast<size_t>(scheme_.v_bits) / 8;
   const size_t per_layer = H * static_cast<size_t>(max_groups_) * (group_bytes_k_ + group_bytes_v_);
   codes_.assign(per_layer * static_cast<size_t>(n_layers) + 16, 0);  // + 16: readers load 4 bytes past a block
+  if (scheme_.params8) {  // per channel: base (down) and unit (up) as fp16, and ustep
+    grid_.resize(static_cast<size_t>(n_layers) * 2 * E * 3);
+    for (int l = 0; l < n_layers; ++l) {
+      for (int which = 0; which < 2; ++which) {
+        const std::vector<float>& lo = which == 0 ? ranges->k_lo : ranges->v_lo;
+        const std::vector<float>& hi = which == 0 ? ranges->k_hi : ranges->v_hi;
+        for (size_t h = 0; h < H; ++h) {
+          float* out = const_cast<float*>(Grid(l, which, static_cast<int>(h)));
+          for (size_t i = 0; i < hd; ++i) {
+            const size_t c = static_cast<size_t>(l) * E + h * hd + i;
+            const int bits = which == 0 ? kbits_[c] : scheme_.v_bits;
+            P8Grid(lo[c], hi[c], bits, out + i, out + hd + i, out + 2 * hd + i);
+          }
+        }
+      }
+    }
+  }
   if (scheme_.calibrated) {
     static_params_.resize(static_cast<size_t>(n_layers) * 2 * E * 2);
     for (int l = 0; l < n_layers; ++l) {
@@ -422,13 +485,19 @@ GroupedKvCache::GroupedKvCache(const GroupedKvScheme& scheme, int n_layers, int 
   } else {
     pending_k_.assign(static_cast<size_t>(n_layers) * static_cast<size_t>(G_) * E, 0.0f);
     pending_v_.assign(pending_k_.size(), 0.0f);
-    if (scheme_.open_bits == 8) {
+    if (scheme_.open_coded()) {
       open8_.assign(static_cast<size_t>(n_layers) * static_cast<size_t>(max_seq) * 2 * E, 0);
       open_exact_.assign(static_cast<size_t>(n_layers) * static_cast<size_t>(max_seq), 1);
       open_grid_.assign(static_cast<size_t>(n_layers) * 4 * E, 0.0f);
     }
   }
   written_.assign(static_cast<size_t>(n_layers), 0);
+}
+
+const float* GroupedKvCache::Grid(int layer, int which, int head) const {
+  const size_t hd = static_cast<size_t>(head_dim_), E = static_cast<size_t>(n_kv_heads_) * hd;
+  return grid_.data() + ((static_cast<size_t>(layer) * 2 + static_cast<size_t>(which)) * E +
+                         static_cast<size_t>(head) * hd) * 3;
 }
 
 const float* GroupedKvCache::StaticParams(int layer, int which, int head) const {
@@ -485,11 +554,11 @@ void GroupedKvCache::write(int layer, int pos, std::span<const float> k, std::sp
   const int64_t idx = (pos - S) % G, g = (pos - S) / G;
   const size_t off = (static_cast<size_t>(layer) * static_cast<size_t>(G) + static_cast<size_t>(idx)) * E;
   // The group is encoded from the values the store holds: fp16, or the
-  // 8-bit codes' values (open_bits 8).
+  // open codes' values (o<N>).
   float* pk = pending_k_.data() + off;
   float* pv = pending_v_.data() + off;
   for (size_t i = 0; i < E; ++i) pk[i] = f16_to_f32_ref(f32_to_f16_ref(k[i])), pv[i] = f16_to_f32_ref(f32_to_f16_ref(v[i]));
-  if (scheme_.open_bits == 8) {
+  if (scheme_.open_coded()) {
     const size_t at = static_cast<size_t>(layer) * static_cast<size_t>(max_seq_) + static_cast<size_t>(pos);
     uint8_t* codes = open8_.data() + at * 2 * E;
     bool fits = g >= 1;
@@ -500,7 +569,7 @@ void GroupedKvCache::write(int layer, int pos, std::span<const float> k, std::sp
     std::vector<float> dec(2 * E);
     for (size_t c = 0; c < 2 * E && fits; ++c) {
       const float x = c < E ? k[c] : v[c - E];
-      const uint8_t q = Code(x, lo[c], st[c], 255);
+      const uint8_t q = Code(x, lo[c], st[c], (1 << scheme_.open_bits) - 1);
       const float y = lo[c] + st[c] * static_cast<float>(q);
       fits = std::fabs(y - x) <= 0.5f * st[c];  // else outside the grid (or a zero-width range)
       codes[c] = q;
@@ -559,11 +628,30 @@ void GroupedKvCache::EncodeGroup(int layer, int64_t g) {
       uint16_t* lo = reinterpret_cast<uint16_t*>(grp);
       const float* src = (which == 0 ? pk : pv) + static_cast<size_t>(h) * static_cast<size_t>(hd);
       const int bits = which == 0 ? scheme_.k_bits : scheme_.v_bits;
-      for (int i = 0; i < hd; ++i) {
-        const int cb = which == 0 ? k_channel_bits(layer, h * hd + i) : bits;
-        encode_group_channel_ref(src + i, G, E, cb, lo + i, lo + hd + i, codes.data() + static_cast<size_t>(i) * G);
+      if (scheme_.params8) {  // a | b on the channel grids, then codes on the decoded lo / step
+        const float* grid = Grid(layer, which, h);
+        const size_t uhd = static_cast<size_t>(hd);
+        for (size_t i = 0; i < uhd; ++i) {
+          float mn = src[i], mx = src[i];
+          for (size_t t = 1; t < static_cast<size_t>(G); ++t) mn = std::min(mn, src[t * E + i]), mx = std::max(mx, src[t * E + i]);
+          const int cb = which == 0 ? k_channel_bits(layer, h * hd + static_cast<int>(i)) : bits;
+          P8Codes(mn, mx, grid[i], grid[uhd + i], grid[2 * uhd + i], (1 << cb) - 1, grp + i, grp + uhd + i);
+        }
+        std::vector<float> plo(uhd), pst(uhd);
+        grouped::DecodeGroupParams(grp, uhd, grid, plo.data(), pst.data());
+        for (size_t i = 0; i < uhd; ++i) {
+          const int cb = which == 0 ? k_channel_bits(layer, h * hd + static_cast<int>(i)) : bits;
+          for (size_t t = 0; t < static_cast<size_t>(G); ++t) {
+            codes[i * static_cast<size_t>(G) + t] = Code(src[t * E + i], plo[i], pst[i], (1 << cb) - 1);
+          }
+        }
+      } else {
+        for (int i = 0; i < hd; ++i) {
+          const int cb = which == 0 ? k_channel_bits(layer, h * hd + i) : bits;
+          encode_group_channel_ref(src + i, G, E, cb, lo + i, lo + hd + i, codes.data() + static_cast<size_t>(i) * G);
+        }
       }
-      uint8_t* out = grp + 4 * static_cast<size_t>(hd);
+      uint8_t* out = grp + header_bytes_;
       const size_t bb = static_cast<size_t>(bits);  // bytes of an 8-code block
       if (which == 0) {  // K tiles: tile j, channel i: tokens 16j..16j+7, then 16j+8..16j+15
         for (int j = 0; j < G / 16; ++j) {
@@ -592,14 +680,14 @@ void GroupedKvCache::OpenGrids(int layer, int64_t g, float* lo, float* step) con
   std::vector<float> prm(2 * hd);
   for (int which = 0; which < 2; ++which) {
     for (int h = 0; h < n_kv_heads_; ++h) {
-      const uint16_t* p16 = reinterpret_cast<const uint16_t*>(group_data(layer, which, h, g - 1));
-      f16_to_f32({p16, 2 * hd}, prm);
+      grouped::DecodeGroupParams(group_data(layer, which, h, g - 1), hd,
+                                 scheme_.params8 ? Grid(layer, which, h) : nullptr, prm.data(), prm.data() + hd);
       for (size_t i = 0; i < hd; ++i) {
         const size_t c = static_cast<size_t>(h) * hd + i;
         const int bits = which == 0 ? k_channel_bits(layer, static_cast<int>(c)) : scheme_.v_bits;
         const float w = prm[hd + i] * static_cast<float>((1 << bits) - 1);
         lo[static_cast<size_t>(which) * E + c] = prm[i] - 0.5f * w;
-        step[static_cast<size_t>(which) * E + c] = 2.0f * w / 255.0f;
+        step[static_cast<size_t>(which) * E + c] = 2.0f * w / static_cast<float>((1 << scheme_.open_bits) - 1);
       }
     }
   }
@@ -616,7 +704,7 @@ void GroupedKvCache::DecodeOpen8(int layer, int64_t pos, const float* lo, const 
 }
 
 bool GroupedKvCache::IsOpen8(int layer, int64_t pos, int64_t T) const {
-  return scheme_.open_bits == 8 && pos >= scheme_.sinks && pos >= scheme_.coded_end(T) &&
+  return scheme_.open_coded() && pos >= scheme_.sinks && pos >= scheme_.coded_end(T) &&
          pos < T - scheme_.exact_recent &&
          !open_exact_[static_cast<size_t>(layer) * static_cast<size_t>(max_seq_) + static_cast<size_t>(pos)];
 }
@@ -648,8 +736,8 @@ void GroupedKvCache::read(int layer, int64_t pos, int64_t T, std::span<float> k,
         const float* sp = StaticParams(layer, which, h);
         std::copy(sp, sp + 2 * hd, prm.begin());
       } else {
-        const uint16_t* p16 = reinterpret_cast<const uint16_t*>(grp);
-        for (int i = 0; i < 2 * hd; ++i) prm[static_cast<size_t>(i)] = f16_to_f32_ref(p16[i]);
+        grouped::DecodeGroupParams(grp, static_cast<size_t>(hd), scheme_.params8 ? Grid(layer, which, h) : nullptr,
+                                   prm.data(), prm.data() + hd);
       }
       const uint8_t* codes = grp + header_bytes_;
       const int bits = which == 0 ? scheme_.k_bits : scheme_.v_bits;
@@ -702,6 +790,7 @@ AttentionPart GroupedKvCache::coded_part(int layer, int64_t T, std::span<const f
   c.n_kv_heads = n_kv_heads_, c.head_dim = hd, c.n_heads = n_heads;
   c.k_bits = scheme_.k_bits, c.v_bits = scheme_.v_bits, c.group = G_, c.first = scheme_.sinks;
   if (scheme_.calibrated) c.k_static = StaticParams(layer, 0, 0), c.v_static = StaticParams(layer, 1, 0);
+  if (scheme_.params8) c.k_grid = Grid(layer, 0, 0), c.v_grid = Grid(layer, 1, 0);
   c.k_bits_ch = kbits_.data() + static_cast<size_t>(layer) * E();
   c.k_off_ch = koff_.data() + static_cast<size_t>(layer) * E();
   c.ktile_bytes = ktile_bytes_;
@@ -737,7 +826,7 @@ void GroupedKvCache::attend(int layer, int64_t T, std::span<const float> q, int 
   const KvRowsView all = exact_.view(layer, T);
   const int64_t S = std::min<int64_t>(scheme_.sinks, T);
   const int64_t ce = std::max<int64_t>(S, std::min<int64_t>(scheme_.coded_end(T), T));
-  if (ce == S && scheme_.open_bits != 8) {  // nothing coded yet: every token exact
+  if (ce == S && !scheme_.open_coded()) {  // nothing coded yet: every token exact
     decode_attention(q, n_heads, all, out, o);
     return;
   }
@@ -746,7 +835,7 @@ void GroupedKvCache::attend(int layer, int64_t T, std::span<const float> q, int 
   const int64_t te = TileEnd(T);
   if (te > S) parts.push_back(coded_part(layer, T, q, n_heads, threads, scale));
   if (te < ce) parts.push_back(DecodedPart(layer, te, ce, T, q, n_heads, o));  // calibrated: a partial tile
-  if (ce < T && scheme_.open_bits == 8) {  // 8-bit open tokens decoded, the last x in fp16
+  if (ce < T && scheme_.open_coded()) {  // coded open tokens decoded, the last x in fp16
     const int64_t x0 = std::max<int64_t>(ce, T - scheme_.exact_recent);
     if (ce < x0) parts.push_back(DecodedPart(layer, ce, x0, T, q, n_heads, o));
     if (x0 < T) parts.push_back(decode_attention_part(q, n_heads, all.subview(x0, T), o));
@@ -821,11 +910,13 @@ uint64_t GroupedKvCache::bytes(int64_t T) const {
   if (T <= 0) return 0;
   const uint64_t E = static_cast<uint64_t>(n_kv_heads_) * static_cast<uint64_t>(head_dim_);
   uint64_t total = static_cast<uint64_t>(scheme_.stored_bits(T)) * E / 8 * static_cast<uint64_t>(n_layers_);
-  if (scheme_.open_bits == 8) {  // 8-bit open tokens held in fp16 instead (outside the grid): 16 bits more
+  if (scheme_.open_coded()) {  // open tokens held in fp16 instead (outside the grid): 16 - N bits more
     const auto [o0, f1, x0] = scheme_.OpenFp16(T);
     for (int l = 0; l < n_layers_; ++l) {
       for (int64_t t = f1; t < x0; ++t) {
-        if (open_exact_[static_cast<size_t>(l) * static_cast<size_t>(max_seq_) + static_cast<size_t>(t)]) total += 2 * E;
+        if (open_exact_[static_cast<size_t>(l) * static_cast<size_t>(max_seq_) + static_cast<size_t>(t)]) {
+          total += E * static_cast<uint64_t>(16 - scheme_.open_bits) / 4;  // K and V: 2 E (16 - N) bits
+        }
       }
     }
   }

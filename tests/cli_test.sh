@@ -51,11 +51,11 @@ assert r[0][\"delta_ppl\"]==0 and r[2][\"bits_per_element\"]==4.5
 # in the table and both bit counts in JSON; calibration stated.
 "$KVQ" eval --kv k4v3g16r4,kvq-4.5 --ctx 64 --max-windows 2 --json "$T/g.json" >"$T/out" 2>"$T/err"; rc=$?
 check "grouped eval succeeds" '[ $rc -eq 0 ] && grep -q "| k4v3g16r4" "$T/out" && grep -q "| kvq-4.5" "$T/out"'
-check "grouped eval states its bits and calibration" 'grep -q "steady state" "$T/out" && grep -q "kvq-4.5 = k4av3g64o8r16" "$T/out" && grep -q "tokens the model generated" "$T/out"'
+check "grouped eval states its bits and calibration" 'grep -q "steady state" "$T/out" && grep -q "kvq-4.5 = k4av3g64p8o8r16" "$T/out" && grep -q "tokens the model generated" "$T/out"'
 check "grouped JSON has both bit counts" '/usr/bin/python3 -c "
 import json
 r=json.load(open(\"$T/g.json\"))[\"results\"]
-assert [x[\"scheme\"] for x in r]==[\"fp32\",\"k4v3g16r4\",\"k4av3g64o8r16\"], r
+assert [x[\"scheme\"] for x in r]==[\"fp32\",\"k4v3g16r4\",\"k4av3g64p8o8r16\"], r
 g=r[1]; assert 4 < g[\"bits_per_element\"] < 16 and g[\"bits_at_ctx\"] > 0, g
 "'
 "$KVQ" eval --k g4 --v g2 --group 32 --recent 8 --keep-first 2 --ctx 64 --max-windows 1 >"$T/out" 2>"$T/err"; rc=$?
@@ -145,7 +145,7 @@ check "generate stats on stderr" 'grep -q "tok/s" "$T/err"'
 "$KVQ" generate --kv q8_0 --prompt "Lily" --steps 30 --temperature 0.8 --seed 3 >"$T/gen2" 2>/dev/null; rc=$?
 check "generate with prompt and sampling" '[ $rc -eq 0 ] && grep -q "^Lily" "$T/gen2"'
 "$KVQ" generate --kv kvq-4.5 --steps 80 >"$T/gen3" 2>"$T/err"; rc=$?
-check "generate with a grouped preset" '[ $rc -eq 0 ] && head -c 16 "$T/gen3" | grep -q "^Once upon a time" && grep -q "kv k4av3g64o8r16 (.* bits/element at 80 tokens" "$T/err"'
+check "generate with a grouped preset" '[ $rc -eq 0 ] && head -c 16 "$T/gen3" | grep -q "^Once upon a time" && grep -q "kv k4av3g64p8o8r16 (.* bits/element at 80 tokens" "$T/err"'
 "$KVQ" generate --kv k4v4g24 >/dev/null 2>"$T/err"; rc=$?
 check "generate with a bad grouped scheme exits 2" '[ $rc -eq 2 ] && grep -q "multiple of 16" "$T/err"'
 "$KVQ" generate --steps 9999 >/dev/null 2>"$T/err"; rc=$?

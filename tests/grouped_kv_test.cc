@@ -72,6 +72,20 @@ TEST(GroupedKvScheme, BitsCountedByHand) {
   EXPECT_DOUBLE_EQ(8.0 * static_cast<double>(c.bytes(200)) / (2.0 * 200 * 16), 8.32);
   EXPECT_EQ(c.group_bytes_k(), 4u * 8 + 64u * 8 * 4 / 8);
   EXPECT_EQ(c.group_bytes_v(), 4u * 8 + 64u * 8 * 3 / 8);
+  // p8: per group and channel 8-bit a and b for K and for V (32 bits, not
+  // 64), and the grid table once (fp16 base and unit of K and V: 64 bits).
+  const GroupedKvScheme p8 = parse_grouped_kv_scheme("k4v3g64p8r16s4");
+  EXPECT_TRUE(p8.params8);
+  EXPECT_EQ(p8.name(), "k4v3g64p8r16s4");
+  EXPECT_DOUBLE_EQ(p8.bits(200), (128.0 * 7 + 2 * 32 + 64 + 72 * 32) / 400.0);  // 8.32 - 0.16 + 0.16
+  EXPECT_DOUBLE_EQ(p8.bits(1), (64 + 32) / 2.0);  // one sink token: the table is there from the start
+  StaticRanges r;
+  r.n_layers = 1, r.n_kv_heads = 2, r.head_dim = 8, r.samples = 1;
+  r.k_lo.assign(16, -1.0f), r.k_hi.assign(16, 1.0f), r.v_lo = r.k_lo, r.v_hi = r.k_hi;
+  GroupedKvCache cp(p8, 1, 256, 2, 8, &r);
+  EXPECT_EQ(cp.bytes(200), (128u * 7 + 2u * 32 + 64 + 72u * 32) * 16 / 8);
+  EXPECT_EQ(cp.group_bytes_k(), 2u * 8 + 64u * 8 * 4 / 8);
+  EXPECT_EQ(cp.group_bytes_v(), 2u * 8 + 64u * 8 * 3 / 8);
 }
 
 // An independent scalar version of the channel code: directed fp16
@@ -415,7 +429,9 @@ TEST(GroupedKv, CalibratedAndAllocatedSchemesMatchTheReference) {
   };
   const Case cases[] = {{"k4v3c", 2, 8, 8, 77}, {"k3av2g32r5", 2, 16, 4, 150}, {"k4av4cr9s2", 1, 64, 4, 100},
                         {"k3av3g16o8x3", 2, 8, 4, 90},
-                        {"k3av2g32o8r16", 2, 16, 4, 90}};
+                        {"k3av2g32o8r16", 2, 16, 4, 90},
+                        {"k2v3g16p8r3", 2, 8, 8, 77},
+                        {"k3av2g32p8o4x2r5", 2, 16, 4, 150}};
   test::ForEachTarget([&](const char*) {
     for (const Case& cs : cases) {
       SCOPED_TRACE(cs.scheme);
@@ -454,6 +470,32 @@ TEST(GroupedKv, CalibratedAndAllocatedSchemesMatchTheReference) {
         c.attend_ref(0, T, q, cs.nq, b);
         for (size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], b[i], 2e-4f) << i;
       }
+      // p8 (groups coded from the written values, not from open codes): V of
+      // coded groups within half a step of a range at most 2 grid units wider.
+      if (g.params8 && !g.open_coded()) {
+        std::vector<float> rk(static_cast<size_t>(E)), rv(rk.size());
+        const int64_t ce = g.coded_end(cs.N);
+        for (int64_t g0 = g.sinks; g0 < ce; g0 += g.group) {
+          for (int i = 0; i < E; ++i) {
+            float mn = V[static_cast<size_t>(g0)][static_cast<size_t>(i)], mx = mn;
+            for (int64_t t = g0; t < g0 + g.group; ++t) {
+              mn = std::min(mn, V[static_cast<size_t>(t)][static_cast<size_t>(i)]);
+              mx = std::max(mx, V[static_cast<size_t>(t)][static_cast<size_t>(i)]);
+            }
+            // The grid of [-2.5, 2.5]: [-7.5, 7.5] in 255 units of 15 / 255
+            // (fp16, rounded up), inside which every V value here lies.
+            ASSERT_TRUE(mn > -7.5f && mx < 7.5f);
+            const float unit = f16_to_f32_ref(f32_to_f16_ref(15.0f / 255.0f)) * (1 + 1e-3f);
+            const float half_step = 0.5f * (mx - mn + 2 * unit) / static_cast<float>((1 << g.v_bits) - 1);
+            for (int64_t t = g0; t < g0 + g.group; ++t) {
+              c.read(0, t, cs.N, rk, rv);
+              ASSERT_LE(std::fabs(rv[static_cast<size_t>(i)] - V[static_cast<size_t>(t)][static_cast<size_t>(i)]),
+                        half_step * (1 + 1e-5f) + 1e-6f)
+                  << t << " " << i;
+            }
+          }
+        }
+      }
       if (g.calibrated) {  // codes on the static grid, values clamped into it
         const RopeTable rope(cs.N, cs.hd);
         std::vector<float> rk(static_cast<size_t>(E)), rv(rk.size());
@@ -480,6 +522,12 @@ TEST(GroupedKv, CalibratedAndAllocatedSchemesMatchTheReference) {
   });
   const GroupedKvScheme cal = parse_grouped_kv_scheme("k4v4c");
   EXPECT_NE(ErrorOf([&] { GroupedKvCache c(cal, 1, 32, 2, 8); }).find("needs calibrated ranges"), std::string::npos);
+  EXPECT_NE(ErrorOf([&] { GroupedKvCache c(parse_grouped_kv_scheme("k4v4g16p8"), 1, 32, 2, 8); })
+                .find("needs calibrated ranges"),
+            std::string::npos);
+  for (const char* bad : {"k4v4g16p4", "k4v4cp8", "k4v4g16p", "k4v4g16o8p8"}) {
+    EXPECT_NE(ErrorOf([&] { parse_grouped_kv_scheme(bad); }).find("k<bits>"), std::string::npos) << bad;
+  }
   StaticRanges wrong = SyntheticRanges(1, 2, 8, 1.0f, 1);
   EXPECT_NE(ErrorOf([&] { GroupedKvCache c(cal, 2, 32, 2, 8, &wrong); }).find("ranges"), std::string::npos);
   wrong.k_lo[3] = wrong.k_hi[3] + 1;
@@ -526,9 +574,13 @@ TEST(GroupedKv, OpenTokensInEightBitsCountedByHand) {
   EXPECT_DOUBLE_EQ(c.bits(10), 16.0);
   // Without a fallback the cache counts what the scheme's formula says, at
   // every length (sinks, the first group, the last x, hand-overs).
-  for (const char* name : {"k4v2g16o8x2", "k3v3g16o8x4r8s3", "k2v4g32o8r5"}) {
+  StaticRanges unit_ranges;  // for p8's grids
+  unit_ranges.n_layers = 2, unit_ranges.n_kv_heads = H, unit_ranges.head_dim = hd, unit_ranges.samples = 1;
+  unit_ranges.k_lo.assign(2 * E, -1.0f), unit_ranges.k_hi.assign(2 * E, 1.0f);
+  unit_ranges.v_lo = unit_ranges.k_lo, unit_ranges.v_hi = unit_ranges.k_hi;
+  for (const char* name : {"k4v2g16o8x2", "k3v3g16o8x4r8s3", "k2v4g32o8r5", "k2v2g32o4x2r5", "k3v2g16p8o3x1s2"}) {
     const GroupedKvScheme gs = parse_grouped_kv_scheme(name);
-    GroupedKvCache cc(gs, 2, 80, H, hd);
+    GroupedKvCache cc(gs, 2, 80, H, hd, &unit_ranges);
     for (int t = 0; t < 80; ++t) {
       std::vector<float> k(E, (t % 16) == 0 ? 1.0f : (t % 16) == 1 ? -1.0f : 0.25f), v(k);
       cc.write(0, t, k, v);
@@ -558,7 +610,12 @@ TEST(GroupedKv, OpenTokensInEightBitsCountedByHand) {
     }
   }
   EXPECT_NE(ErrorOf([] { parse_grouped_kv_scheme("k4v4g16x4"); }).find("k<bits>"), std::string::npos);
-  EXPECT_NE(ErrorOf([] { parse_grouped_kv_scheme("k4v4g16o4"); }).find("k<bits>"), std::string::npos);
+  EXPECT_NE(ErrorOf([] { parse_grouped_kv_scheme("k4v4g16o2"); }).find("k<bits>"), std::string::npos);
+  EXPECT_NE(ErrorOf([] { parse_grouped_kv_scheme("k4v4g16o9"); }).find("k<bits>"), std::string::npos);
+  // o<N>, N = 3..8: the same grid in 2^N - 1 steps, counted at N bits.
+  const GroupedKvScheme o4 = parse_grouped_kv_scheme("k4v2g16o4x2");
+  EXPECT_EQ(o4.name(), "k4v2g16o4x2");
+  EXPECT_DOUBLE_EQ(o4.bits(45), (32.0 * 6 + 2 * 64 + 2 * 32 + 11 * 8) / 90.0);
   EXPECT_NE(ErrorOf([] { parse_grouped_kv_scheme("k4v4co8"); }).find("k<bits>"), std::string::npos);
 }
 

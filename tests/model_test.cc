@@ -92,7 +92,7 @@ TEST(Model, WindowIsBitwiseIdenticalToTokenByTokenDecoding) {
   co.sequences = 2;
   co.length = 64;
   const auto ranges = std::make_shared<const StaticRanges>(calibrate_static_ranges(ckpt, co));
-  for (const char* g : {"k4v4g16", "k3v2g16r5s3", "k2v3g32", "k8v8g16r7", "k3av2g16o8x3r2", "k4v3cr5s1", "k2v2c"}) {
+  for (const char* g : {"k4v4g16", "k3v2g16r5s3", "k2v3g32", "k8v8g16r7", "k3av2g16o8x3r2", "k2v2g16p8o4x2r3", "k4v3cr5s1", "k2v2c"}) {
     CacheScheme s = parse_grouped_kv_scheme(g);
     s.ranges = ranges;
     schemes.push_back(s);
@@ -121,7 +121,7 @@ TEST(Model, CacheSchemeListsTakeGroupedNamesAndAllHasThePresets) {
     EXPECT_EQ(s.name(), grouped_kv_presets()[i].second.name());
     EXPECT_EQ(cache_scheme_label(s), grouped_kv_presets()[i].first);
   }
-  const std::vector<CacheScheme> l = parse_cache_schemes("q4_0,k4av3g64o8r16,kvq-4.5,k2v2c,q4_0");
+  const std::vector<CacheScheme> l = parse_cache_schemes("q4_0,k4av3g64p8o8r16,kvq-4.5,k2v2c,q4_0");
   ASSERT_EQ(l.size(), 3u);
   EXPECT_EQ(l[0].name(), "q4_0");
   EXPECT_EQ(cache_scheme_label(l[1]), "kvq-4.5");

@@ -157,7 +157,7 @@ void AddEvalCommand(CLI::App& app, EvalCliOptions& o) {
   CLI::App* c = app.add_subcommand("eval", "Perplexity, KL and top-1 of each KV scheme against fp32 on a real model");
   AddModelTextOptions(c, o);
   c->add_option("--kv", o.kv,
-                "comma-separated KV schemes or 'all': row schemes, grouped k<B>v<B>g<G>[r<R>][s<S>], calibrated "
+                "comma-separated KV schemes or 'all': row schemes, grouped k<B>[a]v<B>g<G>[p8][o<N>[x<X>]][r<R>][s<S>], calibrated "
                 "k<B>v<B>c[r<R>][s<S>] and presets")
       ->default_val("all")
       ->each([&o](const std::string&) { o.kv_given = true; });
@@ -358,7 +358,7 @@ int RunGenerate(const GenerateOptions& o) {
   const std::vector<int> prompt = tok.encode(o.prompt, /*bos=*/true);
   KVQ_CHECK_ARG(static_cast<int>(prompt.size()) <= o.steps, "--prompt: ", prompt.size(),
                 " tokens do not fit in --steps ", o.steps);
-  if (scheme.grouped && (scheme.grouped->calibrated || scheme.grouped->k_allocated)) {  // ranges: never the prompt
+  if (scheme.grouped && scheme.grouped->needs_ranges()) {  // ranges: never the prompt
     scheme.ranges = std::make_shared<const StaticRanges>(model::calibrate_static_ranges(ckpt));
   }
   model::Transformer tf(ckpt, scheme, o.steps);

@@ -2,22 +2,35 @@
 // (RoPE is applied when attention reads them), values per channel, both in
 // groups of G consecutive tokens, with an exact recent window and sinks.
 //
-// A scheme is named k<Bk>v<Bv>g<G>[r<R>][s<S>], e.g. k4v3g64r16:
+// A scheme is named k<Bk>[a]v<Bv>g<G>[p8][o<N>[x<X>]][r<R>][s<S>] (pieces
+// below), e.g. k4v3g64r16:
 //   Bk, Bv  bits per key / value code, 2..8 (uniform, asymmetric)
 //   G       tokens per group, a multiple of 16 (one K tile) up to 1024
 //   R       the last R tokens are always read exact (default 0)
 //   S       the first S tokens (sinks) are always read exact (default 0)
 // Named presets (grouped_kv_presets()) expand to such names.
 //
-// ...g<G>o8... holds the open tokens (those not yet read from group codes:
-// the open group and the recent window) in 8-bit codes instead of fp16: per
-// channel, on the previous group's range widened to twice its width around
-// it (lo' = lo - w / 2, step' = 2 w / 255, w = step (2^B - 1)); a token with
-// any value outside that grid, and every token of the first group, is held
-// in fp16 instead. The group is encoded from these held values (what a
-// streaming store has). Bits then depend on the data: bytes(T) counts them.
-// ...o8x<N>... keeps the last N of the open tokens in fp16 (8-bit codes are
-// made when they leave those N).
+// ...g<G>o<N>... (N = 3..8; o8 the usual) holds the open tokens (those not
+// yet read from group codes: the open group and the recent window) in N-bit
+// codes instead of fp16: per channel, on the previous group's range widened
+// to twice its width around it (lo' = lo - w / 2, step' = 2 w / (2^N - 1),
+// w = step (2^B - 1)); a token with any value outside that grid, and every
+// token of the first group, is held in fp16 instead. The group is encoded
+// from these held values (what a streaming store has). Bits then depend on
+// the data: bytes(T) counts them. (The library keeps each code in a byte;
+// bits count N.)
+// ...o<N>x<X>... keeps the last X of the open tokens in fp16 (codes are
+// made when they leave those X).
+//
+// ...g<G>p8... stores each group's parameters in 8 bits instead of fp16:
+// per group and channel the codes a (lo, rounded down) and b (hi, rounded
+// up) on a grid fixed per layer and channel from calibrated ranges
+// (StaticRanges [L, H], w = H - L): base + unit * (0..255) spanning
+// [L - w, H + w], base and unit fp16 values; lo = base + unit a and step =
+// (unit / (2^B - 1)) (b - a) (grouped::DecodeGroupParams, shared by the
+// kernel, the reader and the encoder). A group beyond the grid is clamped
+// to it. Bits: 16 per group and channel for K and V each, instead of 32,
+// plus the grid table (fp16 base and unit of K and V: 64 bits per channel).
 //
 // k<Bk>a... ("allocated") spends Bk bits per key on average but not evenly:
 // each head's Bk * head_dim bits go to its channels by reverse water-filling
@@ -81,22 +94,26 @@ struct GroupedKvScheme {
   int sinks = 0;
   bool calibrated = false;  // static per-channel ranges (StaticRanges)
   bool k_allocated = false; // per-channel K bits from StaticRanges::k_weight
-  int open_bits = 16;       // dynamic: open tokens in fp16 (16) or 8-bit codes (8)
-  int exact_recent = 0;     // open_bits 8: the last N open tokens held in fp16 (x<N>)
-  // Canonical name, k<Bk>v<Bv>g<G>[r<R>][s<S>].
+  bool params8 = false;     // p8: 8-bit group parameters on a calibrated grid
+  int open_bits = 16;       // dynamic: open tokens in fp16 (16) or N-bit codes (o<N>, 3..8)
+  int exact_recent = 0;     // o<N>: the last N open tokens held in fp16 (x<N>)
+  bool open_coded() const { return open_bits < 16; }
+  // Calibrated, allocated and p8 schemes are built from StaticRanges.
+  bool needs_ranges() const { return calibrated || k_allocated || params8; }
+  // Canonical name, k<Bk>[a]v<Bv>g<G>[p8][o<N>[x<X>]][r<R>][s<S>] or k<Bk>[a]v<Bv>c[r<R>][s<S>].
   std::string name() const;
   // Tokens [S, coded_end(T)) are read from codes when the cache holds T
   // tokens (see above; calibrated: max(S, T - R)).
   int64_t coded_end(int64_t T) const;
   // Stored bits for T tokens divided by the 2 T E elements (E = per-token
   // elements of K, n_kv_heads * head_dim; bits do not depend on E). With
-  // open_bits 8: as if no token fell back to fp16 (GroupedKvCache::bytes
+  // o<N>: as if no token fell back to fp16 (GroupedKvCache::bytes
   // counts the ones that did).
   double bits(int64_t T) const;
   // The stored bits behind bits(T): per channel, K and V together (so the
   // bytes of T tokens are stored_bits(T) * E / 8 per layer).
   int64_t stored_bits(int64_t T) const;
-  // open_bits 8, at length T: the open tokens [o0, T), of which [o0, f1)
+  // o<N>, at length T: the open tokens [o0, T), of which [o0, f1)
   // (the first group, while nothing is coded) and [x0, T) (the last x) are
   // fp16 whatever their values.
   std::tuple<int64_t, int64_t, int64_t> OpenFp16(int64_t T) const;
@@ -246,6 +263,8 @@ class GroupedKvCache {
   int64_t TileEnd(int64_t T) const;
   // Static parameters of (layer, K or V, head): lo[hd] then step[hd].
   const float* StaticParams(int layer, int which, int head) const;
+  // p8 grid of (layer, K or V, head): base[hd] | unit[hd] | ustep[hd].
+  const float* Grid(int layer, int which, int head) const;
   GroupedKvScheme scheme_;
   int n_layers_, max_seq_, n_kv_heads_, head_dim_;
   int64_t max_groups_;
@@ -253,6 +272,7 @@ class GroupedKvCache {
   size_t header_bytes_;      // per-group parameters in front of the codes (calibrated: 0)
   size_t group_bytes_k_, group_bytes_v_;
   std::vector<float> static_params_;  // calibrated: [layer][K|V][head][lo | step]
+  std::vector<float> grid_;           // p8: [layer][K|V][head][base | unit | ustep]
   std::vector<uint8_t> kbits_;        // [layer][channel] K code bits
   std::vector<uint32_t> koff_;        // [layer][channel] byte offset in a K tile (within the head's tile)
   size_t ktile_bytes_ = 0;            // one head's K tile: 2 sum_i bits_i
@@ -261,16 +281,16 @@ class GroupedKvCache {
   std::vector<uint8_t> codes_;         // [layer][K heads x groups | V heads x groups]
   std::vector<float> pending_k_, pending_v_;  // [layer][G][E]: the open group, K before RoPE
   std::vector<int64_t> written_;
-  // open_bits 8: [layer][pos][K (before RoPE) | V] 8-bit codes on the
+  // o<N>: [layer][pos][K (before RoPE) | V] N-bit codes (a byte each) on the
   // previous group's widened range, and [layer][pos] 1 = held in fp16.
   std::vector<uint8_t> open8_, open_exact_;
   std::vector<float> open_grid_;  // [layer][lo: K | V][step: K | V] of the group being written
-  // The 8-bit grids of every channel of `layer` (K then V: 2 E each) for the
+  // The N-bit grids of every channel of `layer` (K then V: 2 E each) for the
   // tokens of group g >= 1, from group g - 1's parameters.
   void OpenGrids(int layer, int64_t g, float* lo, float* step) const;
-  // Token pos's 8-bit codes on those grids (K rotated to pos).
+  // Token pos's N-bit codes on those grids (K rotated to pos).
   void DecodeOpen8(int layer, int64_t pos, const float* lo, const float* step, float* k, float* v) const;
-  // Whether attention at length T reads token pos from its 8-bit codes.
+  // Whether attention at length T reads token pos from its N-bit codes.
   bool IsOpen8(int layer, int64_t pos, int64_t T) const;
 };
 

@@ -435,7 +435,7 @@ def grouped_kv_presets():
 
 
 def static_ranges_from_samples(k, v, n_kv_heads, head_dim, *, clip=0.0, k_weight=None):
-    """Calibrated ranges for the calibrated (k<B>v<B>c) and allocated (k<B>a...) schemes.
+    """Calibrated ranges for the calibrated (k<B>v<B>c), allocated (k<B>a...) and p8 schemes.
 
     k, v: one array per layer of shape (T, n_kv_heads, head_dim) or (T, n_kv_heads * head_dim),
     K before RoPE; measure them on text the model generates, not on evaluation text.
@@ -455,8 +455,9 @@ class GroupedKvCache(_Cache):
     """A low-bit grouped KV cache: K per channel before RoPE, V per channel (kvq/grouped_kv.h).
 
     GroupedKvCache(scheme, n_layers, max_seq, n_kv_heads, head_dim, ranges=None)
-    scheme: k<B>v<B>g<G>[o8[x<N>]][r<R>][s<S>], k<B>v<B>c[r<R>][s<S>] (calibrated: needs
-        ranges), k<B>a... (per-channel K bits: needs ranges with k_weight), or a preset
+    scheme: k<B>[a]v<B>g<G>[p8][o<N>[x<X>]][r<R>][s<S>], k<B>v<B>c[r<R>][s<S>] (calibrated: needs
+        ranges), k<B>a... (per-channel K bits: needs ranges with k_weight), ...p8... (8-bit group
+        parameters on a calibrated grid: needs ranges), or a preset
         (grouped_kv_presets()).
     write(layer, pos, k, v) / write_many(layer, pos0, k, v): K before RoPE (RoPE is applied
         when attention reads it), positions of a layer in order (or 0: a new sequence).

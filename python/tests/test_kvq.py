@@ -512,7 +512,7 @@ def test_grouped_cache_reachable_by_name_and_matches_numpy(scheme):
     assert 0 < c.bits(N) < 16 and c.bytes(N) > 0
     assert c.steady_state_bits(N) == pytest.approx(np.mean([c.bits(T) for T in range(N - 127 if N > 127 else 1, N + 1)]))
     assert c.scheme == scheme
-    assert set(kvq.grouped_kv_presets()) == {"kvq-6.5", "kvq-4.5", "kvq-3.5", "kvq-3"}
+    assert set(kvq.grouped_kv_presets()) == {"kvq-6.5", "kvq-4.5", "kvq-3.5", "kvq-3", "kvq-2.5"}
 
 
 def test_grouped_cache_calibrated_and_allocated_need_ranges_and_errors():
@@ -522,7 +522,7 @@ def test_grouped_cache_calibrated_and_allocated_need_ranges_and_errors():
     vs = [rng.standard_normal((50, H * hd)).astype(np.float32)]
     r = kvq.static_ranges_from_samples(ks, vs, H, hd, k_weight=np.arange(1, 17, dtype=np.float32))
     assert r.samples == 50 and r.k_lo.shape == (16,) and np.all(r.k_lo <= r.k_hi)
-    for scheme in ("k4v3c", "k3av2g16"):
+    for scheme in ("k4v3c", "k3av2g16", "k2v2g16p8o4x2"):
         with pytest.raises(kvq.Error, match="ranges"):
             kvq.GroupedKvCache(scheme, 1, 32, H, hd)
         c = kvq.GroupedKvCache(scheme, 1, 32, H, hd, r)
