@@ -18,6 +18,7 @@
 #include "kvq/error.h"
 #include "kvq/ggml_quants.h"
 #include "kvq/half.h"
+#include "src/schemes/row_scheme.h"
 
 #ifndef KVQ_ATTENTION_SHARED_
 #define KVQ_ATTENTION_SHARED_
@@ -61,12 +62,6 @@ struct Call {
   int query_planes;
 };
 
-inline float LoadF32(const uint8_t* p) {
-  float f;
-  std::memcpy(&f, p, 4);
-  return f;
-}
-
 }  // namespace kvq::attn
 #endif  // KVQ_ATTENTION_SHARED_
 
@@ -75,7 +70,7 @@ inline float LoadF32(const uint8_t* p) {
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
 #include "hwy/contrib/math/math-inl.h"
-#include "src/fp8-inl.h"
+#include "src/schemes/kernels-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace kvq {
@@ -84,202 +79,42 @@ namespace hn = hwy::HWY_NAMESPACE;
 using attn::Call;
 using attn::Item;
 
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
-constexpr bool kF16C = true;  // hardware half <-> float (vcvtph2ps)
-#else
-constexpr bool kF16C = false;
-#endif
-
-HWY_INLINE float BlockScale(const uint8_t* blk) {
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
-  uint16_t h;
-  std::memcpy(&h, blk, 2);
-  return _cvtsh_ss(h);
-#else
-  uint16_t h;
-  std::memcpy(&h, blk, 2);
-  return f16_to_f32_ref(h);
-#endif
-}
-
-// With F16C, E4M3 codes are widened to halves worth 2^-8 of their value
-// (E5M2 codes are the top byte of a half); the 2^8 is folded into the row scale.
-template <KvScheme S>
-constexpr float kFp8Fold = (kF16C && (S == KvScheme::Fp8E4M3 || S == KvScheme::Fp8E4M3Scaled)) ? 256.0f : 1.0f;
-
-// Scale folded into a row's score / softmax weight (per row or per head),
-// read from the row's header.
-template <KvScheme S>
-HWY_INLINE float RowScale(const uint8_t* header, int g) {
-  if constexpr (S == KvScheme::Int8) return attn::LoadF32(header);
-  if constexpr (S == KvScheme::Fp8E4M3Scaled) return attn::LoadF32(header) * kFp8Fold<S>;
-  if constexpr (S == KvScheme::Int8Head) return attn::LoadF32(header + 4 * g);
-  return kFp8Fold<S>;
-}
-// RowScale of token t, given the headers array (touched only by schemes with headers).
-template <KvScheme S>
+// A row's scale for KV head g (row_kernels: RowScale, kFold), given the
+// headers array (touched only by schemes with row scales).
+template <class S>
 HWY_INLINE float RowScaleAt(const uint8_t* headers, size_t header_bytes, int64_t t, int g) {
-  if constexpr (S == KvScheme::Int8 || S == KvScheme::Int8Head || S == KvScheme::Fp8E4M3Scaled) {
-    return RowScale<S>(headers + static_cast<size_t>(t) * header_bytes, g);
-  }
-  return RowScale<S>(nullptr, g);
-}
-
-template <class D>
-HWY_INLINE hn::Vec<D> HalvesToFloat(D d, hn::Vec<hn::Rebind<uint16_t, D>> h16) {
-  const hn::Rebind<hwy::float16_t, D> dh;
-  return hn::PromoteTo(d, hn::BitCast(dh, h16));
-}
-
-// Values of payload elements [x, x + Lanes(d)) before the folded row scale.
-// x is a multiple of Lanes(d), which divides 16, so a vector never straddles
-// a ggml block or a q4_0 half-block.
-template <KvScheme S, class D>
-HWY_INLINE hn::Vec<D> LoadVals(D d, const uint8_t* row, size_t x) {
-  const uint8_t* codes = row;
-  const hn::RebindToSigned<D> di;
-  if constexpr (S == KvScheme::Fp32) {
-    return hn::LoadU(d, reinterpret_cast<const float*>(row) + x);
-  } else if constexpr (S == KvScheme::Fp16) {
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
-    const hn::Rebind<hwy::float16_t, D> dh;
-    return hn::PromoteTo(d, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(row) + x));
-#else
-    // Finite halves without F16C: move the bits into place and rebias by 2^112.
-    const hn::Rebind<uint16_t, D> du16;
-    const auto h = hn::PromoteTo(di, hn::LoadU(du16, reinterpret_cast<const uint16_t*>(row) + x));
-    const auto mag = hn::Mul(hn::BitCast(d, hn::ShiftLeft<13>(hn::And(h, hn::Set(di, 0x7FFF)))),
-                             hn::Set(d, 0x1p112f));
-    return hn::Or(mag, hn::BitCast(d, hn::ShiftLeft<16>(hn::And(h, hn::Set(di, 0x8000)))));
-#endif
-  } else if constexpr (S == KvScheme::Bf16) {
-    const hn::Rebind<uint16_t, D> du16;
-    const auto h = hn::PromoteTo(di, hn::LoadU(du16, reinterpret_cast<const uint16_t*>(row) + x));
-    return hn::BitCast(d, hn::ShiftLeft<16>(h));
-  } else if constexpr (S == KvScheme::Int8 || S == KvScheme::Int8Head) {
-    const hn::Rebind<int8_t, D> d8;
-    return hn::ConvertTo(d, hn::PromoteTo(di, hn::LoadU(d8, reinterpret_cast<const int8_t*>(codes) + x)));
-  } else if constexpr (S == KvScheme::Fp8E4M3 || S == KvScheme::Fp8E4M3Scaled) {
-    const hn::Rebind<uint8_t, D> du8;
-    if constexpr (kF16C) {
-      const hn::Rebind<uint16_t, D> du16;
-      const auto b = hn::PromoteTo(du16, hn::LoadU(du8, codes + x));
-      return HalvesToFloat(d, hn::Or(hn::ShiftLeft<7>(hn::And(b, hn::Set(du16, 0x7F))),
-                                     hn::ShiftLeft<8>(hn::And(b, hn::Set(du16, 0x80)))));
-    }
-    return DecodeFp8<E4M3Fmt>(d, hn::PromoteTo(di, hn::LoadU(du8, codes + x)));
-  } else if constexpr (S == KvScheme::Fp8E5M2) {
-    const hn::Rebind<uint8_t, D> du8;
-    if constexpr (kF16C) {
-      const hn::Rebind<uint16_t, D> du16;
-      return HalvesToFloat(d, hn::ShiftLeft<8>(hn::PromoteTo(du16, hn::LoadU(du8, codes + x))));
-    }
-    return DecodeFp8<E5M2Fmt>(d, hn::PromoteTo(di, hn::LoadU(du8, codes + x)));
-  } else if constexpr (S == KvScheme::Q8_0) {
-    const hn::Rebind<int8_t, D> d8;
-    const uint8_t* blk = row + sizeof(ggml::BlockQ8_0) * (x / ggml::kBlock);
-    const auto c = hn::LoadU(d8, reinterpret_cast<const int8_t*>(blk + 2) + x % ggml::kBlock);
-    return hn::Mul(hn::ConvertTo(d, hn::PromoteTo(di, c)), hn::Set(d, BlockScale(blk)));
-  } else {
-    static_assert(S == KvScheme::Q4_0);
-    const hn::Rebind<uint8_t, D> du8;
-    const uint8_t* blk = row + sizeof(ggml::BlockQ4_0) * (x / ggml::kBlock);
-    const size_t o = x % ggml::kBlock;
-    const auto bytes = hn::LoadU(du8, blk + 2 + (o & 15));
-    const auto nib = o < 16 ? hn::And(bytes, hn::Set(du8, 0x0F)) : hn::ShiftRight<4>(bytes);
-    const float db = BlockScale(blk);
-    return hn::MulAdd(hn::ConvertTo(d, hn::PromoteTo(di, nib)), hn::Set(d, db), hn::Set(d, -8.0f * db));
-  }
-}
-
-// Float values of the nibbles c in bits [3:0] of each 32-bit lane of idx (the
-// bits above are ignored): tbl[c], where tbl holds fn(0..15). On 16-lane x86
-// targets that is one vpermps from the table (it reads only those bits);
-// elsewhere fn of the masked, converted nibbles, which gives the same values.
-template <class D, class VI, class Fn>
-HWY_INLINE hn::Vec<D> Nibbles(D d, VI idx, hn::Vec<D> tbl, const Fn& fn) {
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
-  if constexpr (hn::MaxLanes(D()) == 16) return hn::Vec<D>{_mm512_permutexvar_ps(idx.raw, tbl.raw)};
-#endif
-  (void)tbl;
-  const hn::RebindToSigned<D> di;
-  return fn(hn::ConvertTo(d, hn::And(hn::BitCast(di, idx), hn::Set(di, 0x0F))));
-}
-
-// BlockScale in every lane: on F16C targets a 16-bit broadcast and one vector
-// conversion, with no scalar round trip.
-template <class D>
-HWY_INLINE hn::Vec<D> BlockScaleVec(D d, const uint8_t* blk) {
-  if constexpr (kF16C && hn::MaxLanes(D()) >= 4) {
-    uint16_t h;
-    std::memcpy(&h, blk, 2);
-    return hn::PromoteTo(d, hn::BitCast(hn::Rebind<hwy::float16_t, D>(), hn::Set(hn::Rebind<uint16_t, D>(), h)));
-  }
-  return hn::Set(d, BlockScale(blk));
-}
-
-// q4_0 values d (c - 8) of the nibbles in bits [3:0] of each 32-bit lane
-// of idx, for a block scale d in every lane: each rounded once, as c d - 8 d
-// is (Nibbles: a 16-entry table on 16-lane x86 targets).
-template <class D, class VI>
-HWY_INLINE hn::Vec<D> Q4Values(D d, VI idx, hn::Vec<D> vdb) {
-  const auto value = [&](hn::Vec<D> c) { return hn::MulAdd(c, vdb, hn::Mul(vdb, hn::Set(d, -8.0f))); };
-  return Nibbles(d, idx, hn::Mul(vdb, hn::Iota(d, -8.0f)), value);
-}
-
-// A whole ggml block (32 values, kC = 32 / N vectors) with its scale
-// decoded once. Used when heads are block-aligned (head_dim % 32 == 0).
-template <KvScheme S, class D, size_t kC>
-HWY_INLINE void LoadBlock(D d, const uint8_t* blk, hn::Vec<D> (&v)[kC]) {
-  constexpr size_t N = hn::MaxLanes(D());
-  const hn::RebindToSigned<D> di;
-  const auto vdb = BlockScaleVec(d, blk);
-  if constexpr (S == KvScheme::Q8_0) {
-    const hn::Rebind<int8_t, D> d8;
-    const int8_t* qs = reinterpret_cast<const int8_t*>(blk + 2);
-    for (size_t c = 0; c < kC; ++c) {
-      v[c] = hn::Mul(hn::ConvertTo(d, hn::PromoteTo(di, hn::LoadU(d8, qs + c * N))), vdb);
-    }
-  } else {
-    static_assert(S == KvScheme::Q4_0);
-    const hn::Rebind<uint8_t, D> du8;
-    for (size_t c = 0; c < kC / 2; ++c) {  // one load feeds a low- and a high-nibble vector
-      const auto w = hn::PromoteTo(di, hn::LoadU(du8, blk + 2 + c * N));  // widen first: 32-bit shifts
-      v[c] = Q4Values(d, w, vdb);
-      v[c + kC / 2] = Q4Values(d, hn::ShiftRight<4>(w), vdb);
-    }
-  }
+  if constexpr (S::kRowScales) return S::RowScale(headers + static_cast<size_t>(t) * header_bytes, g);
+  return S::RowScale(nullptr, g);
 }
 
 // kC vectors of row elements [x, x + kC * N): a whole block on the block
 // path, else one vector.
-template <KvScheme S, bool kBlocks, class D, size_t kC>
+template <class S, bool kBlocks, class D, size_t kC>
 HWY_INLINE void LoadGroup(D d, const uint8_t* row, size_t x, hn::Vec<D> (&v)[kC]) {
   if constexpr (kBlocks) {
-    constexpr size_t kBlockBytes = S == KvScheme::Q8_0 ? sizeof(ggml::BlockQ8_0) : sizeof(ggml::BlockQ4_0);
-    LoadBlock<S>(d, row + kBlockBytes * (x / ggml::kBlock), v);
+    S::LoadBlock(d, row + S::kBlockBytes * (x / ggml::kBlock), v);
   } else {
-    v[0] = LoadVals<S>(d, row, x);
+    v[0] = S::Load(d, row, x);
   }
 }
 
 // V tiles (kv_scheme.h): kC vectors of elements [x, x + kC * N) of lane
 // `lane` of a V tile, as LoadGroup gives them from a row. A lane's codes
 // are byte lane % 4 of each 4-byte word of its quad's units.
-template <KvScheme S, class D, size_t kC>
+template <class S, class D, size_t kC>
 HWY_INLINE void LoadVTileGroup(D d, const uint8_t* tile, size_t hd, int lane, size_t x, hn::Vec<D> (&v)[kC]) {
   constexpr size_t N = hn::MaxLanes(D());
   const hn::RebindToSigned<D> di;
   const size_t quad = static_cast<size_t>(lane / 4);
   const int shift = 8 * (lane % 4);
-  constexpr bool kBlk = S == KvScheme::Q8_0 || S == KvScheme::Q4_0;
+  constexpr bool kBlk = schemes::IsBlockTile(S::kTile);
   const size_t b = x / ggml::kBlock;
   const uint8_t* codes = tile + (kBlk ? 2 * kKTile * (hd / ggml::kBlock) : 0);
   // The lane's words of element unit u (4 tokens' codes per word), from element offset j % 16.
   const auto Words = [&](size_t u, size_t j) {
     return hn::LoadU(di, reinterpret_cast<const int32_t*>(codes + 64 * (4 * u + quad) + 4 * (j % 16)));
   };
-  if constexpr (S == KvScheme::Q4_0) {
+  if constexpr (S::kTile == schemes::TileCodes::kQ4) {
     const auto vdb = BlockScaleVec(d, tile + 2 * kKTile * b + 2 * static_cast<size_t>(lane));
     for (size_t c = 0; c < kC; ++c) {
       const size_t j = c * N;  // element x + j of block b: low nibbles for j < 16
@@ -296,9 +131,8 @@ HWY_INLINE void LoadVTileGroup(D d, const uint8_t* tile, size_t hd, int lane, si
 
 // K and V tiles exist for int8, int8-head and (block-aligned) q8_0 / q4_0
 // (int8 V tiles: head_dim % 16 == 0 too, checked at run time).
-template <KvScheme S, bool kBlocks>
-constexpr bool kTileable = S == KvScheme::Int8 || S == KvScheme::Int8Head ||
-                           ((S == KvScheme::Q8_0 || S == KvScheme::Q4_0) && kBlocks);
+template <class S, bool kBlocks>
+constexpr bool kTileable = S::kTile == schemes::TileCodes::kInt8 || (schemes::IsBlockTile(S::kTile) && kBlocks);
 
 // Tokens per online-softmax block: scores of the block, one max / rescale
 // step, then its V rows. 128 rather than 32 amortises the per-block work
@@ -354,7 +188,7 @@ HWY_INLINE void ReduceLanes(D d, const hn::Vec<D> (&a)[kG], hn::TFromD<D>* HWY_R
 
 // Scores of kT consecutive tokens for kG query heads: each loaded query
 // vector feeds kT FMAs, and the kT * kG accumulator chains are independent.
-template <KvScheme S, bool kBlocks, int kG, int kT, class D>
+template <class S, bool kBlocks, int kG, int kT, class D>
 HWY_INLINE void ScoreTokens(D d, const uint8_t* row0, size_t sb, size_t xbase, size_t hd,
                             const float* HWY_RESTRICT q, float* HWY_RESTRICT dots) {
   constexpr size_t N = hn::MaxLanes(D());
@@ -391,7 +225,7 @@ constexpr bool kVnni = false;
 // stay in registers and each loaded V vector feeds kG FMAs. Rows: token b at
 // row0 + b * sb. V tiles (kVT): token b at tile position pos0 + b of the
 // slice at row0.
-template <KvScheme S, bool kBlocks, bool kVT, int kG, size_t kVG, class D>
+template <class S, bool kBlocks, bool kVT, int kG, size_t kVG, class D>
 HWY_INLINE void AccumulateV(D d, const uint8_t* row0, size_t sb, int64_t pos0, int w0, int nb, size_t x, size_t hd,
                             const float (*HWY_RESTRICT w)[kBlockTokens], float* HWY_RESTRICT acc, size_t e) {
   constexpr size_t N = hn::MaxLanes(D());
@@ -456,7 +290,7 @@ HWY_INLINE void FmaGroupInt8(D d, VI w, const float* HWY_RESTRICT q, size_t hd, 
 
 // Exact float scores of N tile lanes for kG heads into s[h][b0, b0 + N)
 // (before the row scale). q4_0: sum q (c - 8) d = d (sum q c - 8 sum q).
-template <KvScheme S, int kG, class D>
+template <class S, int kG, class D>
 HWY_INLINE void ScoreTile(D d, const uint8_t* tile, size_t lane0, size_t hd, const float* HWY_RESTRICT q,
                           const float* HWY_RESTRICT qfsum, size_t nb32, float (*HWY_RESTRICT s)[kBlockTokens],
                           int b0) {
@@ -464,7 +298,7 @@ HWY_INLINE void ScoreTile(D d, const uint8_t* tile, size_t lane0, size_t hd, con
   const hn::RebindToUnsigned<D> du;
   hn::Vec<D> a[kG];
   for (int h = 0; h < kG; ++h) a[h] = hn::Zero(d);
-  if constexpr (S == KvScheme::Int8 || S == KvScheme::Int8Head) {
+  if constexpr (S::kTile == schemes::TileCodes::kInt8) {
     const uint8_t* codes = tile + 4 * lane0;
     for (size_t g = 0; g < hd / 4; ++g) {
       FmaGroupInt8<kG>(d, hn::LoadU(di, reinterpret_cast<const int32_t*>(codes + 64 * g)), q, hd, 4 * g, a);
@@ -475,12 +309,12 @@ HWY_INLINE void ScoreTile(D d, const uint8_t* tile, size_t lane0, size_t hd, con
     for (size_t b = 0; b < blocks; ++b) {
       hn::Vec<D> ab[kG];
       for (int h = 0; h < kG; ++h) ab[h] = hn::Zero(d);
-      if constexpr (S == KvScheme::Q8_0) {
+      if constexpr (S::kTile == schemes::TileCodes::kQ8) {
         for (size_t g = 8 * b; g < 8 * b + 8; ++g) {
           FmaGroupInt8<kG>(d, hn::LoadU(di, reinterpret_cast<const int32_t*>(codes + 64 * g)), q, hd, 4 * g, ab);
         }
       } else {
-        static_assert(S == KvScheme::Q4_0);
+        static_assert(S::kTile == schemes::TileCodes::kQ4);
         const auto iota = hn::Iota(d, 0.0f);  // nibble -> float table
         const auto same = [](hn::Vec<D> c) { return c; };
         for (size_t u = 4 * b; u < 4 * b + 4; ++u) {
@@ -516,7 +350,7 @@ HWY_INLINE void ScoreTile(D d, const uint8_t* tile, size_t lane0, size_t hd, con
 // values. Each plane's sum is exact in int32; the planes are combined as
 // described at CombinePlanes.
 // Results (before the row and query scales) to s[h][b0, b0 + 16).
-template <KvScheme S, int kG, int kP, class D>
+template <class S, int kG, int kP, class D>
 KVQ_VNNI_ATTR HWY_INLINE void ScoreTileInt(D d, const uint8_t* tile, size_t hd, const int8_t* HWY_RESTRICT qi,
                                            const int32_t* HWY_RESTRICT qstart, size_t nb32,
                                            float (*HWY_RESTRICT s)[kBlockTokens], int b0) {
@@ -547,7 +381,7 @@ KVQ_VNNI_ATTR HWY_INLINE void ScoreTileInt(D d, const uint8_t* tile, size_t hd, 
                         hn::ConvertTo(d, a[0]));
     }
   };
-  if constexpr (S == KvScheme::Int8 || S == KvScheme::Int8Head) {
+  if constexpr (S::kTile == schemes::TileCodes::kInt8) {
     VI a[kG][kP];
     for (int h = 0; h < kG; ++h) {
       for (int p = 0; p < kP; ++p) a[h][p] = Start(h, p, 0);
@@ -567,7 +401,7 @@ KVQ_VNNI_ATTR HWY_INLINE void ScoreTileInt(D d, const uint8_t* tile, size_t hd, 
     for (int h = 0; h < kG; ++h) a[h] = hn::Zero(d);
     for (size_t b = 0; b < blocks; ++b) {
       VI ab[kG][kP];
-      if constexpr (S == KvScheme::Q8_0) {
+      if constexpr (S::kTile == schemes::TileCodes::kQ8) {
         for (int h = 0; h < kG; ++h) {
           for (int p = 0; p < kP; ++p) ab[h][p] = Start(h, p, b);
         }
@@ -583,7 +417,7 @@ KVQ_VNNI_ATTR HWY_INLINE void ScoreTileInt(D d, const uint8_t* tile, size_t hd, 
           }
         }
       } else {
-        static_assert(S == KvScheme::Q4_0);
+        static_assert(S::kTile == schemes::TileCodes::kQ4);
         for (int h = 0; h < kG; ++h) {
           for (int p = 0; p < kP; ++p) ab[h][p] = Start(h, p, b);
         }
@@ -626,7 +460,7 @@ KVQ_VNNI_ATTR HWY_INLINE void ScoreTileInt(D d, const uint8_t* tile, size_t hd, 
 // the top and bottom planes. Per 128-token block every plane sum stays below
 // 2^23 and A0 + 256 A1 below 2^31, so the sum is exact before one
 // conversion (two roundings) to float.
-template <KvScheme S, int kG, class D>
+template <class S, int kG, class D>
 KVQ_VNNI_ATTR HWY_NOINLINE void AccumulateVInt(D d, const uint8_t* tile0, size_t sb, size_t hd, int v0, int v1, int lo,
                                               int hi, hn::Mask<D> first_in, hn::Mask<D> last_in,
                                               const float (*HWY_RESTRICT w)[kBlockTokens], float* HWY_RESTRICT acc) {
@@ -635,8 +469,8 @@ KVQ_VNNI_ATTR HWY_NOINLINE void AccumulateVInt(D d, const uint8_t* tile0, size_t
     AccumulateVInt<S, kG / 2>(d, tile0, sb, hd, v0, v1, lo, hi, first_in, last_in, w + kG / 2, acc + kG / 2 * hd);
     return;
   } else {
-    constexpr bool kQ4 = S == KvScheme::Q4_0;
-    constexpr bool kBlk = kQ4 || S == KvScheme::Q8_0;
+    constexpr bool kQ4 = S::kTile == schemes::TileCodes::kQ4;
+    constexpr bool kBlk = schemes::IsBlockTile(S::kTile);
     constexpr int32_t kOff = kQ4 ? 8 : 128;  // stored code - value
     const hn::RebindToSigned<D> di;
     const hn::Repartition<uint8_t, D> du8;
@@ -764,7 +598,7 @@ KVQ_VNNI_ATTR HWY_NOINLINE void AccumulateVInt(D d, const uint8_t* tile0, size_t
 #endif
 
 // Raw scores of tokens [b, b + kT) of a block of K rows into s[h][b + t].
-template <KvScheme S, bool kBlocks, int kG, int kT, class D>
+template <class S, bool kBlocks, int kG, int kT, class D>
 HWY_INLINE void ScoreBlock(D d, const uint8_t* krow, size_t sb, size_t xbase, size_t hd,
                            const float* HWY_RESTRICT q, int b, float (*HWY_RESTRICT s)[kBlockTokens]) {
   float dots[kT * kG];
@@ -779,7 +613,7 @@ HWY_INLINE void ScoreBlock(D d, const uint8_t* krow, size_t sb, size_t xbase, si
 // the codes with every head's weight applied to the same loaded vector.
 // Block lanes [lo, hi) hold tokens tb + lane of the item; with K tiles
 // (kTiled) blocks start on a tile, so the first and last may be partial.
-template <KvScheme S, bool kBlocks, bool kTiled, int kG, int kQP, class D>
+template <class S, bool kBlocks, bool kTiled, int kG, int kQP, class D>
 KVQ_VNNI_ATTR HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, int h0) {
   constexpr size_t N = hn::MaxLanes(D());
   constexpr size_t kC = kBlocks ? ggml::kBlock / N : 1;  // vectors per element group
@@ -835,7 +669,7 @@ KVQ_VNNI_ATTR HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, 
     const int v0 = lo / static_cast<int>(N) * static_cast<int>(N);
     const int v1 = (hi + static_cast<int>(N) - 1) / static_cast<int>(N) * static_cast<int>(N);
     // Per-row scales (schemes with headers); the others fold a constant.
-    constexpr bool kRowScales = S == KvScheme::Int8 || S == KvScheme::Int8Head || S == KvScheme::Fp8E4M3Scaled;
+    constexpr bool kRowScales = S::kRowScales;
     if constexpr (kRowScales) {
       for (int bb = v0; bb < v1; ++bb) {
         const bool in = bb >= lo && bb < hi;
@@ -844,7 +678,7 @@ KVQ_VNNI_ATTR HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, 
       }
     }
     const auto RowScales = [&](const float* r, int b0) {
-      return kRowScales ? hn::Load(d, r + b0) : hn::Set(d, kFp8Fold<S>);
+      return kRowScales ? hn::Load(d, r + b0) : hn::Set(d, S::kFold);
     };
 
     // Online softmax, vectorised over the block; lanes outside [lo, hi)
@@ -883,7 +717,7 @@ KVQ_VNNI_ATTR HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, 
         const auto w = hn::Exp(d, hn::Sub(hn::Load(d, s[h] + b0), vm));
         vsum = hn::Add(vsum, w);
         // The weight of V row b's codes (exp(lowest - max) = 0 outside [lo, hi)).
-        hn::Store(kFp8Fold<S> == 1.0f && !kRowScales ? w : hn::Mul(w, RowScales(vs, b0)), d, s[h] + b0);
+        hn::Store(S::kFold == 1.0f && !kRowScales ? w : hn::Mul(w, RowScales(vs, b0)), d, s[h] + b0);
       }
       lv[h] = hn::Add(lv[h], vsum);
     }
@@ -920,7 +754,7 @@ KVQ_VNNI_ATTR HWY_NOINLINE void AttendGroup(D d, const Call& c, const Item& it, 
   for (int h = 0; h < kG; ++h) l[h] = hn::GetLane(hn::SumOfLanes(d, lv[h]));  // the item's softmax sums
 }
 
-template <KvScheme S, bool kBlocks, bool kTiled, int kQP, class D>
+template <class S, bool kBlocks, bool kTiled, int kQP, class D>
 void AttendSchemeWith(D d, const Call& c) {
   const auto attend = [&](const Item& it) {
     int h = 0;
@@ -946,7 +780,7 @@ void AttendSchemeWith(D d, const Call& c) {
   }
 }
 
-template <KvScheme S, bool kBlocks, class D>
+template <class S, bool kBlocks, class D>
 void AttendScheme(D d, const Call& c) {
   if constexpr (kTileable<S, kBlocks>) {
     if (c.k_tile) {
@@ -960,25 +794,25 @@ void AttendScheme(D d, const Call& c) {
   AttendSchemeWith<S, kBlocks, false, 0>(d, c);
 }
 
+// The scheme's kernel traits from the list (kernels-inl.h); block schemes
+// read whole blocks when `blocks`.
+template <class D, class S, class... Rest>
+void AttendListed(D d, const Call& c, bool blocks, RowKernelList<S, Rest...>) {
+  if (c.scheme == S::kId) {
+    if constexpr (schemes::IsBlockTile(S::kTile)) {
+      if (blocks) return AttendScheme<S, true>(d, c);
+    }
+    return AttendScheme<S, false>(d, c);
+  }
+  if constexpr (sizeof...(Rest) > 0) AttendListed(d, c, blocks, RowKernelList<Rest...>());
+}
+
 template <class D>
 void AttendAll(D d, const Call& c) {
   // ggml blocks are read whole when every head starts on a block and a
   // vector holds at most half a block.
   const bool blocks = c.hd % ggml::kBlock == 0 && hn::MaxLanes(d) <= 16;
-  switch (c.scheme) {
-    case KvScheme::Fp32: return AttendScheme<KvScheme::Fp32, false>(d, c);
-    case KvScheme::Fp16: return AttendScheme<KvScheme::Fp16, false>(d, c);
-    case KvScheme::Bf16: return AttendScheme<KvScheme::Bf16, false>(d, c);
-    case KvScheme::Int8: return AttendScheme<KvScheme::Int8, false>(d, c);
-    case KvScheme::Int8Head: return AttendScheme<KvScheme::Int8Head, false>(d, c);
-    case KvScheme::Fp8E4M3: return AttendScheme<KvScheme::Fp8E4M3, false>(d, c);
-    case KvScheme::Fp8E4M3Scaled: return AttendScheme<KvScheme::Fp8E4M3Scaled, false>(d, c);
-    case KvScheme::Fp8E5M2: return AttendScheme<KvScheme::Fp8E5M2, false>(d, c);
-    case KvScheme::Q8_0:
-      return blocks ? AttendScheme<KvScheme::Q8_0, true>(d, c) : AttendScheme<KvScheme::Q8_0, false>(d, c);
-    case KvScheme::Q4_0:
-      return blocks ? AttendScheme<KvScheme::Q4_0, true>(d, c) : AttendScheme<KvScheme::Q4_0, false>(d, c);
-  }
+  AttendListed(d, c, blocks, RowKernels());
 }
 
 // Vectors of up to 16 floats when head_dim allows, else 8 (head_dim % 8 == 0
@@ -1094,16 +928,16 @@ void BlockSums(const T* x, size_t hd, Acc* out) {
 // so each accumulator starts at -offset times the plane's sum over its
 // elements: per 32-element block for q8_0 / q4_0, entry 0 for the whole head
 // for int8 / int8-head tiles (one accumulator per head).
-void StartValues(KvScheme scheme, const int8_t* plane, size_t hd, int32_t* out) {
+void StartValues(schemes::TileCodes tile, const int8_t* plane, size_t hd, int32_t* out) {
   BlockSums(plane, hd, out);
   const size_t nb32 = (hd + ggml::kBlock - 1) / ggml::kBlock;
-  if (scheme == KvScheme::Int8 || scheme == KvScheme::Int8Head) {
+  if (tile == schemes::TileCodes::kInt8) {
     int32_t total = 0;
     for (size_t b = 0; b < nb32; ++b) total += out[b];
     out[0] = -128 * total;
     return;
   }
-  const int32_t offset = scheme == KvScheme::Q4_0 ? 8 : 128;
+  const int32_t offset = tile == schemes::TileCodes::kQ4 ? 8 : 128;
   for (size_t b = 0; b < nb32; ++b) out[b] *= -offset;
 }
 
@@ -1174,7 +1008,8 @@ void DecodeAttention(std::span<const float> q, int n_heads, const KvRowsView& kv
   qs.resize(q.size());
   qfsum.resize(static_cast<size_t>(n_heads) * nb32);
   for (size_t i = 0; i < q.size(); ++i) qs[i] = q[i] * v.scale;
-  if (kv.scheme == KvScheme::Q4_0 && kv.k_tile != 0) {  // read only by q4_0's float K tiles
+  const schemes::TileCodes tile = schemes::find_row_scheme(kv.scheme)->tile;  // validated
+  if (tile == schemes::TileCodes::kQ4 && kv.k_tile != 0) {  // read only by q4_0's float K tiles
     for (size_t h = 0; h < static_cast<size_t>(n_heads); ++h) BlockSums(qs.data() + h * hd, hd, qfsum.data() + h * nb32);
   }
   // Integer query planes for K tiles (read by 16-lane VNNI code only; other
@@ -1200,7 +1035,7 @@ void DecodeAttention(std::span<const float> q, int n_heads, const KvRowsView& kv
         planes = 0;
       }
       for (int p = 0; p < planes; ++p) {
-        StartValues(kv.scheme, dst + static_cast<size_t>(p) * hd, hd,
+        StartValues(tile, dst + static_cast<size_t>(p) * hd, hd,
                     qstart.data() + static_cast<size_t>(h * planes + p) * nb32);
       }
     }

@@ -8,17 +8,27 @@
 
 #include "kvq/affine.h"
 #include "kvq/error.h"
-#include "kvq/fp8.h"
 #include "kvq/ggml_quants.h"
-#include "kvq/half.h"
+#include "src/schemes/row_scheme.h"
 
 namespace kvq {
 namespace {
+using schemes::RowSchemeDef;
+using schemes::TileCodes;
+
 size_t RoundUp64(size_t n) { return (n + 63) / 64 * 64; }
+
+// The registry's definition of a valid scheme value.
+const RowSchemeDef& Def(KvScheme s) {
+  const RowSchemeDef* d = schemes::find_row_scheme(s);
+  KVQ_CHECK_ARG(d != nullptr, "scheme: unknown KV scheme value ", static_cast<int>(s));
+  return *d;
+}
 
 // K and V tiles (layouts in kv_scheme.h): one head slice's payload in codec
 // order <-> lane `lane` of its tile. Each element's code has a place in both:
-// a byte, or a nibble of one (q4_0); block scales are copied whole.
+// a byte, or a nibble of one (q4_0); block scales are copied whole. Only the
+// tile code format matters here, not the scheme.
 constexpr size_t kTileScaleBytes = 2 * kKTile;  // one block's fp16 scales for all lanes
 constexpr size_t kTileGroupBytes = 4 * kKTile;  // one 4-byte word per lane
 
@@ -27,26 +37,25 @@ struct CodePlace {
   int shift;  // -1: the whole byte; 0 or 4: a nibble
 };
 
-bool IsBlockScheme(KvScheme s) { return s == KvScheme::Q8_0 || s == KvScheme::Q4_0; }
-size_t BlockBytes(KvScheme s) { return s == KvScheme::Q8_0 ? sizeof(ggml::BlockQ8_0) : sizeof(ggml::BlockQ4_0); }
+size_t BlockBytes(TileCodes t) { return t == TileCodes::kQ8 ? sizeof(ggml::BlockQ8_0) : sizeof(ggml::BlockQ4_0); }
 
-CodePlace SlicePlace(KvScheme s, size_t e) {
-  if (!IsBlockScheme(s)) return {e, -1};
-  const size_t base = BlockBytes(s) * (e / ggml::kBlock) + 2, j = e % ggml::kBlock;
-  if (s == KvScheme::Q8_0) return {base + j, -1};
+CodePlace SlicePlace(TileCodes t, size_t e) {
+  if (!schemes::IsBlockTile(t)) return {e, -1};
+  const size_t base = BlockBytes(t) * (e / ggml::kBlock) + 2, j = e % ggml::kBlock;
+  if (t == TileCodes::kQ8) return {base + j, -1};
   return {base + j % 16, j < 16 ? 0 : 4};  // ggml: low nibbles = j < 16
 }
 
 // which: 0 K tile, 1 V tile.
-CodePlace TilePlace(int which, KvScheme s, size_t hd, size_t e, int lane) {
-  const size_t codes = IsBlockScheme(s) ? kTileScaleBytes * (hd / ggml::kBlock) : 0;
+CodePlace TilePlace(int which, TileCodes t, size_t hd, size_t e, int lane) {
+  const size_t codes = schemes::IsBlockTile(t) ? kTileScaleBytes * (hd / ggml::kBlock) : 0;
   const size_t l = static_cast<size_t>(lane);
   if (which == 1) {  // unit (x or b, quad l / 4), byte l % 4 of element e's lane
     const size_t at = codes + 4 * (e % 16) + l % 4, r = l / 4;
-    if (s == KvScheme::Q4_0) return {at + kTileGroupBytes * (4 * (e / 32) + r), e % 32 < 16 ? 0 : 4};
+    if (t == TileCodes::kQ4) return {at + kTileGroupBytes * (4 * (e / 32) + r), e % 32 < 16 ? 0 : 4};
     return {at + kTileGroupBytes * (4 * (e / 16) + r), -1};
   }
-  if (s == KvScheme::Q4_0) return {codes + kTileGroupBytes * (e / 8) + 4 * l + e % 4, e % 8 < 4 ? 0 : 4};
+  if (t == TileCodes::kQ4) return {codes + kTileGroupBytes * (e / 8) + 4 * l + e % 4, e % 8 < 4 ? 0 : 4};
   return {codes + kTileGroupBytes * (e / 4) + 4 * l + e % 4, -1};
 }
 
@@ -55,68 +64,44 @@ void PutCode(uint8_t* p, CodePlace x, uint8_t v) {
   p[x.byte] = x.shift < 0 ? v : static_cast<uint8_t>((p[x.byte] & ~(0x0F << x.shift)) | (v << x.shift));
 }
 
-void SliceToTile(int which, KvScheme s, size_t hd, const uint8_t* src, uint8_t* tile, int lane) {
-  for (size_t b = 0; IsBlockScheme(s) && b < hd / ggml::kBlock; ++b) {
-    std::memcpy(tile + kTileScaleBytes * b + 2 * static_cast<size_t>(lane), src + BlockBytes(s) * b, 2);
+void SliceToTile(int which, TileCodes t, size_t hd, const uint8_t* src, uint8_t* tile, int lane) {
+  for (size_t b = 0; schemes::IsBlockTile(t) && b < hd / ggml::kBlock; ++b) {
+    std::memcpy(tile + kTileScaleBytes * b + 2 * static_cast<size_t>(lane), src + BlockBytes(t) * b, 2);
   }
-  for (size_t e = 0; e < hd; ++e) PutCode(tile, TilePlace(which, s, hd, e, lane), GetCode(src, SlicePlace(s, e)));
+  for (size_t e = 0; e < hd; ++e) PutCode(tile, TilePlace(which, t, hd, e, lane), GetCode(src, SlicePlace(t, e)));
 }
 
-void TileToSlice(int which, KvScheme s, size_t hd, const uint8_t* tile, int lane, uint8_t* dst) {
-  for (size_t b = 0; IsBlockScheme(s) && b < hd / ggml::kBlock; ++b) {
-    std::memcpy(dst + BlockBytes(s) * b, tile + kTileScaleBytes * b + 2 * static_cast<size_t>(lane), 2);
+void TileToSlice(int which, TileCodes t, size_t hd, const uint8_t* tile, int lane, uint8_t* dst) {
+  for (size_t b = 0; schemes::IsBlockTile(t) && b < hd / ggml::kBlock; ++b) {
+    std::memcpy(dst + BlockBytes(t) * b, tile + kTileScaleBytes * b + 2 * static_cast<size_t>(lane), 2);
   }
-  for (size_t e = 0; e < hd; ++e) PutCode(dst, SlicePlace(s, e), GetCode(tile, TilePlace(which, s, hd, e, lane)));
+  for (size_t e = 0; e < hd; ++e) PutCode(dst, SlicePlace(t, e), GetCode(tile, TilePlace(which, t, hd, e, lane)));
 }
-}  // namespace
-
-namespace {
-struct SchemeName {
-  KvScheme scheme;
-  const char* name;
-};
-constexpr SchemeName kNames[] = {
-    {KvScheme::Fp32, "fp32"},         {KvScheme::Fp16, "fp16"},
-    {KvScheme::Bf16, "bf16"},         {KvScheme::Int8, "int8"},
-    {KvScheme::Int8Head, "int8-head"}, {KvScheme::Fp8E4M3, "fp8-e4m3"},
-    {KvScheme::Fp8E4M3Scaled, "fp8-e4m3-scaled"}, {KvScheme::Fp8E5M2, "fp8-e5m2"},
-    {KvScheme::Q8_0, "q8_0"},         {KvScheme::Q4_0, "q4_0"},
-};
 
 std::string ValidNames() {
   std::string s;
-  for (const auto& n : kNames) s += (s.empty() ? "" : ", ") + std::string(n.name);
+  for (const RowSchemeDef* d : schemes::row_schemes()) s += (s.empty() ? "" : ", ") + std::string(d->name);
   return s;
-}
-
-// Row scales are stored as raw little-endian float bits.
-void PutF32(uint8_t* dst, float f) { std::memcpy(dst, &f, 4); }
-float GetF32(const uint8_t* src) {
-  float f;
-  std::memcpy(&f, src, 4);
-  return f;
 }
 }  // namespace
 
 const std::vector<KvScheme>& all_kv_schemes() {
   static const std::vector<KvScheme> all = [] {
     std::vector<KvScheme> v;
-    for (const auto& n : kNames) v.push_back(n.scheme);
+    for (const RowSchemeDef* d : schemes::row_schemes()) v.push_back(d->id);
     return v;
   }();
   return all;
 }
 
 const char* kv_scheme_name(KvScheme s) {
-  for (const auto& n : kNames) {
-    if (n.scheme == s) return n.name;
-  }
-  return "unknown";
+  const RowSchemeDef* d = schemes::find_row_scheme(s);
+  return d ? d->name : "unknown";
 }
 
 KvScheme parse_kv_scheme(const std::string& name, const char* arg) {
-  for (const auto& n : kNames) {
-    if (name == n.name) return n.scheme;
+  for (const RowSchemeDef* d : schemes::row_schemes()) {
+    if (name == d->name) return d->id;
   }
   Fail(arg, ": unknown KV scheme '", name, "'; expected one of: ", ValidNames());
 }
@@ -137,121 +122,30 @@ std::vector<KvScheme> parse_kv_scheme_list(const std::string& list, const char* 
 
 KvRowCodec::KvRowCodec(KvScheme scheme, int row_len, int head_dim)
     : scheme_(scheme), row_len_(row_len), head_dim_(head_dim) {
+  const RowSchemeDef& d = Def(scheme);
+  def_ = &d;
   KVQ_CHECK_ARG(row_len > 0, "row_len: expected > 0, got ", row_len);
   KVQ_CHECK_ARG(head_dim > 0 && row_len % head_dim == 0, "head_dim: expected a positive divisor of row_len ",
                 row_len, ", got ", head_dim);
-  const size_t n = static_cast<size_t>(row_len);
-  switch (scheme) {
-    case KvScheme::Fp32: row_bytes_ = 4 * n; break;
-    case KvScheme::Fp16:
-    case KvScheme::Bf16: row_bytes_ = 2 * n; break;
-    case KvScheme::Int8: row_bytes_ = 4 + n; break;
-    case KvScheme::Int8Head: row_bytes_ = 4 * (n / static_cast<size_t>(head_dim)) + n; break;
-    case KvScheme::Fp8E4M3:
-    case KvScheme::Fp8E5M2: row_bytes_ = n; break;
-    case KvScheme::Fp8E4M3Scaled: row_bytes_ = 4 + n; break;
-    case KvScheme::Q8_0:
-    case KvScheme::Q4_0:
-      KVQ_CHECK_ARG(row_len % ggml::kBlock == 0, "row_len: scheme ", kv_scheme_name(scheme),
-                    " needs a multiple of 32 values per row, got ", row_len);
-      row_bytes_ = (n / ggml::kBlock) * (scheme == KvScheme::Q8_0 ? sizeof(ggml::BlockQ8_0) : sizeof(ggml::BlockQ4_0));
-      break;
-    default:
-      Fail("scheme: unknown KV scheme value ", static_cast<int>(scheme));
-  }
-  switch (scheme) {
-    case KvScheme::Int8:
-    case KvScheme::Fp8E4M3Scaled: header_bytes_ = 4; break;
-    case KvScheme::Int8Head: header_bytes_ = 4 * (n / static_cast<size_t>(head_dim)); break;
-    default: header_bytes_ = 0; break;
-  }
+  const bool blocks = schemes::IsBlockTile(d.tile);
+  KVQ_CHECK_ARG(!blocks || row_len % ggml::kBlock == 0, "row_len: scheme ", d.name,
+                " needs a multiple of 32 values per row, got ", row_len);
+  const size_t n = static_cast<size_t>(row_len), hd = static_cast<size_t>(head_dim);
+  row_bytes_ = d.row_bytes(n, hd);
+  header_bytes_ = d.header_bytes(n, hd);
   // Payloads split per head unless a ggml block would straddle two heads.
-  const bool blocks = scheme == KvScheme::Q8_0 || scheme == KvScheme::Q4_0;
   slices_ = blocks && head_dim % ggml::kBlock != 0 ? 1 : row_len / head_dim;
-  const bool int8 = scheme == KvScheme::Int8 || scheme == KvScheme::Int8Head;
+  const bool int8 = d.tile == TileCodes::kInt8;
   if ((int8 && head_dim % 4 == 0) || (blocks && head_dim % ggml::kBlock == 0)) k_tile_ = kKTile;
   if ((int8 && head_dim % 16 == 0) || (blocks && head_dim % ggml::kBlock == 0)) v_tile_ = kKTile;
 }
 
 void KvRowCodec::encode(const float* row, uint8_t* dst) const {
-  const size_t n = static_cast<size_t>(row_len_);
-  std::span<const float> x(row, n);
-  switch (scheme_) {
-    case KvScheme::Fp32: std::memcpy(dst, row, 4 * n); return;
-    case KvScheme::Fp16: f32_to_f16(x, {reinterpret_cast<uint16_t*>(dst), n}); return;
-    case KvScheme::Bf16: f32_to_bf16(x, {reinterpret_cast<uint16_t*>(dst), n}); return;
-    case KvScheme::Int8: {
-      const float s = int8_scale(max_abs(x));
-      PutF32(dst, s);
-      quantize_int8(x, s, {reinterpret_cast<int8_t*>(dst + 4), n});
-      return;
-    }
-    case KvScheme::Int8Head: {
-      const size_t heads = n / static_cast<size_t>(head_dim_), hd = static_cast<size_t>(head_dim_);
-      int8_t* codes = reinterpret_cast<int8_t*>(dst + 4 * heads);
-      for (size_t h = 0; h < heads; ++h) {
-        const std::span<const float> xh = x.subspan(h * hd, hd);
-        const float s = int8_scale(max_abs(xh));
-        PutF32(dst + 4 * h, s);
-        quantize_int8(xh, s, {codes + h * hd, hd});
-      }
-      return;
-    }
-    case KvScheme::Fp8E4M3: fp8::encode_e4m3(x, {dst, n}); return;
-    case KvScheme::Fp8E5M2: fp8::encode_e5m2(x, {dst, n}); return;
-    case KvScheme::Fp8E4M3Scaled: {
-      const float s = max_abs(x) / fp8::kE4M3Max;
-      PutF32(dst, s);
-      float tmp[512];
-      for (size_t i0 = 0; i0 < n; i0 += 512) {
-        const size_t m = std::min<size_t>(512, n - i0);
-        for (size_t i = 0; i < m; ++i) tmp[i] = s != 0.0f ? x[i0 + i] / s : 0.0f;
-        fp8::encode_e4m3({tmp, m}, {dst + 4 + i0, m});
-      }
-      return;
-    }
-    case KvScheme::Q8_0:
-      ggml::quantize_row_q8_0(x, {reinterpret_cast<ggml::BlockQ8_0*>(dst), n / ggml::kBlock});
-      return;
-    case KvScheme::Q4_0:
-      ggml::quantize_row_q4_0(x, {reinterpret_cast<ggml::BlockQ4_0*>(dst), n / ggml::kBlock});
-      return;
-  }
+  def_->encode(row, static_cast<size_t>(row_len_), static_cast<size_t>(head_dim_), dst);
 }
 
 void KvRowCodec::decode(const uint8_t* src, float* out) const {
-  const size_t n = static_cast<size_t>(row_len_);
-  std::span<float> y(out, n);
-  switch (scheme_) {
-    case KvScheme::Fp32: std::memcpy(out, src, 4 * n); return;
-    case KvScheme::Fp16: f16_to_f32({reinterpret_cast<const uint16_t*>(src), n}, y); return;
-    case KvScheme::Bf16: bf16_to_f32({reinterpret_cast<const uint16_t*>(src), n}, y); return;
-    case KvScheme::Int8:
-      dequantize_int8({reinterpret_cast<const int8_t*>(src + 4), n}, GetF32(src), y);
-      return;
-    case KvScheme::Int8Head: {
-      const size_t heads = n / static_cast<size_t>(head_dim_), hd = static_cast<size_t>(head_dim_);
-      const int8_t* codes = reinterpret_cast<const int8_t*>(src + 4 * heads);
-      for (size_t h = 0; h < heads; ++h) {
-        dequantize_int8({codes + h * hd, hd}, GetF32(src + 4 * h), y.subspan(h * hd, hd));
-      }
-      return;
-    }
-    case KvScheme::Fp8E4M3: fp8::decode_e4m3({src, n}, y); return;
-    case KvScheme::Fp8E5M2: fp8::decode_e5m2({src, n}, y); return;
-    case KvScheme::Fp8E4M3Scaled: {
-      const float s = GetF32(src);
-      fp8::decode_e4m3({src + 4, n}, y);
-      for (size_t i = 0; i < n; ++i) y[i] *= s;
-      return;
-    }
-    case KvScheme::Q8_0:
-      ggml::dequantize_row_q8_0({reinterpret_cast<const ggml::BlockQ8_0*>(src), n / ggml::kBlock}, y);
-      return;
-    case KvScheme::Q4_0:
-      ggml::dequantize_row_q4_0({reinterpret_cast<const ggml::BlockQ4_0*>(src), n / ggml::kBlock}, y);
-      return;
-  }
+  def_->decode(src, static_cast<size_t>(row_len_), static_cast<size_t>(head_dim_), out);
 }
 
 KvCache::KvCache(KvScheme scheme, int n_layers, int max_seq, int n_kv_heads, int head_dim)
@@ -321,7 +215,7 @@ void KvRowsView::gather_row(int which, int64_t t, uint8_t* row) const {
     const size_t lane = static_cast<size_t>(tile_first + t), tile = static_cast<size_t>(kKTile);
     const uint8_t* t0 = (which == 0 ? k : v) + lane / tile * tile * slice_bytes;
     for (int s = 0; s < slices; ++s) {
-      TileToSlice(which, scheme, static_cast<size_t>(head_dim), t0 + static_cast<size_t>(s) * slice_stride,
+      TileToSlice(which, Def(scheme).tile, static_cast<size_t>(head_dim), t0 + static_cast<size_t>(s) * slice_stride,
                   static_cast<int>(lane % tile), row + header_bytes + static_cast<size_t>(s) * slice_bytes);
     }
     return;
@@ -346,6 +240,7 @@ void KvCache::write(int layer, int pos, std::span<const float> k, std::span<cons
   thread_local std::vector<uint8_t> row;
   row.resize(codec_.row_bytes());
   const size_t hb = codec_.header_bytes(), sb = codec_.slice_bytes();
+  const TileCodes def_tile = Def(scheme()).tile;
   for (int kv = 0; kv < 2; ++kv) {
     codec_.encode(kv == 0 ? k.data() : v.data(), row.data());
     uint8_t* part = data_.data_as<uint8_t>() + PartOffset(layer, kv);
@@ -353,7 +248,7 @@ void KvCache::write(int layer, int pos, std::span<const float> k, std::span<cons
     if (kv == 0 ? codec_.k_tile() : codec_.v_tile()) {
       const size_t tile = static_cast<size_t>(kKTile), p = static_cast<size_t>(pos);
       for (int s = 0; s < codec_.slices(); ++s) {
-        SliceToTile(kv, scheme(), static_cast<size_t>(head_dim_), row.data() + hb + static_cast<size_t>(s) * sb,
+        SliceToTile(kv, def_tile, static_cast<size_t>(head_dim_), row.data() + hb + static_cast<size_t>(s) * sb,
                     part + header_region_ + static_cast<size_t>(s) * slice_stride_ + p / tile * tile * sb,
                     static_cast<int>(p % tile));
       }

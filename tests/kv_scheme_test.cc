@@ -22,6 +22,7 @@
 #include "kvq/error.h"
 #include "kvq/ggml_quants.h"
 #include "kvq/half.h"
+#include "src/schemes/row_scheme.h"
 #include "tests/test_util.h"
 
 namespace kvq {
@@ -45,6 +46,35 @@ TEST(KvScheme, RegistryNamesRoundTrip) {
   }
   EXPECT_THROW(parse_kv_scheme_list(""), Error);
   EXPECT_THROW(parse_kv_scheme_list("int8,,fp16"), Error);
+}
+
+// The one table (src/schemes/registry.cc): every scheme once, in the order
+// of its append-only format value, each with a codec; tile code formats as
+// kv_scheme.h documents them. A value that names no scheme is a clear error.
+TEST(KvScheme, RegistryHoldsEverySchemeOnceInFormatOrder) {
+  const auto defs = schemes::row_schemes();
+  ASSERT_EQ(defs.size(), all_kv_schemes().size());
+  for (size_t i = 0; i < defs.size(); ++i) {
+    SCOPED_TRACE(defs[i]->name);
+    EXPECT_EQ(static_cast<size_t>(defs[i]->id), i);
+    EXPECT_EQ(schemes::find_row_scheme(defs[i]->id), defs[i]);
+    EXPECT_STREQ(kv_scheme_name(defs[i]->id), defs[i]->name);
+    EXPECT_TRUE(defs[i]->row_bytes && defs[i]->header_bytes && defs[i]->encode && defs[i]->decode);
+    for (size_t j = 0; j < i; ++j) EXPECT_STRNE(defs[i]->name, defs[j]->name);
+  }
+  using schemes::TileCodes;
+  for (KvScheme s : all_kv_schemes()) {
+    const TileCodes t = schemes::find_row_scheme(s)->tile;
+    const TileCodes want = s == KvScheme::Int8 || s == KvScheme::Int8Head ? TileCodes::kInt8
+                           : s == KvScheme::Q8_0                          ? TileCodes::kQ8
+                           : s == KvScheme::Q4_0                          ? TileCodes::kQ4
+                                                                          : TileCodes::kNone;
+    EXPECT_EQ(t, want) << kv_scheme_name(s);
+  }
+  EXPECT_EQ(schemes::find_row_scheme(static_cast<KvScheme>(10)), nullptr);
+  EXPECT_STREQ(kv_scheme_name(static_cast<KvScheme>(200)), "unknown");
+  const std::string e = test::ErrorOf([] { KvRowCodec c(static_cast<KvScheme>(10), 64, 8); });
+  EXPECT_NE(e.find("unknown KV scheme value 10"), std::string::npos) << e;
 }
 
 TEST(GgmlBlocks, LayoutMatchesGgml) {

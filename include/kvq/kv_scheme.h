@@ -62,6 +62,9 @@
 #include "kvq/tensor.h"
 
 namespace kvq {
+namespace schemes {
+struct RowSchemeDef;  // src/schemes/row_scheme.h: the registry
+}  // namespace schemes
 
 inline constexpr int kKTile = 16;  // positions per K or V tile (see above)
 
@@ -114,6 +117,7 @@ class KvRowCodec {
 
  private:
   KvScheme scheme_;
+  const schemes::RowSchemeDef* def_ = nullptr;  // the scheme's codec (registry)
   int row_len_;
   int head_dim_;
   size_t row_bytes_;
