@@ -20,6 +20,7 @@ namespace {
 constexpr float kF16Max = 65504.0f;
 constexpr int kMaxGroup = 1024;
 constexpr int kMaxBits = 8;
+constexpr int kClipSteps = 4;  // m: each end of a group's range moved in by up to 4/16 of its width
 
 // Adjacent fp16 values (h finite).
 uint16_t F16Down(uint16_t h) {
@@ -61,6 +62,7 @@ bool ParseName(const std::string& s, GroupedKvScheme& out) {
     if (p != 8) return false;
     g.params8 = true;
   }
+  if (!g.calibrated && i < s.size() && s[i] == 'm') g.mse_ranges = true, ++i;
   if (!g.calibrated && ReadNumber(s, i, 'o', g.open_bits)) {
     if (g.open_bits < 3 || g.open_bits > 8) return false;
     ReadNumber(s, i, 'x', g.exact_recent);
@@ -85,6 +87,7 @@ std::string GroupedKvScheme::name() const {
   } else {
     s.append("g").append(std::to_string(group));
     if (params8) s.append("p8");
+    if (mse_ranges) s.append("m");
     if (open_coded()) s.append("o").append(std::to_string(open_bits));
     if (open_coded() && exact_recent > 0) s.append("x").append(std::to_string(exact_recent));
   }
@@ -487,7 +490,7 @@ GroupedKvCache::GroupedKvCache(const GroupedKvScheme& scheme, int n_layers, int 
     pending_v_.assign(pending_k_.size(), 0.0f);
     if (scheme_.open_coded()) {
       open8_.assign(static_cast<size_t>(n_layers) * static_cast<size_t>(max_seq) * 2 * E, 0);
-      open_exact_.assign(static_cast<size_t>(n_layers) * static_cast<size_t>(max_seq), 1);
+      open_exact_.assign(static_cast<size_t>(n_layers) * static_cast<size_t>(max_seq) * 2 * H, 1);
       open_grid_.assign(static_cast<size_t>(n_layers) * 4 * E, 0.0f);
     }
   }
@@ -561,24 +564,31 @@ void GroupedKvCache::write(int layer, int pos, std::span<const float> k, std::sp
   if (scheme_.open_coded()) {
     const size_t at = static_cast<size_t>(layer) * static_cast<size_t>(max_seq_) + static_cast<size_t>(pos);
     uint8_t* codes = open8_.data() + at * 2 * E;
-    bool fits = g >= 1;
-    // The group's grids, computed at its first token (positions come in order).
-    float* lo = open_grid_.data() + static_cast<size_t>(layer) * 4 * E;
-    float* st = lo + 2 * E;
-    if (fits && idx == 0) OpenGrids(layer, g, lo, st);
-    std::vector<float> dec(2 * E);
-    for (size_t c = 0; c < 2 * E && fits; ++c) {
-      const float x = c < E ? k[c] : v[c - E];
-      const uint8_t q = Code(x, lo[c], st[c], (1 << scheme_.open_bits) - 1);
-      const float y = lo[c] + st[c] * static_cast<float>(q);
-      fits = std::fabs(y - x) <= 0.5f * st[c];  // else outside the grid (or a zero-width range)
-      codes[c] = q;
-      dec[c] = y;
-    }
-    open_exact_[at] = fits ? 0 : 1;
-    if (fits) {
-      std::copy(dec.begin(), dec.begin() + static_cast<std::ptrdiff_t>(E), pk);
-      std::copy(dec.begin() + static_cast<std::ptrdiff_t>(E), dec.end(), pv);
+    // Per unit (K or V of one KV head): its codes, or fp16 when a value falls
+    // outside the grid; every unit of the first group is fp16 (no grid yet).
+    const size_t hd = static_cast<size_t>(head_dim_), H = static_cast<size_t>(n_kv_heads_);
+    uint8_t* exact = open_exact_.data() + at * 2 * H;
+    std::fill(exact, exact + 2 * H, 1);
+    if (g >= 1) {
+      // The group's grids, computed at its first token (positions come in order).
+      float* lo = open_grid_.data() + static_cast<size_t>(layer) * 4 * E;
+      float* st = lo + 2 * E;
+      if (idx == 0) OpenGrids(layer, g, lo, st);
+      float dec[512];
+      for (size_t u = 0; u < 2 * H; ++u) {
+        bool fits = true;
+        for (size_t i = 0; i < hd; ++i) {
+          const size_t c = u * hd + i;
+          const float x = c < E ? k[c] : v[c - E];
+          const uint8_t q = Code(x, lo[c], st[c], (1 << scheme_.open_bits) - 1);
+          const float y = lo[c] + st[c] * static_cast<float>(q);
+          fits = fits && std::fabs(y - x) <= 0.5f * st[c];  // else outside the grid (or a zero-width range)
+          codes[c] = q;
+          dec[i] = y;
+        }
+        exact[u] = fits ? 0 : 1;
+        if (fits) std::copy(dec, dec + hd, (u < H ? pk : pv) + (u % H) * hd);
+      }
     }
   }
   if (idx == G - 1 && g < max_groups_) EncodeGroup(layer, g);
@@ -625,30 +635,55 @@ void GroupedKvCache::EncodeGroup(int layer, int64_t g) {
   for (int h = 0; h < n_kv_heads_; ++h) {
     for (int which = 0; which < 2; ++which) {
       uint8_t* grp = const_cast<uint8_t*>(group_data(layer, which, h, g));
-      uint16_t* lo = reinterpret_cast<uint16_t*>(grp);
       const float* src = (which == 0 ? pk : pv) + static_cast<size_t>(h) * static_cast<size_t>(hd);
       const int bits = which == 0 ? scheme_.k_bits : scheme_.v_bits;
-      if (scheme_.params8) {  // a | b on the channel grids, then codes on the decoded lo / step
-        const float* grid = Grid(layer, which, h);
-        const size_t uhd = static_cast<size_t>(hd);
-        for (size_t i = 0; i < uhd; ++i) {
-          float mn = src[i], mx = src[i];
-          for (size_t t = 1; t < static_cast<size_t>(G); ++t) mn = std::min(mn, src[t * E + i]), mx = std::max(mx, src[t * E + i]);
-          const int cb = which == 0 ? k_channel_bits(layer, h * hd + static_cast<int>(i)) : bits;
-          P8Codes(mn, mx, grid[i], grid[uhd + i], grid[2 * uhd + i], (1 << cb) - 1, grp + i, grp + uhd + i);
-        }
-        std::vector<float> plo(uhd), pst(uhd);
-        grouped::DecodeGroupParams(grp, uhd, grid, plo.data(), pst.data());
-        for (size_t i = 0; i < uhd; ++i) {
-          const int cb = which == 0 ? k_channel_bits(layer, h * hd + static_cast<int>(i)) : bits;
-          for (size_t t = 0; t < static_cast<size_t>(G); ++t) {
-            codes[i * static_cast<size_t>(G) + t] = Code(src[t * E + i], plo[i], pst[i], (1 << cb) - 1);
+      // Per channel: the range [mn + a w / 16, mx - b w / 16] (w = mx - mn) of
+      // least squared error over a, b = 0..kClipSteps (m; else a = b = 0),
+      // stored as fp16 lo / step or p8's codes, then the codes on it.
+      const size_t uhd = static_cast<size_t>(hd), uG = static_cast<size_t>(G);
+      const float* grid = scheme_.params8 ? Grid(layer, which, h) : nullptr;
+      const int clip = scheme_.mse_ranges ? kClipSteps : 0;
+      std::vector<float> xs(uG);
+      std::vector<uint8_t> qs(uG);
+      for (size_t i = 0; i < uhd; ++i) {
+        for (size_t t = 0; t < uG; ++t) xs[t] = src[t * E + i];
+        const auto [mn, mx] = std::minmax_element(xs.begin(), xs.end());
+        const float w = *mx - *mn;
+        const int cb = which == 0 ? k_channel_bits(layer, h * hd + static_cast<int>(i)) : bits;
+        const int levels = (1 << cb) - 1;
+        double best = std::numeric_limits<double>::infinity();
+        for (int ca = 0; ca <= clip; ++ca) {
+          for (int cz = 0; cz <= clip && ca + cz < 16; ++cz) {
+            const float rlo = *mn + w * static_cast<float>(ca) / 16.0f, rhi = *mx - w * static_cast<float>(cz) / 16.0f;
+            uint8_t pa = 0, pb = 0;
+            uint16_t l16 = 0, s16 = 0;
+            float lof, stf;
+            if (grid) {
+              P8Codes(rlo, rhi, grid[i], grid[uhd + i], grid[2 * uhd + i], levels, &pa, &pb);
+              const uint8_t hdr[2] = {pa, pb};  // one channel's a | b
+              const float g1[3] = {grid[i], grid[uhd + i], grid[2 * uhd + i]};
+              grouped::DecodeGroupParams(hdr, 1, g1, &lof, &stf);
+            } else {
+              RangeParams(rlo, rhi, cb, &l16, &s16);
+              lof = f16_to_f32_ref(l16), stf = f16_to_f32_ref(s16);
+            }
+            double sse = 0;
+            for (size_t t = 0; t < uG; ++t) {
+              qs[t] = Code(xs[t], lof, stf, levels);
+              const double e = static_cast<double>(xs[t]) - (lof + stf * static_cast<float>(qs[t]));
+              sse += e * e;
+            }
+            if (sse < best) {  // ties keep the wider range (tried first)
+              best = sse;
+              std::copy(qs.begin(), qs.end(), codes.begin() + static_cast<std::ptrdiff_t>(i * uG));
+              if (grid) {
+                grp[i] = pa, grp[uhd + i] = pb;
+              } else {
+                std::memcpy(grp + 2 * i, &l16, 2);
+                std::memcpy(grp + 2 * (uhd + i), &s16, 2);
+              }
+            }
           }
-        }
-      } else {
-        for (int i = 0; i < hd; ++i) {
-          const int cb = which == 0 ? k_channel_bits(layer, h * hd + i) : bits;
-          encode_group_channel_ref(src + i, G, E, cb, lo + i, lo + hd + i, codes.data() + static_cast<size_t>(i) * G);
         }
       }
       uint8_t* out = grp + header_bytes_;
@@ -701,12 +736,25 @@ void GroupedKvCache::DecodeOpen8(int layer, int64_t pos, const float* lo, const 
   for (size_t c = 0; c < E; ++c) k[c] = lo[c] + step[c] * static_cast<float>(codes[c]);
   for (size_t c = 0; c < E; ++c) v[c] = lo[E + c] + step[E + c] * static_cast<float>(codes[E + c]);
   rope_.apply(k, n_kv_heads_, static_cast<int>(pos));
+  // Units held in fp16 instead (outside the grid): the exact rows (K after RoPE).
+  const size_t H = static_cast<size_t>(n_kv_heads_), hd = static_cast<size_t>(head_dim_);
+  const uint8_t* exact =
+      open_exact_.data() + (static_cast<size_t>(layer) * static_cast<size_t>(max_seq_) + static_cast<size_t>(pos)) * 2 * H;
+  if (std::find(exact, exact + 2 * H, 1) == exact + 2 * H) return;
+  std::vector<float> ek(E), ev(E);
+  exact_.read_k(layer, static_cast<int>(pos), ek);
+  exact_.read_v(layer, static_cast<int>(pos), ev);
+  for (size_t u = 0; u < 2 * H; ++u) {
+    if (!exact[u]) continue;
+    const float* from = (u < H ? ek.data() : ev.data()) + (u % H) * hd;
+    std::copy(from, from + hd, (u < H ? k : v) + (u % H) * hd);
+  }
 }
 
 bool GroupedKvCache::IsOpen8(int layer, int64_t pos, int64_t T) const {
-  return scheme_.open_coded() && pos >= scheme_.sinks && pos >= scheme_.coded_end(T) &&
-         pos < T - scheme_.exact_recent &&
-         !open_exact_[static_cast<size_t>(layer) * static_cast<size_t>(max_seq_) + static_cast<size_t>(pos)];
+  (void)layer;
+  return scheme_.open_coded() && pos >= scheme_.sinks + G_ && pos >= scheme_.coded_end(T) &&
+         pos < T - scheme_.exact_recent;
 }
 
 void GroupedKvCache::read(int layer, int64_t pos, int64_t T, std::span<float> k, std::span<float> v) const {
@@ -910,12 +958,15 @@ uint64_t GroupedKvCache::bytes(int64_t T) const {
   if (T <= 0) return 0;
   const uint64_t E = static_cast<uint64_t>(n_kv_heads_) * static_cast<uint64_t>(head_dim_);
   uint64_t total = static_cast<uint64_t>(scheme_.stored_bits(T)) * E / 8 * static_cast<uint64_t>(n_layers_);
-  if (scheme_.open_coded()) {  // open tokens held in fp16 instead (outside the grid): 16 - N bits more
+  if (scheme_.open_coded()) {  // open tokens held in fp16 instead (outside the grid), per unit
     const auto [o0, f1, x0] = scheme_.OpenFp16(T);
     for (int l = 0; l < n_layers_; ++l) {
+      const size_t H = static_cast<size_t>(n_kv_heads_);
       for (int64_t t = f1; t < x0; ++t) {
-        if (open_exact_[static_cast<size_t>(l) * static_cast<size_t>(max_seq_) + static_cast<size_t>(t)]) {
-          total += E * static_cast<uint64_t>(16 - scheme_.open_bits) / 4;  // K and V: 2 E (16 - N) bits
+        const uint8_t* exact =
+            open_exact_.data() + (static_cast<size_t>(l) * static_cast<size_t>(max_seq_) + static_cast<size_t>(t)) * 2 * H;
+        for (size_t u = 0; u < 2 * H; ++u) {  // a unit: head_dim values, 16 - N bits more each
+          if (exact[u]) total += static_cast<uint64_t>(head_dim_) * static_cast<uint64_t>(16 - scheme_.open_bits) / 8;
         }
       }
     }

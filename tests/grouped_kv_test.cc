@@ -562,14 +562,30 @@ TEST(GroupedKv, OpenTokensInEightBitsCountedByHand) {
     K.push_back(k);
   }
   // T = 45: groups 0, 1 coded ([0, 32)), open tokens 32..44: 43, 44 are the
-  // x2 fp16 ones, 37 fell back, the other 10 in 8 bits. Per element of K and
-  // V: codes 32 x (4 + 2), parameters 2 groups x 2 x 32, fp16 3 x 32, 8-bit
-  // 10 x 16; bits = that / (2 x 45).
-  const double by_hand = (32.0 * 6 + 2 * 64 + 3 * 32 + 10 * 16) / 90.0;
+  // x2 fp16 ones, 37's K fell back (its V stays in 8 bits: fallbacks are per
+  // unit, a token's K or V of one KV head), the other 10 in 8 bits. Per
+  // element of K and V: codes 32 x (4 + 2), parameters 2 groups x 2 x 32,
+  // fp16 2 x 32, token 37 16 + 8, 8-bit 10 x 16; bits = that / (2 x 45).
+  const double by_hand = (32.0 * 6 + 2 * 64 + 2 * 32 + 24 + 10 * 16) / 90.0;
   EXPECT_DOUBLE_EQ(c.bits(45), by_hand);
   EXPECT_EQ(c.bytes(45), static_cast<uint64_t>(by_hand * 90 * E / 8 + 0.5));
-  // Without the fallback the scheme's formula would say 2 tokens less in fp16.
+  // Without the fallback the scheme's formula would say one unit less in fp16.
   EXPECT_DOUBLE_EQ(g.bits(45), (32.0 * 6 + 2 * 64 + 2 * 32 + 11 * 16) / 90.0);
+  {  // Two KV heads, one value of head 1's K outside: only that unit (8 values) in fp16.
+    GroupedKvCache c2(g, 1, 40, 2, hd);
+    for (int t = 0; t < 40; ++t) {
+      std::vector<float> k(16, t % 16 == 0 ? 1.0f : t % 16 == 1 ? -1.0f : 0.25f), v(k);
+      if (t == 37) k[8 + 3] = 50.0f;
+      c2.write(0, t, k, v);
+    }
+    EXPECT_EQ(c2.bytes(40) * 8, static_cast<uint64_t>(g.stored_bits(40)) * 16 + 8 * (16 - 8));
+    std::vector<float> rk(16), rv(16), want(16, 0.25f);
+    c2.read(0, 37, 40, rk, rv);
+    want[8 + 3] = 50.0f;
+    RopeTable(40, hd).apply(want.data(), 2, 37);
+    for (int i = 8; i < 16; ++i) EXPECT_EQ(rk[static_cast<size_t>(i)], f16_to_f32_ref(f32_to_f16_ref(want[static_cast<size_t>(i)])));
+    for (int i = 0; i < 16; ++i) EXPECT_NEAR(rv[static_cast<size_t>(i)], 0.25f, 2.0f / 255);
+  }
   // The first group has no previous range: all fp16 until it is coded.
   EXPECT_DOUBLE_EQ(c.bits(10), 16.0);
   // Without a fallback the cache counts what the scheme's formula says, at

@@ -14,8 +14,9 @@
 // yet read from group codes: the open group and the recent window) in N-bit
 // codes instead of fp16: per channel, on the previous group's range widened
 // to twice its width around it (lo' = lo - w / 2, step' = 2 w / (2^N - 1),
-// w = step (2^B - 1)); a token with any value outside that grid, and every
-// token of the first group, is held in fp16 instead. The group is encoded
+// w = step (2^B - 1)); a unit (a token's K or V of one KV head) with any
+// value outside that grid, and every token of the first group, is held in
+// fp16 instead. The group is encoded
 // from these held values (what a streaming store has). Bits then depend on
 // the data: bytes(T) counts them. (The library keeps each code in a byte;
 // bits count N.)
@@ -95,6 +96,7 @@ struct GroupedKvScheme {
   bool calibrated = false;  // static per-channel ranges (StaticRanges)
   bool k_allocated = false; // per-channel K bits from StaticRanges::k_weight
   bool params8 = false;     // p8: 8-bit group parameters on a calibrated grid
+  bool mse_ranges = false;  // m: each group channel's range of least squared error (clipped ends)
   int open_bits = 16;       // dynamic: open tokens in fp16 (16) or N-bit codes (o<N>, 3..8)
   int exact_recent = 0;     // o<N>: the last N open tokens held in fp16 (x<N>)
   bool open_coded() const { return open_bits < 16; }
@@ -282,7 +284,8 @@ class GroupedKvCache {
   std::vector<float> pending_k_, pending_v_;  // [layer][G][E]: the open group, K before RoPE
   std::vector<int64_t> written_;
   // o<N>: [layer][pos][K (before RoPE) | V] N-bit codes (a byte each) on the
-  // previous group's widened range, and [layer][pos] 1 = held in fp16.
+  // previous group's widened range, and [layer][pos][K heads | V heads] 1 =
+  // that unit held in fp16.
   std::vector<uint8_t> open8_, open_exact_;
   std::vector<float> open_grid_;  // [layer][lo: K | V][step: K | V] of the group being written
   // The N-bit grids of every channel of `layer` (K then V: 2 E each) for the
