@@ -66,6 +66,7 @@ bool ParseName(const std::string& s, GroupedKvScheme& out) {
   if (!g.calibrated && ReadNumber(s, i, 'o', g.open_bits)) {
     if (g.open_bits < 3 || g.open_bits > 8) return false;
     ReadNumber(s, i, 'x', g.exact_recent);
+    ReadNumber(s, i, 'w', g.wide_recent);
   }
   ReadNumber(s, i, 'r', g.recent);
   ReadNumber(s, i, 's', g.sinks);
@@ -90,6 +91,7 @@ std::string GroupedKvScheme::name() const {
     if (mse_ranges) s.append("m");
     if (open_coded()) s.append("o").append(std::to_string(open_bits));
     if (open_coded() && exact_recent > 0) s.append("x").append(std::to_string(exact_recent));
+    if (open_coded() && wide_recent > 0) s.append("w").append(std::to_string(wide_recent));
   }
   if (recent > 0) s.append("r").append(std::to_string(recent));
   if (sinks > 0) s.append("s").append(std::to_string(sinks));
@@ -117,11 +119,13 @@ int64_t GroupedKvScheme::stored_bits(int64_t T) const {
   // V: 64 bits per channel, once).
   int64_t bits = coded * kv + coded / group * (params8 ? 32 : 64) + (params8 ? 64 : 0) + std::min<int64_t>(T, sinks) * 32;
   if (!open_coded() || open == 0) return bits + open * 32;
-  // 8-bit open tokens, except in fp16 the first group's (no previous range:
-  // [S, S + G) while nothing is coded) and the last x.
+  // N-bit open tokens, except in fp16 the first group's (no previous range:
+  // [S, S + G) while nothing is coded) and the last x, and in 8 bits the w
+  // before those.
   const auto [f0, f1, x0] = OpenFp16(T);
   const int64_t fp16 = (f1 - f0) + (T - x0) - std::max<int64_t>(0, f1 - x0);
-  return bits + fp16 * 32 + (open - fp16) * 2 * open_bits;
+  const int64_t wide = std::max<int64_t>(0, x0 - std::max(wide_start(T), f1));
+  return bits + fp16 * 32 + wide * 16 + (open - fp16 - wide) * 2 * open_bits;
 }
 
 std::tuple<int64_t, int64_t, int64_t> GroupedKvScheme::OpenFp16(int64_t T) const {
@@ -129,6 +133,11 @@ std::tuple<int64_t, int64_t, int64_t> GroupedKvScheme::OpenFp16(int64_t T) const
   const int64_t f1 = ce == sinks ? std::clamp<int64_t>(static_cast<int64_t>(sinks) + group, o0, std::max(o0, T)) : o0;
   const int64_t x0 = std::clamp<int64_t>(T - exact_recent, o0, std::max(o0, T));
   return {o0, f1, x0};
+}
+
+int64_t GroupedKvScheme::wide_start(int64_t T) const {
+  const auto [o0, f1, x0] = OpenFp16(T);
+  return std::clamp<int64_t>(x0 - wide_recent, o0, x0);
 }
 
 double GroupedKvScheme::bits(int64_t T) const {
@@ -149,8 +158,11 @@ void GroupedKvScheme::validate(const char* arg) const {
   KVQ_CHECK_ARG(!calibrated || group == 16, arg, ": calibrated schemes store tiles of 16 tokens, got group ", group);
   KVQ_CHECK_ARG(open_bits == 16 || (open_bits >= 3 && open_bits <= 8 && !calibrated), arg,
                 ": open tokens are held in 16 or (dynamic groups, o<N>) 3..8 bits, got ", open_bits);
+  KVQ_CHECK_ARG(wide_recent >= 0 && wide_recent <= (1 << 20) && (wide_recent == 0 || (open_coded() && open_bits < 8)),
+                arg, ": w<W> (the last W open tokens in 8 bits) needs o<N> with N < 8 and W in 0..1048576, got ",
+                wide_recent);
   KVQ_CHECK_ARG(exact_recent >= 0 && exact_recent <= (1 << 20) && (exact_recent == 0 || open_coded()), arg,
-                ": x<N> (the last N open tokens in fp16) needs o8 and N in 0..1048576, got ", exact_recent);
+                ": x<X> (the last X open tokens in fp16) needs o<N> and X in 0..1048576, got ", exact_recent);
   KVQ_CHECK_ARG(group >= 16 && group <= kMaxGroup && group % 16 == 0, arg,
                 ": group size G must be a multiple of 16 (one K tile) in 16..1024, got ", group);
   KVQ_CHECK_ARG(recent >= 0 && recent <= (1 << 20), arg, ": recent window must be 0..1048576, got ", recent);
@@ -175,8 +187,7 @@ const std::vector<std::pair<std::string, GroupedKvScheme>>& grouped_kv_presets()
       {"kvq-6.5", Named("k6av5g128o8x16")},
       {"kvq-4.5", Named("k4av3g64p8o8r16")},
       {"kvq-3.5", Named("k3av2g64p8o8r8")},
-      {"kvq-3", Named("k2av2g64p8o8r16")},
-      {"kvq-2.5", Named("k2av2g128p8o4x4r8")},
+      {"kvq-2.5", Named("k2av2g96p8mo4w4r4")},
   };
   return p;
 }
@@ -490,8 +501,9 @@ GroupedKvCache::GroupedKvCache(const GroupedKvScheme& scheme, int n_layers, int 
     pending_v_.assign(pending_k_.size(), 0.0f);
     if (scheme_.open_coded()) {
       open8_.assign(static_cast<size_t>(n_layers) * static_cast<size_t>(max_seq) * 2 * E, 0);
+      if (scheme_.wide_recent > 0) openw_.assign(open8_.size(), 0);
       open_exact_.assign(static_cast<size_t>(n_layers) * static_cast<size_t>(max_seq) * 2 * H, 1);
-      open_grid_.assign(static_cast<size_t>(n_layers) * 4 * E, 0.0f);
+      open_grid_.assign(static_cast<size_t>(n_layers) * 6 * E, 0.0f);
     }
   }
   written_.assign(static_cast<size_t>(n_layers), 0);
@@ -571,20 +583,33 @@ void GroupedKvCache::write(int layer, int pos, std::span<const float> k, std::sp
     std::fill(exact, exact + 2 * H, 1);
     if (g >= 1) {
       // The group's grids, computed at its first token (positions come in order).
-      float* lo = open_grid_.data() + static_cast<size_t>(layer) * 4 * E;
+      float* lo = open_grid_.data() + static_cast<size_t>(layer) * 6 * E;
       float* st = lo + 2 * E;
-      if (idx == 0) OpenGrids(layer, g, lo, st);
+      float* st8 = st + 2 * E;
+      if (idx == 0) OpenGrids(layer, g, lo, st, st8);
+      const bool wide = scheme_.wide_recent > 0;
+      uint8_t* codes8 = wide ? openw_.data() + at * 2 * E : nullptr;
       float dec[512];
       for (size_t u = 0; u < 2 * H; ++u) {
         bool fits = true;
         for (size_t i = 0; i < hd; ++i) {
+          // From the fp16 value (what the store holds for the last x), via
+          // the 8-bit code when the last w are held in 8 bits (the N-bit code
+          // is then made from it).
           const size_t c = u * hd + i;
-          const float x = c < E ? k[c] : v[c - E];
-          const uint8_t q = Code(x, lo[c], st[c], (1 << scheme_.open_bits) - 1);
-          const float y = lo[c] + st[c] * static_cast<float>(q);
-          fits = fits && std::fabs(y - x) <= 0.5f * st[c];  // else outside the grid (or a zero-width range)
+          const float x = c < E ? pk[c] : pv[c - E];
+          float y = x, half = 0.0f;
+          if (wide) {
+            codes8[c] = Code(x, lo[c], st8[c], 255);
+            y = lo[c] + st8[c] * static_cast<float>(codes8[c]);
+            half = 0.5f * st8[c];
+          }
+          const uint8_t q = Code(y, lo[c], st[c], (1 << scheme_.open_bits) - 1);
+          const float yn = lo[c] + st[c] * static_cast<float>(q);
+          if (!wide) y = yn, half = 0.5f * st[c];
+          fits = fits && std::fabs(y - x) <= half;  // else outside the grid (or a zero-width range)
           codes[c] = q;
-          dec[i] = y;
+          dec[i] = yn;
         }
         exact[u] = fits ? 0 : 1;
         if (fits) std::copy(dec, dec + hd, (u < H ? pk : pv) + (u % H) * hd);
@@ -710,7 +735,7 @@ void GroupedKvCache::EncodeGroup(int layer, int64_t g) {
   }
 }
 
-void GroupedKvCache::OpenGrids(int layer, int64_t g, float* lo, float* step) const {
+void GroupedKvCache::OpenGrids(int layer, int64_t g, float* lo, float* step, float* step8) const {
   const size_t hd = static_cast<size_t>(head_dim_), E = this->E();
   std::vector<float> prm(2 * hd);
   for (int which = 0; which < 2; ++which) {
@@ -723,16 +748,19 @@ void GroupedKvCache::OpenGrids(int layer, int64_t g, float* lo, float* step) con
         const float w = prm[hd + i] * static_cast<float>((1 << bits) - 1);
         lo[static_cast<size_t>(which) * E + c] = prm[i] - 0.5f * w;
         step[static_cast<size_t>(which) * E + c] = 2.0f * w / static_cast<float>((1 << scheme_.open_bits) - 1);
+        step8[static_cast<size_t>(which) * E + c] = 2.0f * w / 255.0f;
       }
     }
   }
 }
 
-void GroupedKvCache::DecodeOpen8(int layer, int64_t pos, const float* lo, const float* step, float* k,
-                                 float* v) const {
+void GroupedKvCache::DecodeOpen8(int layer, int64_t pos, int64_t T, const float* lo, const float* step,
+                                 const float* step8, float* k, float* v) const {
   const size_t E = this->E();
-  const uint8_t* codes =
-      open8_.data() + (static_cast<size_t>(layer) * static_cast<size_t>(max_seq_) + static_cast<size_t>(pos)) * 2 * E;
+  const bool wide = scheme_.wide_recent > 0 && pos >= scheme_.wide_start(T);  // the 8-bit codes
+  const uint8_t* codes = (wide ? openw_ : open8_).data() +
+                         (static_cast<size_t>(layer) * static_cast<size_t>(max_seq_) + static_cast<size_t>(pos)) * 2 * E;
+  if (wide) step = step8;
   for (size_t c = 0; c < E; ++c) k[c] = lo[c] + step[c] * static_cast<float>(codes[c]);
   for (size_t c = 0; c < E; ++c) v[c] = lo[E + c] + step[E + c] * static_cast<float>(codes[E + c]);
   rope_.apply(k, n_kv_heads_, static_cast<int>(pos));
@@ -765,8 +793,9 @@ void GroupedKvCache::read(int layer, int64_t pos, int64_t T, std::span<float> k,
   const int S = scheme_.sinks, G = G_, hd = head_dim_;
   if (IsOpen8(layer, pos, T)) {
     std::vector<float> lo(2 * E), st(2 * E);
-    OpenGrids(layer, (pos - S) / G, lo.data(), st.data());
-    DecodeOpen8(layer, pos, lo.data(), st.data(), k.data(), v.data());
+    std::vector<float> st8(2 * E);
+    OpenGrids(layer, (pos - S) / G, lo.data(), st.data(), st8.data());
+    DecodeOpen8(layer, pos, T, lo.data(), st.data(), st8.data(), k.data(), v.data());
     return;
   }
   if (pos < S || pos >= scheme_.coded_end(T)) {
@@ -898,15 +927,15 @@ AttentionPart GroupedKvCache::DecodedPart(int layer, int64_t t0, int64_t t1, int
                                           int n_heads, const DecodeAttentionOptions& o) const {
   const size_t E = static_cast<size_t>(n_kv_heads_) * static_cast<size_t>(head_dim_);
   std::vector<float> kr(static_cast<size_t>(t1 - t0) * E), vr(kr.size());
-  std::vector<float> lo(2 * E), st(2 * E);
+  std::vector<float> lo(2 * E), st(2 * E), st8(2 * E);
   int64_t grid_of = -1;  // the group whose 8-bit grids lo / st hold
   for (int64_t t = t0; t < t1; ++t) {
     float* k = kr.data() + static_cast<size_t>(t - t0) * E;
     float* v = vr.data() + static_cast<size_t>(t - t0) * E;
     if (IsOpen8(layer, t, T)) {
       const int64_t g = (t - scheme_.sinks) / G_;
-      if (g != grid_of) OpenGrids(layer, g, lo.data(), st.data()), grid_of = g;
-      DecodeOpen8(layer, t, lo.data(), st.data(), k, v);
+      if (g != grid_of) OpenGrids(layer, g, lo.data(), st.data(), st8.data()), grid_of = g;
+      DecodeOpen8(layer, t, T, lo.data(), st.data(), st8.data(), k, v);
     } else {
       read(layer, t, T, {k, E}, {v, E});
     }
@@ -960,13 +989,15 @@ uint64_t GroupedKvCache::bytes(int64_t T) const {
   uint64_t total = static_cast<uint64_t>(scheme_.stored_bits(T)) * E / 8 * static_cast<uint64_t>(n_layers_);
   if (scheme_.open_coded()) {  // open tokens held in fp16 instead (outside the grid), per unit
     const auto [o0, f1, x0] = scheme_.OpenFp16(T);
+    const int64_t w0 = scheme_.wide_start(T);
     for (int l = 0; l < n_layers_; ++l) {
       const size_t H = static_cast<size_t>(n_kv_heads_);
       for (int64_t t = f1; t < x0; ++t) {
         const uint8_t* exact =
             open_exact_.data() + (static_cast<size_t>(l) * static_cast<size_t>(max_seq_) + static_cast<size_t>(t)) * 2 * H;
         for (size_t u = 0; u < 2 * H; ++u) {  // a unit: head_dim values, 16 - N bits more each
-          if (exact[u]) total += static_cast<uint64_t>(head_dim_) * static_cast<uint64_t>(16 - scheme_.open_bits) / 8;
+          const int held = t >= w0 ? 8 : scheme_.open_bits;  // the unit's code width
+          if (exact[u]) total += static_cast<uint64_t>(head_dim_) * static_cast<uint64_t>(16 - held) / 8;
         }
       }
     }

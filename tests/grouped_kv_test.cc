@@ -431,7 +431,8 @@ TEST(GroupedKv, CalibratedAndAllocatedSchemesMatchTheReference) {
                         {"k3av3g16o8x3", 2, 8, 4, 90},
                         {"k3av2g32o8r16", 2, 16, 4, 90},
                         {"k2v3g16p8r3", 2, 8, 8, 77},
-                        {"k3av2g32p8o4x2r5", 2, 16, 4, 150}};
+                        {"k3av2g32p8o4x2r5", 2, 16, 4, 150},
+                        {"k2v2g16p8mo4x1w3r4", 2, 8, 4, 90}};
   test::ForEachTarget([&](const char*) {
     for (const Case& cs : cases) {
       SCOPED_TRACE(cs.scheme);
@@ -539,6 +540,70 @@ TEST(GroupedKv, CalibratedAndAllocatedSchemesMatchTheReference) {
             std::string::npos);
 }
 
+// m: each group channel's range is the one of least squared error among
+// [mn + a w / 16, mx - b w / 16], a, b = 0..4 (w = mx - mn), stored as the
+// fp16 lo / step of those ends: the values read back have exactly the least
+// squared error of a brute-force search here, never more than min / max's,
+// and less where an outlier stretches the range.
+TEST(GroupedKv, MseRangesHaveTheLeastSquaredErrorOfTheirCandidates) {
+  const GroupedKvScheme m = parse_grouped_kv_scheme("k2v2g16m");
+  EXPECT_TRUE(m.mse_ranges);
+  EXPECT_EQ(m.name(), "k2v2g16m");
+  EXPECT_EQ(parse_grouped_kv_scheme("k2av2g64p8mo4x4r8").name(), "k2av2g64p8mo4x4r8");
+  EXPECT_NE(ErrorOf([] { parse_grouped_kv_scheme("k2v2cm"); }).find("k<bits>"), std::string::npos);
+  const int H = 1, hd = 8, E = 8, G = 16;
+  GroupedKvCache cm(m, 1, G, H, hd), c0(parse_grouped_kv_scheme("k2v2g16"), 1, G, H, hd);
+  test::Rng rng(31);
+  std::vector<std::vector<float>> V;
+  for (int t = 0; t < G; ++t) {
+    std::vector<float> k(E), v(E);
+    for (int i = 0; i < E; ++i) {
+      v[static_cast<size_t>(i)] = f16_to_f32_ref(f32_to_f16_ref(static_cast<float>(rng.Gaussian())));
+      k[static_cast<size_t>(i)] = v[static_cast<size_t>(i)];
+    }
+    if (t == 5) v[0] = 12.0f;  // an outlier in channel 0
+    cm.write(0, t, k, v);
+    c0.write(0, t, k, v);
+    V.push_back(v);
+  }
+  std::vector<float> rk(E), vm(E), v0(E);
+  for (int i = 0; i < E; ++i) {
+    double sm = 0, s0 = 0;
+    for (int t = 0; t < G; ++t) {
+      cm.read(0, t, G, rk, vm);
+      c0.read(0, t, G, rk, v0);
+      const double x = V[static_cast<size_t>(t)][static_cast<size_t>(i)];
+      sm += (vm[static_cast<size_t>(i)] - x) * (vm[static_cast<size_t>(i)] - x);
+      s0 += (v0[static_cast<size_t>(i)] - x) * (v0[static_cast<size_t>(i)] - x);
+    }
+    // Brute force: every candidate's fp16 lo / step (the ends encoded as a
+    // two-value group), codes, squared error.
+    float mn = V[0][static_cast<size_t>(i)], mx = mn;
+    for (int t = 1; t < G; ++t) mn = std::min(mn, V[static_cast<size_t>(t)][static_cast<size_t>(i)]), mx = std::max(mx, V[static_cast<size_t>(t)][static_cast<size_t>(i)]);
+    const float w = mx - mn;
+    double best = std::numeric_limits<double>::infinity();
+    for (int a = 0; a <= 4; ++a) {
+      for (int b = 0; b <= 4; ++b) {
+        const float ends[2] = {mn + w * static_cast<float>(a) / 16.0f, mx - w * static_cast<float>(b) / 16.0f};
+        uint16_t lo, st;
+        uint8_t unused[2];
+        encode_group_channel_ref(ends, 2, 1, 2, &lo, &st, unused);
+        const float lf = f16_to_f32_ref(lo), sf = f16_to_f32_ref(st);
+        double sse = 0;
+        for (int t = 0; t < G; ++t) {
+          const float x = V[static_cast<size_t>(t)][static_cast<size_t>(i)];
+          const float q = sf == 0.0f ? 0.0f : std::clamp(std::nearbyint((x - lf) / sf), 0.0f, 3.0f);
+          sse += (lf + sf * q - x) * (lf + sf * q - static_cast<double>(x));
+        }
+        best = std::min(best, sse);
+      }
+    }
+    EXPECT_NEAR(sm, best, 1e-9 + 1e-6 * best) << i;
+    EXPECT_LE(sm, s0 * (1 + 1e-9)) << i;
+    if (i == 0) EXPECT_LT(sm, 0.8 * s0);
+  }
+}
+
 // o8: the open tokens in 8-bit codes on the previous group's range widened
 // to twice its width; bits counted by hand for one run with one fp16
 // fallback, and every open token within half an 8-bit step.
@@ -594,7 +659,8 @@ TEST(GroupedKv, OpenTokensInEightBitsCountedByHand) {
   unit_ranges.n_layers = 2, unit_ranges.n_kv_heads = H, unit_ranges.head_dim = hd, unit_ranges.samples = 1;
   unit_ranges.k_lo.assign(2 * E, -1.0f), unit_ranges.k_hi.assign(2 * E, 1.0f);
   unit_ranges.v_lo = unit_ranges.k_lo, unit_ranges.v_hi = unit_ranges.k_hi;
-  for (const char* name : {"k4v2g16o8x2", "k3v3g16o8x4r8s3", "k2v4g32o8r5", "k2v2g32o4x2r5", "k3v2g16p8o3x1s2"}) {
+  for (const char* name : {"k4v2g16o8x2", "k3v3g16o8x4r8s3", "k2v4g32o8r5", "k2v2g32o4x2r5", "k3v2g16p8o3x1s2",
+                           "k2v2g32p8mo4x2w3r5", "k3v2g16o4w4s2"}) {
     const GroupedKvScheme gs = parse_grouped_kv_scheme(name);
     GroupedKvCache cc(gs, 2, 80, H, hd, &unit_ranges);
     for (int t = 0; t < 80; ++t) {
@@ -627,6 +693,37 @@ TEST(GroupedKv, OpenTokensInEightBitsCountedByHand) {
   }
   EXPECT_NE(ErrorOf([] { parse_grouped_kv_scheme("k4v4g16x4"); }).find("k<bits>"), std::string::npos);
   EXPECT_NE(ErrorOf([] { parse_grouped_kv_scheme("k4v4g16o2"); }).find("k<bits>"), std::string::npos);
+  EXPECT_NE(ErrorOf([] { parse_grouped_kv_scheme("k4v4g16o8w2"); }).find("w<W>"), std::string::npos);
+  EXPECT_NE(ErrorOf([] { parse_grouped_kv_scheme("k4v4g16w2"); }).find("k<bits>"), std::string::npos);
+  // w<W>: the last W open tokens (before the last x) in 8 bits, the rest in N.
+  {  // Read back: the w tier within half an 8-bit step of the widened grid
+     // (w ~ 2: 4 / 255 / 2, x 1.5 for the rotation), older open tokens half a 4-bit one.
+    const GroupedKvScheme gw = parse_grouped_kv_scheme("k4v2g16o4w3");
+    GroupedKvCache cw(gw, 1, 48, 1, hd);
+    test::Rng r2(5);
+    std::vector<std::vector<float>> V2;
+    for (int t = 0; t < 48; ++t) {
+      std::vector<float> k(E), v(E);
+      for (int i = 0; i < E; ++i) {
+        const float x = t % 16 == 0 ? 1.0f : t % 16 == 1 ? -1.0f : static_cast<float>(r2.Uniform() - 0.5);
+        k[static_cast<size_t>(i)] = v[static_cast<size_t>(i)] = f16_to_f32_ref(f32_to_f16_ref(x));
+      }
+      cw.write(0, t, k, v);
+      V2.push_back(v);
+    }
+    std::vector<float> rk(E), rv(E);
+    for (int t = 32; t < 45; ++t) {
+      cw.read(0, t, 45, rk, rv);
+      const float tol = (t >= gw.wide_start(45) ? 4.0f / 255 : 4.0f / 15) * 0.5f * 1.01f;
+      for (int i = 0; i < E; ++i) ASSERT_NEAR(rv[static_cast<size_t>(i)], V2[static_cast<size_t>(t)][static_cast<size_t>(i)], tol) << t;
+    }
+    EXPECT_EQ(gw.wide_start(45), 42);
+    EXPECT_EQ(cw.bytes(45) * 8, static_cast<uint64_t>(gw.stored_bits(45)) * E);
+  }
+  const GroupedKvScheme w3 = parse_grouped_kv_scheme("k4v2g16o4x2w3");
+  EXPECT_EQ(w3.name(), "k4v2g16o4x2w3");
+  EXPECT_EQ(w3.wide_start(45), 40);  // open 32..44: x 43, 44; w 40..42; 4 bits 32..39
+  EXPECT_DOUBLE_EQ(w3.bits(45), (32.0 * 6 + 2 * 64 + 2 * 32 + 3 * 16 + 8 * 8) / 90.0);
   EXPECT_NE(ErrorOf([] { parse_grouped_kv_scheme("k4v4g16o9"); }).find("k<bits>"), std::string::npos);
   // o<N>, N = 3..8: the same grid in 2^N - 1 steps, counted at N bits.
   const GroupedKvScheme o4 = parse_grouped_kv_scheme("k4v2g16o4x2");

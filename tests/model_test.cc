@@ -92,7 +92,7 @@ TEST(Model, WindowIsBitwiseIdenticalToTokenByTokenDecoding) {
   co.sequences = 2;
   co.length = 64;
   const auto ranges = std::make_shared<const StaticRanges>(calibrate_static_ranges(ckpt, co));
-  for (const char* g : {"k4v4g16", "k3v2g16r5s3", "k2v3g32", "k8v8g16r7", "k3av2g16o8x3r2", "k2v2g16p8o4x2r3", "k4v3cr5s1", "k2v2c"}) {
+  for (const char* g : {"k4v4g16", "k3v2g16r5s3", "k2v3g32", "k8v8g16r7", "k3av2g16o8x3r2", "k2v2g16p8o4x2r3", "k2v2g16p8mo4x1w2r3", "k4v3cr5s1", "k2v2c"}) {
     CacheScheme s = parse_grouped_kv_scheme(g);
     s.ranges = ranges;
     schemes.push_back(s);

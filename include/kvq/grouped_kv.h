@@ -20,8 +20,11 @@
 // from these held values (what a streaming store has). Bits then depend on
 // the data: bytes(T) counts them. (The library keeps each code in a byte;
 // bits count N.)
-// ...o<N>x<X>... keeps the last X of the open tokens in fp16 (codes are
-// made when they leave those X).
+// ...o<N>x<X>... keeps the last X of the open tokens in fp16, and
+// ...o<N>[x<X>]w<W>... (N < 8) the W before those in 8-bit codes on the same
+// grid (2 w / 255 steps); a token's N-bit code is made from what the store
+// holds when it leaves them (its fp16 value, or its 8-bit code's value).
+// The fallback test is on the 8-bit grid when there is a w tier.
 //
 // ...g<G>p8... stores each group's parameters in 8 bits instead of fp16:
 // per group and channel the codes a (lo, rounded down) and b (hi, rounded
@@ -98,7 +101,8 @@ struct GroupedKvScheme {
   bool params8 = false;     // p8: 8-bit group parameters on a calibrated grid
   bool mse_ranges = false;  // m: each group channel's range of least squared error (clipped ends)
   int open_bits = 16;       // dynamic: open tokens in fp16 (16) or N-bit codes (o<N>, 3..8)
-  int exact_recent = 0;     // o<N>: the last N open tokens held in fp16 (x<N>)
+  int exact_recent = 0;     // o<N>: the last X open tokens held in fp16 (x<X>)
+  int wide_recent = 0;      // o<N>, N < 8: the W open tokens before those held in 8 bits (w<W>)
   bool open_coded() const { return open_bits < 16; }
   // Calibrated, allocated and p8 schemes are built from StaticRanges.
   bool needs_ranges() const { return calibrated || k_allocated || params8; }
@@ -119,6 +123,9 @@ struct GroupedKvScheme {
   // (the first group, while nothing is coded) and [x0, T) (the last x) are
   // fp16 whatever their values.
   std::tuple<int64_t, int64_t, int64_t> OpenFp16(int64_t T) const;
+  // o<N>w<W>, at length T: the open tokens [wide_start(T), x0) are held in
+  // 8 bits (those of the first group stay fp16).
+  int64_t wide_start(int64_t T) const;
   // Mean of bits(T) over T = max(1, ctx - 127) .. ctx.
   double steady_state_bits(int64_t ctx) const;
   // Throws kvq::Error naming `arg` unless every field is in range.
@@ -287,12 +294,14 @@ class GroupedKvCache {
   // previous group's widened range, and [layer][pos][K heads | V heads] 1 =
   // that unit held in fp16.
   std::vector<uint8_t> open8_, open_exact_;
-  std::vector<float> open_grid_;  // [layer][lo: K | V][step: K | V] of the group being written
+  std::vector<uint8_t> openw_;     // w<W>: the same tokens' 8-bit codes on the same grids
+  std::vector<float> open_grid_;  // [layer][lo: K | V][step: K | V][8-bit step: K | V] of the group being written
   // The N-bit grids of every channel of `layer` (K then V: 2 E each) for the
   // tokens of group g >= 1, from group g - 1's parameters.
-  void OpenGrids(int layer, int64_t g, float* lo, float* step) const;
+  void OpenGrids(int layer, int64_t g, float* lo, float* step, float* step8) const;
   // Token pos's N-bit codes on those grids (K rotated to pos).
-  void DecodeOpen8(int layer, int64_t pos, const float* lo, const float* step, float* k, float* v) const;
+  void DecodeOpen8(int layer, int64_t pos, int64_t T, const float* lo, const float* step, const float* step8, float* k,
+                   float* v) const;
   // Whether attention at length T reads token pos from its N-bit codes.
   bool IsOpen8(int layer, int64_t pos, int64_t T) const;
 };

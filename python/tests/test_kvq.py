@@ -512,7 +512,7 @@ def test_grouped_cache_reachable_by_name_and_matches_numpy(scheme):
     assert 0 < c.bits(N) < 16 and c.bytes(N) > 0
     assert c.steady_state_bits(N) == pytest.approx(np.mean([c.bits(T) for T in range(N - 127 if N > 127 else 1, N + 1)]))
     assert c.scheme == scheme
-    assert set(kvq.grouped_kv_presets()) == {"kvq-6.5", "kvq-4.5", "kvq-3.5", "kvq-3", "kvq-2.5"}
+    assert set(kvq.grouped_kv_presets()) == {"kvq-6.5", "kvq-4.5", "kvq-3.5", "kvq-2.5"}
 
 
 def test_grouped_cache_calibrated_and_allocated_need_ranges_and_errors():
