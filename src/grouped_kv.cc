@@ -179,10 +179,11 @@ GroupedKvScheme Named(const char* name) {
 }  // namespace
 
 const std::vector<std::pair<std::string, GroupedKvScheme>>& grouped_kv_presets() {
-  // Chosen on stories260K's dev text at ctx 512 (see README): the fewest
-  // steady-state bits that meet each quality tier. Every one allocates K bits
-  // by calibrated weights, so it needs ranges (kvq eval measures them on
-  // text the model generates).
+  // Chosen on stories260K's dev text at ctx 512 (see README): per quality
+  // tier, few steady-state bits with a margin under both of its bounds.
+  // Every one allocates K bits by calibrated weights and all but kvq-6.5
+  // code group parameters on a calibrated grid, so they need ranges (kvq
+  // eval measures them on text the model generates).
   static const std::vector<std::pair<std::string, GroupedKvScheme>> p = {
       {"kvq-6.5", Named("k6av5g128o8x16")},
       {"kvq-4.5", Named("k4av3g64p8o8r16")},
@@ -205,7 +206,8 @@ GroupedKvScheme parse_grouped_kv_scheme(const std::string& name, const char* arg
     if (n == name) return s;
   }
   GroupedKvScheme g;
-  KVQ_CHECK_ARG(ParseName(name, g), arg, ": expected a grouped scheme k<bits>[a]v<bits>g<G>[p8][o<N>[x<X>]][r<R>][s<S>] (e.g. k4v3g64r16)",
+  KVQ_CHECK_ARG(ParseName(name, g), arg,
+                ": expected a grouped scheme k<bits>[a]v<bits>g<G>[p8][m][o<N>[x<X>][w<W>]][r<R>][s<S>] (e.g. k4v3g64r16)",
                 " or a preset, got '", name, "'");
   g.validate(arg);
   return g;

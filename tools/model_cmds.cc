@@ -157,7 +157,7 @@ void AddEvalCommand(CLI::App& app, EvalCliOptions& o) {
   CLI::App* c = app.add_subcommand("eval", "Perplexity, KL and top-1 of each KV scheme against fp32 on a real model");
   AddModelTextOptions(c, o);
   c->add_option("--kv", o.kv,
-                "comma-separated KV schemes or 'all': row schemes, grouped k<B>[a]v<B>g<G>[p8][o<N>[x<X>]][r<R>][s<S>], calibrated "
+                "comma-separated KV schemes or 'all': row schemes, grouped k<B>[a]v<B>g<G>[p8][m][o<N>[x<X>][w<W>]][r<R>][s<S>], calibrated "
                 "k<B>v<B>c[r<R>][s<S>] and presets")
       ->default_val("all")
       ->each([&o](const std::string&) { o.kv_given = true; });

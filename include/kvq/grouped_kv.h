@@ -2,7 +2,7 @@
 // (RoPE is applied when attention reads them), values per channel, both in
 // groups of G consecutive tokens, with an exact recent window and sinks.
 //
-// A scheme is named k<Bk>[a]v<Bv>g<G>[p8][o<N>[x<X>]][r<R>][s<S>] (pieces
+// A scheme is named k<Bk>[a]v<Bv>g<G>[p8][m][o<N>[x<X>][w<W>]][r<R>][s<S>] (pieces
 // below), e.g. k4v3g64r16:
 //   Bk, Bv  bits per key / value code, 2..8 (uniform, asymmetric)
 //   G       tokens per group, a multiple of 16 (one K tile) up to 1024
@@ -35,6 +35,11 @@
 // kernel, the reader and the encoder). A group beyond the grid is clamped
 // to it. Bits: 16 per group and channel for K and V each, instead of 32,
 // plus the grid table (fp16 base and unit of K and V: 64 bits per channel).
+//
+// ...g<G>[p8]m... chooses each group channel's range as the one of least
+// squared error among [mn + a w / 16, mx - b w / 16], a, b = 0..4 (w = mx -
+// mn; ties: the wider), values beyond it clamped by the codes; the encoder
+// alone differs (the kernel reads lo and step as always).
 //
 // k<Bk>a... ("allocated") spends Bk bits per key on average but not evenly:
 // each head's Bk * head_dim bits go to its channels by reverse water-filling
@@ -106,7 +111,7 @@ struct GroupedKvScheme {
   bool open_coded() const { return open_bits < 16; }
   // Calibrated, allocated and p8 schemes are built from StaticRanges.
   bool needs_ranges() const { return calibrated || k_allocated || params8; }
-  // Canonical name, k<Bk>[a]v<Bv>g<G>[p8][o<N>[x<X>]][r<R>][s<S>] or k<Bk>[a]v<Bv>c[r<R>][s<S>].
+  // Canonical name, k<Bk>[a]v<Bv>g<G>[p8][m][o<N>[x<X>][w<W>]][r<R>][s<S>] or k<Bk>[a]v<Bv>c[r<R>][s<S>].
   std::string name() const;
   // Tokens [S, coded_end(T)) are read from codes when the cache holds T
   // tokens (see above; calibrated: max(S, T - R)).

@@ -455,7 +455,7 @@ class GroupedKvCache(_Cache):
     """A low-bit grouped KV cache: K per channel before RoPE, V per channel (kvq/grouped_kv.h).
 
     GroupedKvCache(scheme, n_layers, max_seq, n_kv_heads, head_dim, ranges=None)
-    scheme: k<B>[a]v<B>g<G>[p8][o<N>[x<X>]][r<R>][s<S>], k<B>v<B>c[r<R>][s<S>] (calibrated: needs
+    scheme: k<B>[a]v<B>g<G>[p8][m][o<N>[x<X>][w<W>]][r<R>][s<S>], k<B>v<B>c[r<R>][s<S>] (calibrated: needs
         ranges), k<B>a... (per-channel K bits: needs ranges with k_weight), ...p8... (8-bit group
         parameters on a calibrated grid: needs ranges), or a preset
         (grouped_kv_presets()).
