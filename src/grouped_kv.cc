@@ -383,19 +383,58 @@ void P8Codes(float mn, float mx, float base, float unit, float ustep, int levels
   *b = static_cast<uint8_t>(ib);
 }
 
+// One group channel's code: values x[t * stride], t < n, in `bits`. Its
+// range is, among [mn + a w / 16, mx - b w / 16] for a, b = 0..clip (w =
+// mx - mn; clip 0: min / max), the one whose codes have the least squared
+// error (ties: the wider, tried first), stored as fp16 lo / step (grid
+// null) or as p8's a / b on grid = {base, unit, ustep}.
+struct ChannelParams {
+  uint16_t lo = 0, step = 0;  // fp16
+  uint8_t a = 0, b = 0;       // p8
+};
+ChannelParams CodeChannel(const float* x, int n, size_t stride, int bits, const float* grid, int clip,
+                          uint8_t* codes) {
+  const size_t un = static_cast<size_t>(n);
+  float mn = x[0], mx = x[0];
+  for (size_t t = 1; t < un; ++t) mn = std::min(mn, x[t * stride]), mx = std::max(mx, x[t * stride]);
+  const float w = mx - mn;
+  const int levels = (1 << bits) - 1;
+  ChannelParams best_p;
+  double best = std::numeric_limits<double>::infinity();
+  uint8_t qs[kMaxGroup];
+  for (int ca = 0; ca <= clip; ++ca) {
+    for (int cz = 0; cz <= clip && ca + cz < 16; ++cz) {
+      const float rlo = mn + w * static_cast<float>(ca) / 16.0f, rhi = mx - w * static_cast<float>(cz) / 16.0f;
+      ChannelParams p;
+      float lof, stf;
+      if (grid) {
+        P8Codes(rlo, rhi, grid[0], grid[1], grid[2], levels, &p.a, &p.b);
+        const uint8_t hdr[2] = {p.a, p.b};  // one channel's a | b
+        grouped::DecodeGroupParams(hdr, 1, grid, &lof, &stf);
+      } else {
+        RangeParams(rlo, rhi, bits, &p.lo, &p.step);
+        lof = f16_to_f32_ref(p.lo), stf = f16_to_f32_ref(p.step);
+      }
+      double sse = 0;
+      for (size_t t = 0; t < un; ++t) {
+        const float xt = x[t * stride];
+        qs[t] = Code(xt, lof, stf, levels);
+        const double e = static_cast<double>(xt) - (lof + stf * static_cast<float>(qs[t]));
+        sse += e * e;
+      }
+      if (sse < best) best = sse, best_p = p, std::copy(qs, qs + un, codes);
+    }
+  }
+  return best_p;
+}
+
 }  // namespace
 
 void encode_group_channel_ref(const float* x, int n, size_t stride, int bits, uint16_t* lo, uint16_t* step,
                               uint8_t* codes) {
-  float mn = x[0], mx = x[0];
-  for (int t = 1; t < n; ++t) {
-    mn = std::min(mn, x[static_cast<size_t>(t) * stride]);
-    mx = std::max(mx, x[static_cast<size_t>(t) * stride]);
-  }
-  RangeParams(mn, mx, bits, lo, step);
-  const float lof = f16_to_f32_ref(*lo), stf = f16_to_f32_ref(*step);
-  const int levels = (1 << bits) - 1;
-  for (int t = 0; t < n; ++t) codes[t] = Code(x[static_cast<size_t>(t) * stride], lof, stf, levels);
+  const ChannelParams p = CodeChannel(x, n, stride, bits, nullptr, 0, codes);
+  *lo = p.lo;
+  *step = p.step;
 }
 
 // ---- GroupedKvCache ------------------------------------------------------------
@@ -462,42 +501,39 @@ GroupedKvCache::GroupedKvCache(const GroupedKvScheme& scheme, int n_layers, int 
   group_bytes_v_ = header_bytes_ + static_cast<size_t>(G_) * hd * static_cast<size_t>(scheme_.v_bits) / 8;
   const size_t per_layer = H * static_cast<size_t>(max_groups_) * (group_bytes_k_ + group_bytes_v_);
   codes_.assign(per_layer * static_cast<size_t>(n_layers) + 16, 0);  // + 16: readers load 4 bytes past a block
-  if (scheme_.params8) {  // per channel: base (down) and unit (up) as fp16, and ustep
-    grid_.resize(static_cast<size_t>(n_layers) * 2 * E * 3);
+  // Per (layer, K or V, head, channel) tables from the calibrated ranges: p8's
+  // grid (base | unit | ustep) and the calibrated form's lo | step.
+  const auto each_range = [&](const auto& fn) {
     for (int l = 0; l < n_layers; ++l) {
       for (int which = 0; which < 2; ++which) {
-        const std::vector<float>& lo = which == 0 ? ranges->k_lo : ranges->v_lo;
-        const std::vector<float>& hi = which == 0 ? ranges->k_hi : ranges->v_hi;
         for (size_t h = 0; h < H; ++h) {
-          float* out = const_cast<float*>(Grid(l, which, static_cast<int>(h)));
           for (size_t i = 0; i < hd; ++i) {
             const size_t c = static_cast<size_t>(l) * E + h * hd + i;
             const int bits = which == 0 ? kbits_[c] : scheme_.v_bits;
-            P8Grid(lo[c], hi[c], bits, out + i, out + hd + i, out + 2 * hd + i);
+            const float lo = (which == 0 ? ranges->k_lo : ranges->v_lo)[c];
+            const float hi = (which == 0 ? ranges->k_hi : ranges->v_hi)[c];
+            fn(l, which, static_cast<int>(h), i, lo, hi, bits);
           }
         }
       }
     }
+  };
+  if (scheme_.params8) {
+    grid_.resize(static_cast<size_t>(n_layers) * 2 * E * 3);
+    each_range([&](int l, int which, int h, size_t i, float lo, float hi, int bits) {
+      float* out = const_cast<float*>(Grid(l, which, h));
+      P8Grid(lo, hi, bits, out + i, out + hd + i, out + 2 * hd + i);
+    });
   }
   if (scheme_.calibrated) {
     static_params_.resize(static_cast<size_t>(n_layers) * 2 * E * 2);
-    for (int l = 0; l < n_layers; ++l) {
-      for (int which = 0; which < 2; ++which) {
-        const std::vector<float>& lo = which == 0 ? ranges->k_lo : ranges->v_lo;
-        const std::vector<float>& hi = which == 0 ? ranges->k_hi : ranges->v_hi;
-        for (size_t h = 0; h < H; ++h) {
-          float* out = const_cast<float*>(StaticParams(l, which, static_cast<int>(h)));
-          for (size_t i = 0; i < hd; ++i) {
-            const size_t c = static_cast<size_t>(l) * E + h * hd + i;
-            const int bits = which == 0 ? kbits_[c] : scheme_.v_bits;
-            uint16_t l16, s16;
-            RangeParams(lo[c], hi[c], bits, &l16, &s16);
-            out[i] = f16_to_f32_ref(l16);
-            out[hd + i] = f16_to_f32_ref(s16);
-          }
-        }
-      }
-    }
+    each_range([&](int l, int which, int h, size_t i, float lo, float hi, int bits) {
+      float* out = const_cast<float*>(StaticParams(l, which, h));
+      uint16_t l16, s16;
+      RangeParams(lo, hi, bits, &l16, &s16);
+      out[i] = f16_to_f32_ref(l16);
+      out[hd + i] = f16_to_f32_ref(s16);
+    });
   } else {
     pending_k_.assign(static_cast<size_t>(n_layers) * static_cast<size_t>(G_) * E, 0.0f);
     pending_v_.assign(pending_k_.size(), 0.0f);
@@ -664,53 +700,20 @@ void GroupedKvCache::EncodeGroup(int layer, int64_t g) {
       uint8_t* grp = const_cast<uint8_t*>(group_data(layer, which, h, g));
       const float* src = (which == 0 ? pk : pv) + static_cast<size_t>(h) * static_cast<size_t>(hd);
       const int bits = which == 0 ? scheme_.k_bits : scheme_.v_bits;
-      // Per channel: the range [mn + a w / 16, mx - b w / 16] (w = mx - mn) of
-      // least squared error over a, b = 0..kClipSteps (m; else a = b = 0),
-      // stored as fp16 lo / step or p8's codes, then the codes on it.
-      const size_t uhd = static_cast<size_t>(hd), uG = static_cast<size_t>(G);
+      // Per channel its range (m: of least squared error; CodeChannel) as fp16
+      // lo / step or p8's a / b, and its codes.
+      const size_t uhd = static_cast<size_t>(hd);
       const float* grid = scheme_.params8 ? Grid(layer, which, h) : nullptr;
-      const int clip = scheme_.mse_ranges ? kClipSteps : 0;
-      std::vector<float> xs(uG);
-      std::vector<uint8_t> qs(uG);
       for (size_t i = 0; i < uhd; ++i) {
-        for (size_t t = 0; t < uG; ++t) xs[t] = src[t * E + i];
-        const auto [mn, mx] = std::minmax_element(xs.begin(), xs.end());
-        const float w = *mx - *mn;
         const int cb = which == 0 ? k_channel_bits(layer, h * hd + static_cast<int>(i)) : bits;
-        const int levels = (1 << cb) - 1;
-        double best = std::numeric_limits<double>::infinity();
-        for (int ca = 0; ca <= clip; ++ca) {
-          for (int cz = 0; cz <= clip && ca + cz < 16; ++cz) {
-            const float rlo = *mn + w * static_cast<float>(ca) / 16.0f, rhi = *mx - w * static_cast<float>(cz) / 16.0f;
-            uint8_t pa = 0, pb = 0;
-            uint16_t l16 = 0, s16 = 0;
-            float lof, stf;
-            if (grid) {
-              P8Codes(rlo, rhi, grid[i], grid[uhd + i], grid[2 * uhd + i], levels, &pa, &pb);
-              const uint8_t hdr[2] = {pa, pb};  // one channel's a | b
-              const float g1[3] = {grid[i], grid[uhd + i], grid[2 * uhd + i]};
-              grouped::DecodeGroupParams(hdr, 1, g1, &lof, &stf);
-            } else {
-              RangeParams(rlo, rhi, cb, &l16, &s16);
-              lof = f16_to_f32_ref(l16), stf = f16_to_f32_ref(s16);
-            }
-            double sse = 0;
-            for (size_t t = 0; t < uG; ++t) {
-              qs[t] = Code(xs[t], lof, stf, levels);
-              const double e = static_cast<double>(xs[t]) - (lof + stf * static_cast<float>(qs[t]));
-              sse += e * e;
-            }
-            if (sse < best) {  // ties keep the wider range (tried first)
-              best = sse;
-              std::copy(qs.begin(), qs.end(), codes.begin() + static_cast<std::ptrdiff_t>(i * uG));
-              if (grid) {
-                grp[i] = pa, grp[uhd + i] = pb;
-              } else {
-                std::memcpy(grp + 2 * i, &l16, 2);
-                std::memcpy(grp + 2 * (uhd + i), &s16, 2);
-              }
-            }
-          }
+        const float g3[3] = {grid ? grid[i] : 0.0f, grid ? grid[uhd + i] : 0.0f, grid ? grid[2 * uhd + i] : 0.0f};
+        const ChannelParams p = CodeChannel(src + i, G, E, cb, grid ? g3 : nullptr,
+                                            scheme_.mse_ranges ? kClipSteps : 0, codes.data() + i * static_cast<size_t>(G));
+        if (grid) {
+          grp[i] = p.a, grp[uhd + i] = p.b;
+        } else {
+          std::memcpy(grp + 2 * i, &p.lo, 2);
+          std::memcpy(grp + 2 * (uhd + i), &p.step, 2);
         }
       }
       uint8_t* out = grp + header_bytes_;
@@ -781,8 +784,7 @@ void GroupedKvCache::DecodeOpen8(int layer, int64_t pos, int64_t T, const float*
   }
 }
 
-bool GroupedKvCache::IsOpen8(int layer, int64_t pos, int64_t T) const {
-  (void)layer;
+bool GroupedKvCache::IsOpen(int64_t pos, int64_t T) const {
   return scheme_.open_coded() && pos >= scheme_.sinks + G_ && pos >= scheme_.coded_end(T) &&
          pos < T - scheme_.exact_recent;
 }
@@ -793,7 +795,7 @@ void GroupedKvCache::read(int layer, int64_t pos, int64_t T, std::span<float> k,
   const size_t E = static_cast<size_t>(n_kv_heads_) * static_cast<size_t>(head_dim_);
   KVQ_CHECK_ARG(k.size() == E && v.size() == E, "k, v: expected ", E, " values each");
   const int S = scheme_.sinks, G = G_, hd = head_dim_;
-  if (IsOpen8(layer, pos, T)) {
+  if (IsOpen(pos, T)) {
     std::vector<float> lo(2 * E), st(2 * E);
     std::vector<float> st8(2 * E);
     OpenGrids(layer, (pos - S) / G, lo.data(), st.data(), st8.data());
@@ -934,7 +936,7 @@ AttentionPart GroupedKvCache::DecodedPart(int layer, int64_t t0, int64_t t1, int
   for (int64_t t = t0; t < t1; ++t) {
     float* k = kr.data() + static_cast<size_t>(t - t0) * E;
     float* v = vr.data() + static_cast<size_t>(t - t0) * E;
-    if (IsOpen8(layer, t, T)) {
+    if (IsOpen(t, T)) {
       const int64_t g = (t - scheme_.sinks) / G_;
       if (g != grid_of) OpenGrids(layer, g, lo.data(), st.data(), st8.data()), grid_of = g;
       DecodeOpen8(layer, t, T, lo.data(), st.data(), st8.data(), k, v);

@@ -240,7 +240,7 @@ void KvCache::write(int layer, int pos, std::span<const float> k, std::span<cons
   thread_local std::vector<uint8_t> row;
   row.resize(codec_.row_bytes());
   const size_t hb = codec_.header_bytes(), sb = codec_.slice_bytes();
-  const TileCodes def_tile = Def(scheme()).tile;
+  const TileCodes def_tile = codec_.def().tile;
   for (int kv = 0; kv < 2; ++kv) {
     codec_.encode(kv == 0 ? k.data() : v.data(), row.data());
     uint8_t* part = data_.data_as<uint8_t>() + PartOffset(layer, kv);

@@ -307,8 +307,9 @@ class GroupedKvCache {
   // Token pos's N-bit codes on those grids (K rotated to pos).
   void DecodeOpen8(int layer, int64_t pos, int64_t T, const float* lo, const float* step, const float* step8, float* k,
                    float* v) const;
-  // Whether attention at length T reads token pos from its N-bit codes.
-  bool IsOpen8(int layer, int64_t pos, int64_t T) const;
+  // Whether attention at length T reads token pos from its open codes (o<N>;
+  // its units that fell back from the fp16 rows).
+  bool IsOpen(int64_t pos, int64_t T) const;
 };
 
 }  // namespace kvq

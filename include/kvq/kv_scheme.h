@@ -96,6 +96,8 @@ class KvRowCodec {
   KvRowCodec(KvScheme scheme, int row_len, int head_dim);
 
   KvScheme scheme() const { return scheme_; }
+  // The scheme's registry definition (src/schemes/row_scheme.h).
+  const schemes::RowSchemeDef& def() const { return *def_; }
   int row_len() const { return row_len_; }
   size_t row_bytes() const { return row_bytes_; }
   // Bytes of the row's scales in front of its payload (0: none).

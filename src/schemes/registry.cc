@@ -2,6 +2,8 @@
 // definition in a family file, one line here, one in kernels-inl.h.
 #include "src/schemes/row_scheme.h"
 
+#include <iterator>
+
 namespace kvq::schemes {
 
 namespace {
@@ -13,11 +15,10 @@ constexpr const RowSchemeDef* kRowSchemes[] = {
 
 std::span<const RowSchemeDef* const> row_schemes() { return kRowSchemes; }
 
+// The table is in format order (KvScheme.RegistryHoldsEverySchemeOnceInFormatOrder).
 const RowSchemeDef* find_row_scheme(KvScheme s) {
-  for (const RowSchemeDef* d : kRowSchemes) {
-    if (d->id == s) return d;
-  }
-  return nullptr;
+  const size_t i = static_cast<size_t>(s);
+  return i < std::size(kRowSchemes) && kRowSchemes[i]->id == s ? kRowSchemes[i] : nullptr;
 }
 
 }  // namespace kvq::schemes
