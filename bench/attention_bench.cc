@@ -1,42 +1,57 @@
-// Fused decode attention: BM_decode_attention/<scheme>/<T>, one query
-// position, n_heads 32, n_kv_heads 8, head_dim 128 (Llama-3-8B's attention
-// geometry), 2 OpenMP threads. The fp32 rows of the same run are the bound to
-// read ratios against. bytes_per_second counts the stored K and V bytes the
-// call reads.
+// Fused decode attention and cache writes, every scheme through kvq::KvCache.
+//
+// BM_decode_attention/<scheme>/<T>: one query position, 32 query heads, 8 KV
+// heads, head_dim 128 (Llama-3-8B's attention geometry), 2 OpenMP threads.
+// The fp32, fp16 and q4_0 rows of the same run are the bounds to read ratios
+// against; bytes_per_second counts the bytes the cache holds for the layer
+// (KvCache::bytes: what a call reads).
 //
 // BM_decode_attention reads one layer's cache again and again, so whatever
-// fits the last-level cache is read from it, in part or whole (fp32 at 16K
-// tokens is 128 MiB; this host's L3 is 260 MiB, shared with other guests).
-// In a real decode step every layer's cache is
-// read once per token, after all the other layers' caches: it comes from
-// DRAM. BM_decode_attention_cold/<scheme>/<T> measures that: a KvCache of
-// `layers` layers, the call on layer i % layers in iteration i, with layers
-// chosen so that they hold at least 3x the last-level cache (read from
-// sysfs; capped at 32, Llama-3-8B's layer count, which is what a real model
-// would bring).
+// fits the last-level cache is read from it, in part or whole. In a real
+// decode step every layer's cache is read once per token, after all the
+// other layers' caches: it comes from DRAM. BM_decode_attention_cold/
+// <scheme>/16384 measures that: a cache of `layers` layers, the call on
+// layer i % layers in iteration i, with layers chosen so that they hold at
+// least 3x the last-level cache (read from sysfs; capped at 32, Llama-3-8B's
+// layer count).
+//
+// BM_attention_geometry/<scheme>/q<H>kv<K>/hd<D>/<T>/t<threads>: the same
+// call warm for MHA (32/32), GQA 4 (32/8) and GQA 8 (32/4), head_dim 64 and
+// 128, T 4096 and 16384, 1 and 2 threads.
+//
+// BM_cache_write/<scheme>: the amortised cost of appending one token (every
+// KV head of a layer, K after RoPE and V, hand-overs included) to a cache
+// that grows from 0 to 4096 tokens; memcpy of the token's fp32 bytes is the
+// bound. README compares it with BM_decode_attention/<scheme>/4096.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kvq/attention.h"
-#include "kvq/grouped_kv.h"
+#include "kvq/kv_cache.h"
 
 namespace {
 
-constexpr int kHeads = 32, kKvHeads = 8, kHeadDim = 128, kThreads = 2;
+struct Geo {
+  int heads, kv, hd;
+};
+constexpr Geo kDefault{32, 8, 128};
+constexpr int kThreads = 2;
 
-// Deterministic, roughly Gaussian K and V rows (one large K channel): calls
-// row(t, k, v) for t = 0 .. T - 1 (the grouped caches take these K rows as
-// their keys before RoPE).
+// Deterministic, roughly Gaussian K and V rows (one large K channel a head):
+// calls row(t, k, v) for t = 0 .. T - 1.
 template <typename Fn>
-void ForEachRow(int T, const Fn& row) {
-  std::vector<float> k(kKvHeads * kHeadDim), v(k.size());
+void ForEachRow(int T, int E, int hd, const Fn& row) {
+  std::vector<float> k(static_cast<size_t>(E)), v(k.size());
   uint64_t s = 99;
   auto next = [&s] {  // sum of uniforms
     float acc = 0;
@@ -48,7 +63,7 @@ void ForEachRow(int T, const Fn& row) {
   };
   for (int t = 0; t < T; ++t) {
     for (size_t i = 0; i < k.size(); ++i) {
-      const float big = (i % 128 == 17) ? 8.0f : 1.0f;
+      const float big = (static_cast<int>(i) % hd == 17) ? 8.0f : 1.0f;
       k[i] = big * next();
       v[i] = next();
     }
@@ -56,31 +71,42 @@ void ForEachRow(int T, const Fn& row) {
   }
 }
 
-// Those rows in `layers` layers of a cache.
-template <typename Cache>
-void Fill(Cache& cache, int layers, int T) {
-  ForEachRow(T, [&](int t, const std::vector<float>& k, const std::vector<float>& v) {
-    for (int l = 0; l < layers; ++l) cache.write(l, t, k, v);
+// Ranges for the schemes that need them: measured on the first 256 rows,
+// with the channel weights of a model (one large channel per head, the rest
+// in a geometric spread), so allocated widths vary as they would.
+const kvq::StaticRanges& RangesFor(const Geo& g, int layers) {
+  static std::map<std::tuple<int, int, int>, kvq::StaticRanges> cache;
+  const auto key = std::make_tuple(g.kv, g.hd, layers);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  const int E = g.kv * g.hd;
+  std::vector<std::vector<float>> k(static_cast<size_t>(layers)), v(k.size());
+  ForEachRow(256, E, g.hd, [&](int, const std::vector<float>& kr, const std::vector<float>& vr) {
+    for (int l = 0; l < layers; ++l) {
+      k[static_cast<size_t>(l)].insert(k[static_cast<size_t>(l)].end(), kr.begin(), kr.end());
+      v[static_cast<size_t>(l)].insert(v[static_cast<size_t>(l)].end(), vr.begin(), vr.end());
+    }
   });
-}
-
-std::unique_ptr<kvq::KvCache> BuildCache(kvq::KvScheme scheme, int layers, int T) {
-  auto cache = std::make_unique<kvq::KvCache>(scheme, layers, T, kKvHeads, kHeadDim);
-  Fill(*cache, layers, T);
-  return cache;
+  kvq::StaticRanges r = kvq::StaticRanges::from_samples(k, v, g.kv, g.hd);
+  for (size_t c = 0; c < r.k_lo.size(); ++c) {
+    r.k_weight.push_back(static_cast<int>(c) % g.hd == 17 ? 1e4f : std::pow(1.05f, static_cast<float>(static_cast<int>(c) % g.hd)));
+  }
+  return cache.emplace(key, std::move(r)).first->second;
 }
 
 // The most recently built cache (building one takes longer than timing it).
-const kvq::KvCache& CacheFor(kvq::KvScheme scheme, int layers, int T) {
+const kvq::KvCache& CacheFor(const std::string& scheme, const Geo& g, int layers, int T) {
   static std::unique_ptr<kvq::KvCache> cache;
-  static kvq::KvScheme built_scheme;
-  static int built_T = -1, built_layers = -1;
-  if (!cache || built_scheme != scheme || built_T != T || built_layers != layers) {
+  static std::tuple<std::string, int, int, int, int> built;
+  const auto key = std::make_tuple(scheme, g.kv, g.hd, layers, T);
+  if (!cache || built != key) {
     cache.reset();
-    cache = BuildCache(scheme, layers, T);
-    built_scheme = scheme;
-    built_T = T;
-    built_layers = layers;
+    const kvq::StaticRanges* r = kvq::describe_kv_scheme(scheme).needs_ranges ? &RangesFor(g, layers) : nullptr;
+    cache = std::make_unique<kvq::KvCache>(scheme, layers, T, g.kv, g.hd, r);
+    ForEachRow(T, g.kv * g.hd, g.hd, [&](int t, const std::vector<float>& k, const std::vector<float>& v) {
+      for (int l = 0; l < layers; ++l) cache->write(l, t, k, v);
+    });
+    built = key;
   }
   return *cache;
 }
@@ -101,140 +127,116 @@ double LastLevelCacheBytes() {
   return best > 0 ? best : 256.0 * 1024 * 1024;
 }
 
-// Layers holding >= 3x the last-level cache, in [2, 32].
-int ColdLayers(kvq::KvScheme scheme, int T) {
-  const kvq::KvRowCodec codec(scheme, kKvHeads * kHeadDim, kHeadDim);
-  const double layer_bytes = 2.0 * static_cast<double>(T) * static_cast<double>(codec.row_bytes());
-  const double want = std::ceil(3.0 * LastLevelCacheBytes() / layer_bytes);
-  return static_cast<int>(std::clamp(want, 2.0, 32.0));
+// Layers holding >= 3x the last-level cache, in [2, 32], from the bytes one
+// layer holds at T tokens.
+int ColdLayers(const std::string& scheme, int T) {
+  const Geo g = kDefault;
+  const kvq::KvSchemeInfo info = kvq::describe_kv_scheme(scheme);
+  double layer_bytes;
+  if (info.family == "rows") {
+    layer_bytes = 2.0 * T * kvq::KvRowCodec(kvq::parse_kv_scheme(info.name), g.kv * g.hd, g.hd).row_bytes();
+  } else {
+    layer_bytes = static_cast<double>(kvq::parse_grouped_kv_scheme(info.name).layer_bytes(T, g.kv, g.hd));
+  }
+  return static_cast<int>(std::clamp(std::ceil(3.0 * LastLevelCacheBytes() / layer_bytes), 2.0, 32.0));
 }
 
-void BM_decode_attention(benchmark::State& state, kvq::KvScheme scheme, int T, bool int8_query,
-                         bool cold) {
+void Attention(benchmark::State& state, const std::string& scheme, const Geo& g, int T, int threads, bool cold,
+               bool int8_query) {
   const int layers = cold ? ColdLayers(scheme, T) : 1;
-  const kvq::KvCache& cache = CacheFor(scheme, layers, T);
-  std::vector<kvq::KvRowsView> views;
-  for (int l = 0; l < layers; ++l) views.push_back(cache.view(l, T));
-  std::vector<float> q(kHeads * kHeadDim), out(q.size());
+  const kvq::KvCache& cache = CacheFor(scheme, g, layers, T);
+  std::vector<float> q(static_cast<size_t>(g.heads * g.hd)), out(q.size());
   for (size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.37f * static_cast<float>(i));
   kvq::DecodeAttentionOptions o;
-  o.threads = kThreads;
+  o.threads = threads;
   o.int8_query = int8_query;
-  size_t layer = 0;
-  for (auto _ : state) {
-    kvq::decode_attention(q, kHeads, views[layer], out, o);
-    benchmark::DoNotOptimize(out.data());
-    layer = layer + 1 == views.size() ? 0 : layer + 1;
-  }
-  const double bytes = 2.0 * static_cast<double>(T) * static_cast<double>(cache.codec().row_bytes());
-  state.SetBytesProcessed(static_cast<int64_t>(bytes * static_cast<double>(state.iterations())));
-  state.counters["bits"] = cache.bits_per_element();
-  state.counters["layers"] = layers;
-  // Multiply-adds of exact attention: q.k and p.v, head_dim each, for every
-  // query head and token; as a rate, comparable across schemes.
-  const double macs = 2.0 * kHeads * kHeadDim * static_cast<double>(T);
-  state.counters["MAC/s"] = benchmark::Counter(macs * static_cast<double>(state.iterations()),
-                                               benchmark::Counter::kIsRate);
-}
-
-// A grouped cache of the synthetic rows; allocated (k<B>a) and calibrated
-// schemes get ranges measured on the first 256 rows, with the channel
-// weights of a model (one large channel per head, the rest in a geometric
-// spread), so the per-channel bit widths vary as they would.
-std::unique_ptr<kvq::GroupedKvCache> BuildGroupedCache(const kvq::GroupedKvScheme& g, int layers, int T) {
-  std::vector<std::vector<float>> k(static_cast<size_t>(layers)), v(k.size());
-  ForEachRow(std::min(T, 256), [&](int, const std::vector<float>& kr, const std::vector<float>& vr) {
-    for (int l = 0; l < layers; ++l) {
-      k[static_cast<size_t>(l)].insert(k[static_cast<size_t>(l)].end(), kr.begin(), kr.end());
-      v[static_cast<size_t>(l)].insert(v[static_cast<size_t>(l)].end(), vr.begin(), vr.end());
-    }
-  });
-  kvq::StaticRanges r = kvq::StaticRanges::from_samples(k, v, kKvHeads, kHeadDim);
-  for (size_t c = 0; c < r.k_lo.size(); ++c) {
-    r.k_weight.push_back(c % kHeadDim == 17 ? 1e4f : std::pow(1.05f, static_cast<float>(c % kHeadDim)));
-  }
-  auto cache = std::make_unique<kvq::GroupedKvCache>(g, layers, T, kKvHeads, kHeadDim, &r);
-  Fill(*cache, layers, T);
-  return cache;
-}
-
-// Grouped schemes (grouped_kv.h): the cache as it stands at length T (R
-// recent tokens and the open group exact in fp16, the rest in codes), the
-// fused grouped kernel merged with the fp16 kernel over the exact tokens.
-// bytes_per_second counts GroupedKvCache::bytes(T) for the layer.
-const kvq::GroupedKvCache& GroupedCacheFor(const std::string& name, int layers, int T) {
-  static std::unique_ptr<kvq::GroupedKvCache> cache;
-  static std::string built_name;
-  static int built_T = -1, built_layers = -1;
-  if (!cache || built_name != name || built_T != T || built_layers != layers) {
-    cache.reset();
-    cache = BuildGroupedCache(kvq::parse_grouped_kv_scheme(name), layers, T);
-    built_name = name;
-    built_T = T;
-    built_layers = layers;
-  }
-  return *cache;
-}
-
-void BM_grouped_attention(benchmark::State& state, const std::string& name, int T, bool cold) {
-  const kvq::GroupedKvScheme g = kvq::parse_grouped_kv_scheme(name);
-  const double layer_bytes = static_cast<double>(T) * 2.0 * kKvHeads * kHeadDim * g.bits(T) / 8.0;
-  const int layers =
-      cold ? static_cast<int>(std::clamp(std::ceil(3.0 * LastLevelCacheBytes() / layer_bytes), 2.0, 32.0)) : 1;
-  const kvq::GroupedKvCache& cache = GroupedCacheFor(name, layers, T);
-  std::vector<float> q(kHeads * kHeadDim), out(q.size());
-  for (size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.37f * static_cast<float>(i));
   int layer = 0;
   for (auto _ : state) {
-    cache.attend(layer, T, q, kHeads, out, kThreads);
+    cache.attend(layer, q, g.heads, out, o);
     benchmark::DoNotOptimize(out.data());
     layer = layer + 1 == layers ? 0 : layer + 1;
   }
-  const double bytes = static_cast<double>(cache.bytes(T)) / layers;
+  const double bytes = static_cast<double>(cache.bytes()) / layers;  // what one call reads
   state.SetBytesProcessed(static_cast<int64_t>(bytes * static_cast<double>(state.iterations())));
-  state.counters["bits"] = cache.bits(T);  // measured: 8-bit fallbacks counted
+  state.counters["bits"] = cache.bits();
   state.counters["layers"] = layers;
-  const double macs = 2.0 * kHeads * kHeadDim * static_cast<double>(T);
-  state.counters["MAC/s"] = benchmark::Counter(macs * static_cast<double>(state.iterations()),
-                                               benchmark::Counter::kIsRate);
+  // Multiply-adds of exact attention: q.k and p.v, head_dim each, for every
+  // query head and token; as a rate, comparable across schemes.
+  const double macs = 2.0 * g.heads * g.hd * static_cast<double>(T);
+  state.counters["MAC/s"] = benchmark::Counter(macs * static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
 }
 
-void Register(const std::string& name, kvq::KvScheme s, int T, bool int8_query, bool cold) {
-  benchmark::RegisterBenchmark(name.c_str(), BM_decode_attention, s, T, int8_query, cold)
-      ->Unit(benchmark::kMicrosecond)
-      ->UseRealTime();
+// Appending tokens 0 .. 4095 to one layer, again and again (a new sequence
+// each time): the amortised cost of one token, hand-overs included.
+void Write(benchmark::State& state, const std::string& scheme) {
+  const Geo g = kDefault;
+  const int T = 4096, E = g.kv * g.hd;
+  std::vector<float> rows;
+  ForEachRow(T, E, g.hd, [&](int, const std::vector<float>& k, const std::vector<float>& v) {
+    rows.insert(rows.end(), k.begin(), k.end());
+    rows.insert(rows.end(), v.begin(), v.end());
+  });
+  const bool memcpy_bound = scheme == "memcpy";
+  std::unique_ptr<kvq::KvCache> cache;
+  std::vector<float> sink(static_cast<size_t>(T) * 2 * static_cast<size_t>(E));
+  if (!memcpy_bound) {
+    const kvq::StaticRanges* r = kvq::describe_kv_scheme(scheme).needs_ranges ? &RangesFor(g, 1) : nullptr;
+    cache = std::make_unique<kvq::KvCache>(scheme, 1, T, g.kv, g.hd, r);
+  }
+  int pos = 0;
+  for (auto _ : state) {
+    const float* k = rows.data() + static_cast<size_t>(pos) * 2 * static_cast<size_t>(E);
+    if (memcpy_bound) {
+      std::memcpy(sink.data() + static_cast<size_t>(pos) * 2 * static_cast<size_t>(E), k, 2 * static_cast<size_t>(E) * sizeof(float));
+      benchmark::ClobberMemory();
+    } else {
+      cache->write(0, pos, {k, static_cast<size_t>(E)}, {k + E, static_cast<size_t>(E)});
+    }
+    pos = pos + 1 == T ? 0 : pos + 1;
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * 2 * E * static_cast<int64_t>(sizeof(float)));
 }
 
-bool HasInt8QueryPath(kvq::KvScheme s) {
-  using kvq::KvScheme;
-  return s == KvScheme::Int8 || s == KvScheme::Int8Head || s == KvScheme::Q8_0 || s == KvScheme::Q4_0;
+bool HasInt8QueryPath(const std::string& s) { return s == "int8" || s == "int8-head" || s == "q8_0" || s == "q4_0"; }
+
+void Reg(const std::string& name, void (*fn)(benchmark::State&, const std::string&, const Geo&, int, int, bool, bool),
+         const std::string& scheme, const Geo& g, int T, int threads, bool cold, bool iq) {
+  benchmark::RegisterBenchmark(name.c_str(), fn, scheme, g, T, threads, cold, iq)->Unit(benchmark::kMicrosecond)->UseRealTime();
 }
 
 const int kRegistered = [] {
-  using kvq::KvScheme;
-  for (KvScheme s : {KvScheme::Fp32, KvScheme::Fp16, KvScheme::Bf16, KvScheme::Int8, KvScheme::Int8Head,
-                     KvScheme::Fp8E4M3, KvScheme::Fp8E5M2, KvScheme::Q8_0, KvScheme::Q4_0}) {
-    const std::string scheme = kvq::kv_scheme_name(s);
+  std::vector<std::string> rows = {"fp32", "fp16", "bf16", "int8", "int8-head", "fp8-e4m3", "fp8-e5m2", "q8_0", "q4_0"};
+  std::vector<std::string> presets;
+  for (const auto& [name, s] : kvq::grouped_kv_presets()) presets.push_back(name);
+  std::vector<std::string> all = rows;
+  all.insert(all.end(), presets.begin(), presets.end());
+  for (const std::string& s : all) {
     for (int T : {1024, 4096, 16384, 65536}) {
-      const std::string t = std::string("/").append(std::to_string(T));
-      Register("BM_decode_attention/" + scheme + t, s, T, false, false);
-      // The opt-in integer-score path (DecodeAttentionOptions::int8_query).
-      if (HasInt8QueryPath(s)) Register("BM_decode_attention_int8q/" + scheme + t, s, T, true, false);
+      const std::string t = "/" + std::to_string(T);
+      Reg("BM_decode_attention/" + s + t, Attention, s, kDefault, T, kThreads, false, false);
+      // The opt-in integer-score path of the row kernels (DecodeAttentionOptions::int8_query).
+      if (HasInt8QueryPath(s)) Reg("BM_decode_attention_int8q/" + s + t, Attention, s, kDefault, T, kThreads, false, true);
     }
-    Register("BM_decode_attention_cold/" + scheme + "/16384", s, 16384, false, true);
-    if (HasInt8QueryPath(s)) Register("BM_decode_attention_cold_int8q/" + scheme + "/16384", s, 16384, true, true);
+    Reg("BM_decode_attention_cold/" + s + "/16384", Attention, s, kDefault, 16384, kThreads, true, false);
+    if (HasInt8QueryPath(s)) Reg("BM_decode_attention_cold_int8q/" + s + "/16384", Attention, s, kDefault, 16384, kThreads, true, true);
   }
-  for (const auto& [preset, g] : kvq::grouped_kv_presets()) {
-    for (int T : {1024, 4096, 16384, 65536}) {
-      benchmark::RegisterBenchmark(("BM_decode_attention/" + preset + "/" + std::to_string(T)).c_str(),
-                                   BM_grouped_attention, preset, T, false)
-          ->Unit(benchmark::kMicrosecond)
-          ->UseRealTime();
+  std::vector<std::string> geo_schemes = {"fp32", "fp16", "q4_0"};
+  geo_schemes.insert(geo_schemes.end(), presets.begin(), presets.end());
+  for (const Geo& g : {Geo{32, 32, 128}, Geo{32, 8, 128}, Geo{32, 4, 128}, Geo{32, 32, 64}, Geo{32, 8, 64}, Geo{32, 4, 64}}) {
+    for (int T : {4096, 16384}) {
+      for (const std::string& s : geo_schemes) {
+        for (int threads : {1, 2}) {
+          Reg("BM_attention_geometry/" + s + "/q" + std::to_string(g.heads) + "kv" + std::to_string(g.kv) + "/hd" +
+                  std::to_string(g.hd) + "/" + std::to_string(T) + "/t" + std::to_string(threads),
+              Attention, s, g, T, threads, false, false);
+        }
+      }
     }
-    benchmark::RegisterBenchmark(("BM_decode_attention_cold/" + preset + "/16384").c_str(), BM_grouped_attention,
-                                 preset, 16384, true)
-        ->Unit(benchmark::kMicrosecond)
-        ->UseRealTime();
+  }
+  std::vector<std::string> writes = {"memcpy", "fp16", "q4_0"};
+  writes.insert(writes.end(), presets.begin(), presets.end());
+  for (const std::string& s : writes) {
+    benchmark::RegisterBenchmark(("BM_cache_write/" + s).c_str(), Write, s)->Unit(benchmark::kMicrosecond);
   }
   return 0;
 }();

@@ -45,14 +45,21 @@ StaticRanges calibrate_static_ranges(const Checkpoint& ckpt, const CalibrationOp
     v[l].reserve(k[l].capacity());
   }
   // Query energy per KV head channel: E |q_pair|^2 / 2 over the query heads
-  // of its GQA group (RoPE keeps a pair's norm, so q before RoPE serves).
+  // of its GQA group (RoPE keeps a pair's norm, so any rotation serves).
   const int hd = cfg.head_size(), rep = cfg.n_heads / cfg.n_kv_heads;
   std::vector<double> qe(L * E, 0.0);
   Transformer tf(ckpt, KvScheme::Fp32, len);
-  tf.set_kv_observer([&](int layer, int, std::span<const float> qp, std::span<const float> kp,
+  // K as a grouped cache holds it: in the tile frame, R(t0)^T k with t0 the
+  // start of its 16-token tile (grouped_kv.h).
+  const RopeTable rope(len, hd);
+  std::vector<float> kt(E);
+  tf.set_kv_observer([&](int layer, int pos, std::span<const float> qp, std::span<const float> kp,
                          std::span<const float> vp) {
     const size_t l = static_cast<size_t>(layer);
-    k[l].insert(k[l].end(), kp.begin(), kp.end());
+    std::copy(kp.begin(), kp.end(), kt.begin());
+    const int t0 = pos - pos % 16;
+    rope_rotate(kt.data(), cfg.n_kv_heads, hd, rope.cos(t0), rope.sin(t0), /*transpose=*/true);
+    k[l].insert(k[l].end(), kt.begin(), kt.end());
     v[l].insert(v[l].end(), vp.begin(), vp.end());
     for (int qh = 0; qh < cfg.n_heads; ++qh) {
       const float* qv = qp.data() + static_cast<size_t>(qh) * static_cast<size_t>(hd);

@@ -25,9 +25,9 @@ struct CalibrationOptions {
 };
 
 // Runs the fp32 model on the tokens it samples (sequences x length) and
-// takes every layer's K (before RoPE) and V per channel (StaticRanges::
-// from_samples). Deterministic for given options. Throws kvq::Error on bad
-// options.
+// takes every layer's K (in a grouped cache's tile frame) and V per channel
+// (StaticRanges::from_samples). Deterministic for given options. Throws
+// kvq::Error on bad options.
 StaticRanges calibrate_static_ranges(const Checkpoint& ckpt, const CalibrationOptions& o = {});
 
 }  // namespace kvq::model

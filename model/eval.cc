@@ -169,35 +169,36 @@ std::string Duration(double secs) {
 
 std::vector<CacheScheme> parse_cache_schemes(const std::string& list, const char* arg) {
   std::vector<CacheScheme> out;
-  auto add = [&](const CacheScheme& s) {
+  auto add = [&](const std::string& name) {
+    CacheScheme s(describe_kv_scheme(name, arg).name);
     if (std::find(out.begin(), out.end(), s) == out.end()) out.push_back(s);
   };
   if (list == "all") {
-    for (KvScheme s : all_kv_schemes()) add(s);
-    for (const auto& [name, g] : grouped_kv_presets()) add(g);
+    for (const std::string& n : all_kv_scheme_names()) add(n);
     return out;
   }
   size_t i = 0;
   while (i <= list.size()) {
     const size_t j = std::min(list.find(',', i), list.size());
-    const std::string name = list.substr(i, j - i);
-    if (is_grouped_kv_scheme(name)) {
-      add(parse_grouped_kv_scheme(name, arg));
-    } else {
-      for (KvScheme s : parse_kv_scheme_list(name, arg)) add(s);
-    }
+    add(list.substr(i, j - i));
     i = j + 1;
   }
   return out;
 }
 
-std::string cache_scheme_label(const CacheScheme& s) {
-  if (s.grouped) {
-    for (const auto& [name, g] : grouped_kv_presets()) {
-      if (g.name() == s.grouped->name()) return name;
-    }
+std::string cache_scheme_label(const CacheScheme& s) { return s.info().label; }
+
+// Steady-state bits of a window: the mean over cache lengths T = ctx - 127
+// .. ctx of 8 bytes(T) / (2 T E L), from the bytes the cache held at each
+// length (Transformer::cache_bytes_history).
+double SteadyStateBits(const std::vector<uint64_t>& history, int ctx, const Config& cfg) {
+  const int lo = std::max(1, ctx - 127);
+  double s = 0;
+  for (int T = lo; T <= ctx; ++T) {
+    s += 8.0 * static_cast<double>(history[static_cast<size_t>(T - 1)]) /
+         (2.0 * T * cfg.kv_dim() * static_cast<double>(cfg.n_layers));
   }
-  return s.name();
+  return s / (ctx - lo + 1);
 }
 
 EvalReport run_eval(const EvalOptions& o) {
@@ -280,6 +281,7 @@ EvalReport run_eval(const EvalOptions& o) {
         }
         if (ws_ref) {
           ws_ref->state_bytes = static_cast<double>(ref->attention_state_bytes());
+          ws_ref->bits_ss = SteadyStateBits(ref->cache_bytes_history(), ctx, cfg);
           ws_ref->secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_var).count();
         }
         for (size_t i = 0; i < nv; ++i) {
@@ -288,7 +290,7 @@ EvalReport run_eval(const EvalOptions& o) {
           WindowSums& ws = sums[row * static_cast<size_t>(windows) + static_cast<size_t>(w)];
           const std::span<const float> logits = tf[i]->forward_window({win, static_cast<size_t>(ctx)});
           ws.state_bytes = static_cast<double>(tf[i]->attention_state_bytes());
-          if (const GroupedKvCache* gc = tf[i]->grouped_cache()) ws.bits_ss = gc->steady_state_bits(ctx);
+          if (vars[i].policy.window == 0) ws.bits_ss = SteadyStateBits(tf[i]->cache_bytes_history(), ctx, cfg);
           for (int t = 0; t < ctx; ++t) {
             const float* lg = logits.data() + static_cast<size_t>(t) * static_cast<size_t>(V);
             const float* rp = ref_logp.data() + static_cast<size_t>(t) * static_cast<size_t>(V);
@@ -374,7 +376,8 @@ EvalReport run_eval(const EvalOptions& o) {
       r.kv_bytes = static_cast<uint64_t>(std::llround(t.state_bytes / windows));
       r.bits_at_ctx = 8.0 * static_cast<double>(r.kv_bytes) /
                       (2.0 * cfg.kv_dim() * static_cast<double>(cfg.n_layers) * static_cast<double>(ctx));
-      r.bits_per_element = v.scheme.grouped ? t.bits_ss / windows : r.bits_at_ctx;
+      // Windowed variants hold a fixed window: bits at ctx.
+      r.bits_per_element = v.policy.window == 0 ? t.bits_ss / windows : r.bits_at_ctx;
       if (o.per_token) {
         const auto& pt = per_tok[row];
         r.token_nll.resize(n_tok), r.token_nll_ref.resize(n_tok), r.token_kld.resize(n_tok);
@@ -393,7 +396,7 @@ EvalReport run_eval(const EvalOptions& o) {
   std::vector<Variant> first;
   std::shared_ptr<const StaticRanges> ranges;
   for (CacheScheme s : o.schemes) {
-    if (s.grouped && s.grouped->needs_ranges() && !s.ranges) {
+    if (s.info().needs_ranges && !s.ranges) {
       if (!ranges) {
         ranges = std::make_shared<const StaticRanges>(calibrate_static_ranges(ckpt, o.calibration));
         rep.calibration_tokens = ranges->samples;
@@ -401,7 +404,7 @@ EvalReport run_eval(const EvalOptions& o) {
       }
       s.ranges = ranges;
     }
-    if (s.grouped || s.row != KvScheme::Fp32) first.push_back({s, WindowPolicy{}, cache_scheme_label(s)});
+    if (!(s == CacheScheme(KvScheme::Fp32))) first.push_back({s, WindowPolicy{}, cache_scheme_label(s)});
   }
   WindowPolicy slide;
   if (o.window > 0) {
@@ -476,12 +479,10 @@ std::string format_report(const EvalReport& r) {
   }
   std::snprintf(buf, sizeof buf, "fp32 mean loss (NLL/token): %.4f\n", r.results.front().mean_nll);
   os << buf;
-  bool grouped = false;
+  os << "bits: every stored bit, in steady state (mean over cache lengths ctx-127..ctx)\n";
   for (const SchemeResult& s : r.results) {
-    if (!s.scheme.grouped) continue;
-    if (!grouped) os << "grouped schemes: bits in steady state (mean over cache lengths ctx-127..ctx), K before RoPE\n";
-    grouped = true;
-    if (s.label != s.scheme.name()) os << "  " << s.label << " = " << s.scheme.name() << "\n";
+    const std::string name = s.scheme.info().name;
+    if (s.label != name && s.policy.window == 0) os << "  " << s.label << " = " << name << "\n";
   }
   if (r.calibration_tokens > 0) {
     std::snprintf(buf, sizeof buf,

@@ -71,8 +71,8 @@ struct SchemeResult {
   std::string label;     // the scheme's name (a preset's), or the windowed variant
   WindowPolicy policy;
   // Stored bits per K/V element in steady state: the mean over cache lengths
-  // ctx - 127 .. ctx (grouped schemes; GroupedKvScheme::steady_state_bits),
-  // else at ctx; bits_at_ctx: at ctx.
+  // ctx - 127 .. ctx of what the cache held (windowed variants: at ctx);
+  // bits_at_ctx: at ctx.
   double bits_per_element = 0, bits_at_ctx = 0;
   uint64_t kv_bytes = 0;  // bytes attention holds at ctx, all layers (mean over windows)
   double mean_nll = 0, ppl = 0, delta_ppl = 0, delta_ppl_pct = 0;
@@ -103,8 +103,8 @@ struct EvalReport {
 };
 
 // "all" (every row scheme, then the grouped presets) or a comma-separated
-// list of row scheme names (kv_scheme.h), grouped scheme names and presets
-// (grouped_kv.h); duplicates removed, order kept. Throws kvq::Error naming
+// list of KvCache scheme names (row schemes, grouped scheme names, presets;
+// kv_cache.h); duplicates removed, order kept. Throws kvq::Error naming
 // `arg` on an unknown name.
 std::vector<CacheScheme> parse_cache_schemes(const std::string& list, const char* arg = "kv");
 // The label eval prints: a preset's name, else the scheme's name.

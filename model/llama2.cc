@@ -64,36 +64,53 @@ void MatMul(float* out, const float* x, const float* w, int T, int n, int d) {
 
 }  // namespace
 
+namespace {
+int CheckedMaxSeq(int max_seq, const Config& cfg) {
+  KVQ_CHECK_ARG(max_seq > 0 && max_seq <= cfg.seq_len, "max_seq: expected 1..", cfg.seq_len,
+                " (the model's seq_len), got ", max_seq);
+  return max_seq;
+}
+}  // namespace
+
 Transformer::Transformer(const Checkpoint& ckpt, const CacheScheme& scheme, int max_seq, const WindowPolicy& policy)
+    : Transformer(ckpt,
+                  KvCache(scheme.name, ckpt.config().n_layers, CheckedMaxSeq(max_seq, ckpt.config()),
+                          ckpt.config().n_kv_heads, ckpt.config().head_size(), scheme.ranges.get()),
+                  policy) {}
+
+Transformer::Transformer(const Checkpoint& ckpt, KvCache cache, const WindowPolicy& policy)
     : cfg_(ckpt.config()),
       w_(ckpt.weights()),
-      rope_(std::max(max_seq, 1), ckpt.config().head_size()),
-      max_seq_(max_seq),
+      cache_(std::move(cache)),
+      rope_(CheckedMaxSeq(cache_.max_seq(), ckpt.config()), ckpt.config().head_size()),
+      max_seq_(cache_.max_seq()),
       policy_(policy) {
-  KVQ_CHECK_ARG(max_seq > 0 && max_seq <= cfg_.seq_len, "max_seq: expected 1..", cfg_.seq_len,
-                " (the model's seq_len), got ", max_seq);
+  KVQ_CHECK_ARG(cache_.n_layers() == cfg_.n_layers && cache_.n_kv_heads() == cfg_.n_kv_heads &&
+                    cache_.head_dim() == cfg_.head_size(),
+                "cache: ", cache_.n_layers(), " layers x ", cache_.n_kv_heads(), " heads x ", cache_.head_dim(),
+                ", the model has ", cfg_.n_layers, " x ", cfg_.n_kv_heads, " x ", cfg_.head_size());
+  KVQ_CHECK_ARG(cache_.rope() == RopeConfig{}, "cache: RoPE ", cache_.rope().describe(), ", the model's is ",
+                RopeConfig{}.describe());
   KVQ_CHECK_ARG(policy.window >= 0, "window: expected >= 0, got ", policy.window);
   KVQ_CHECK_ARG(policy.sinks >= 0, "sinks: expected >= 0, got ", policy.sinks);
   KVQ_CHECK_ARG(policy.chunk >= 1, "window chunk: expected >= 1, got ", policy.chunk);
-  if (scheme.grouped) {
-    KVQ_CHECK_ARG(policy.window == 0, "window: windowed attention reads a row scheme's cache, not the grouped ",
-                  scheme.grouped->name());
-    grouped_.emplace(*scheme.grouped, cfg_.n_layers, max_seq, cfg_.n_kv_heads, cfg_.head_size(), scheme.ranges.get());
-  } else {
-    cache_.emplace(scheme.row, cfg_.n_layers, max_seq, cfg_.n_kv_heads, cfg_.head_size());
-  }
+  if (policy.window > 0) (void)cache_.rows(0, 0);  // windowed attention reads rows: kvq::Error for other schemes
   if (policy.bank) {
     KVQ_CHECK_ARG(policy.window > 0, "bank: expected a window > 0");
     ClusterBank check(cfg_.n_kv_heads, cfg_.head_size(), policy.bank_options);  // validates the options
   }
   banks_.resize(static_cast<size_t>(cfg_.n_layers));
+  bytes_at_.assign(static_cast<size_t>(max_seq_), 0);
   logits_.resize(static_cast<size_t>(cfg_.vocab_size));
-}
-
-const KvCache& Transformer::cache() const {
-  KVQ_CHECK_ARG(cache_.has_value(), "cache: the grouped scheme ", grouped_->scheme().name(),
-                " has no row cache (see grouped_cache())");
-  return *cache_;
+  const int64_t T = cache_.tokens();
+  if (T > 0) {  // a restored sequence
+    KVQ_CHECK_ARG(policy.window == 0, "cache: a restored cache runs without a window (window 0)");
+    for (int l = 0; l < cfg_.n_layers; ++l) {
+      KVQ_CHECK_ARG(cache_.written(l) == T, "cache: layer ", l, " holds ", cache_.written(l), " tokens, not ", T);
+    }
+    tokens_ = static_cast<int>(T);
+    bytes_at_[static_cast<size_t>(T) - 1] = cache_.bytes();
+  }
 }
 
 void Transformer::BankChunk(int layer, int t0, int t1) {
@@ -101,8 +118,8 @@ void Transformer::BankChunk(int layer, int t0, int t1) {
   const int H = cfg_.n_kv_heads, D = cfg_.head_size(), W = cfg_.kv_dim();
   Tensor k({t1 - t0, H, D}, DType::F32), v({t1 - t0, H, D}, DType::F32);
   for (int t = t0; t < t1; ++t) {
-    cache_->read_k(layer, t, {k.data_as<float>() + static_cast<size_t>(t - t0) * W, static_cast<size_t>(W)});
-    cache_->read_v(layer, t, {v.data_as<float>() + static_cast<size_t>(t - t0) * W, static_cast<size_t>(W)});
+    cache_.read(layer, t, {k.data_as<float>() + static_cast<size_t>(t - t0) * W, static_cast<size_t>(W)},
+                {v.data_as<float>() + static_cast<size_t>(t - t0) * W, static_cast<size_t>(W)});
   }
   const BirthMergeReceipt r = lb.bank->birth_and_merge(k, v);
   for (const auto& [id, set] : r.per_cluster_outlier_tokens) {
@@ -116,15 +133,13 @@ void Transformer::attention(int layer, int pos, const float* q, float* out) {
   // Fused decode attention over the stored codes (kvq/attention.h).
   const size_t n = static_cast<size_t>(cfg_.dim);
   const int T = pos + 1;
-  if (grouped_) {
-    grouped_->attend(layer, T, {q, n}, cfg_.n_heads, {out, n}, /*threads=*/1);
-    return;
-  }
-  const KvRowsView all = cache_->view(layer, T);
   if (policy_.window == 0 || T <= policy_.sinks + policy_.window) {
-    decode_attention({q, n}, cfg_.n_heads, all, {out, n});
+    DecodeAttentionOptions o;
+    o.threads = 1;
+    cache_.attend(layer, {q, n}, cfg_.n_heads, {out, n}, o);
     return;
   }
+  const KvRowsView all = cache_.rows(layer, T);
   std::vector<AttentionPart> parts;
   const std::span<const float> qs(q, n);
   if (policy_.sinks > 0) parts.push_back(decode_attention_part(qs, cfg_.n_heads, all.subview(0, policy_.sinks)));
@@ -153,12 +168,12 @@ void Transformer::attention(int layer, int pos, const float* q, float* out) {
 }
 
 uint64_t Transformer::attention_state_bytes() const {
-  if (grouped_) return grouped_->bytes(tokens_);
-  const uint64_t row = 2 * cache_->codec().row_bytes();  // K and V of one token, one layer
+  if (policy_.window == 0) return cache_.bytes();
   const int T = tokens_;
+  const uint64_t row = T > 0 ? cache_.bytes() / static_cast<uint64_t>(T) / static_cast<uint64_t>(cfg_.n_layers) : 0;  // K and V of one token, one layer
   uint64_t total = 0;
   for (int l = 0; l < cfg_.n_layers; ++l) {
-    if (policy_.window == 0 || T <= policy_.sinks + policy_.window) {
+    if (T <= policy_.sinks + policy_.window) {
       total += row * static_cast<uint64_t>(T);
     } else if (!policy_.bank) {
       total += row * static_cast<uint64_t>(policy_.sinks + policy_.window);
@@ -191,6 +206,7 @@ std::span<const float> Transformer::run(std::span<const int> tokens, int pos0, b
     KVQ_CHECK_ARG(t >= 0 && t < cfg_.vocab_size, "token: expected 0..", cfg_.vocab_size - 1, ", got ", t);
   }
   tokens_ = pos0 + T;
+  std::fill(bytes_at_.begin() + pos0, bytes_at_.begin() + pos0 + T, 0);
   if (policy_.bank && pos0 == 0) {  // a new sequence: empty banks
     for (LayerBank& lb : banks_) {
       lb.bank = std::make_unique<ClusterBank>(cfg_.n_kv_heads, cfg_.head_size(), policy_.bank_options);
@@ -227,19 +243,20 @@ std::span<const float> Transformer::run(std::span<const int> tokens, int pos0, b
     mm(q_.data(), xb_.data(), w_.wq + ul * udim * udim, dim, dim);
     mm(k_.data(), xb_.data(), w_.wk + ul * ukv * udim, dim, kv_dim);
     mm(v_.data(), xb_.data(), w_.wv + ul * ukv * udim, dim, kv_dim);
+    // Each token's K and V go into the cache right before its query
+    // attends, so a window sees the cache exactly as token-by-token
+    // decoding does (a streaming cache has no other past).
     for (int t = 0; t < T; ++t) {
       const int pos = pos0 + t;
       float* q = row(q_, t, dim);
       float* k = row(k_, t, kv_dim);
-      if (observer_) observer_(l, pos, {q, udim}, {k, ukv}, {row(v_, t, kv_dim), ukv});
-      if (grouped_) grouped_->write(l, pos, {k, ukv}, {row(v_, t, kv_dim), ukv});  // K before RoPE
       rope_.apply(q, cfg_.n_heads, pos);
-      if (cache_) {  // row schemes store K after RoPE
-        rope_.apply(k, cfg_.n_kv_heads, pos);
-        cache_->write(l, pos, {k, ukv}, {row(v_, t, kv_dim), ukv});
-      }
+      rope_.apply(k, cfg_.n_kv_heads, pos);
+      if (observer_) observer_(l, pos, {q, udim}, {k, ukv}, {row(v_, t, kv_dim), ukv});
+      cache_.write(l, pos, {k, ukv}, {row(v_, t, kv_dim), ukv});
+      bytes_at_[static_cast<size_t>(pos)] += cache_.layer_bytes(l);
+      attention(l, pos, q, row(xb_, t, dim));
     }
-    for (int t = 0; t < T; ++t) attention(l, pos0 + t, row(q_, t, dim), row(xb_, t, dim));
     mm(xb2_.data(), xb_.data(), w_.wo + ul * udim * udim, dim, dim);
     for (size_t i = 0; i < uT * udim; ++i) x_[i] += xb2_[i];
     for (int t = 0; t < T; ++t) RmsNorm(row(xb_, t, dim), row(x_, t, dim), w_.rms_ffn + ul * udim, dim);

@@ -14,7 +14,9 @@
 #include "kvq/attention.h"
 #include "kvq/cluster_bank.h"
 #include "kvq/grouped_kv.h"
+#include "kvq/kv_cache.h"
 #include "kvq/kv_scheme.h"
+#include "kvq/rope.h"
 
 namespace kvq::model {
 
@@ -121,25 +123,32 @@ struct WindowPolicy {
   ClusterBankOptions bank_options;
 };
 
-// The KV cache of a Transformer: a row scheme (kv_scheme.h; K stored after
-// RoPE) or a grouped scheme (grouped_kv.h; K stored before RoPE, rotated
-// when attention reads it).
+// The KV cache of a Transformer: any kvq::KvCache scheme name (a row scheme,
+// a grouped scheme or a preset) and, for the schemes that need them, the
+// calibrated ranges.
 struct CacheScheme {
-  KvScheme row = KvScheme::Fp32;
-  std::optional<GroupedKvScheme> grouped;
-  std::shared_ptr<const StaticRanges> ranges;  // a calibrated grouped scheme's ranges
+  std::string name = "fp32";
+  std::shared_ptr<const StaticRanges> ranges;
   CacheScheme() = default;
-  CacheScheme(KvScheme s) : row(s) {}                     // NOLINT: implicit on purpose
-  CacheScheme(const GroupedKvScheme& g) : grouped(g) {}  // NOLINT
-  std::string name() const { return grouped ? grouped->name() : kv_scheme_name(row); }
-  bool operator==(const CacheScheme& o) const { return name() == o.name(); }
+  CacheScheme(std::string n) : name(std::move(n)) {}             // NOLINT: implicit on purpose
+  CacheScheme(const char* n) : name(n) {}                        // NOLINT
+  CacheScheme(KvScheme s) : name(kv_scheme_name(s)) {}           // NOLINT
+  KvSchemeInfo info() const { return describe_kv_scheme(name); }
+  bool operator==(const CacheScheme& o) const { return info().name == o.info().name; }
 };
 
 // Scratch state for one sequence: activations and a KV cache in `scheme`.
 class Transformer {
  public:
-  // Windowed policies (window > 0) need a row scheme.
+  // Windowed policies (window > 0) need a scheme that stores rows.
   Transformer(const Checkpoint& ckpt, const CacheScheme& scheme, int max_seq, const WindowPolicy& policy = {});
+  // Runs on `cache` (max_seq = cache.max_seq()). A cache that holds tokens
+  // (restored by KvCache::load or from_bytes) continues its sequence: the
+  // next forward() is at position cache.tokens(). The cache must be of this
+  // model's geometry and RoPE; windowed policies start empty. The bytes
+  // history holds the restored length only (what the cache held before is
+  // not in the file).
+  Transformer(const Checkpoint& ckpt, KvCache cache, const WindowPolicy& policy = {});
 
   // One decoding step: token at pos (positions must be fed in order from 0).
   // Returns the vocab logits (valid until the next call).
@@ -149,17 +158,20 @@ class Transformer {
   // identical to calling forward() token by token.
   std::span<const float> forward_window(std::span<const int> tokens);
 
-  // The row cache (throws kvq::Error for a grouped scheme) / the grouped
-  // cache (null for a row scheme).
-  const KvCache& cache() const;
-  const GroupedKvCache* grouped_cache() const { return grouped_ ? &*grouped_ : nullptr; }
+  // The KV cache (one type for every scheme).
+  const KvCache& cache() const { return cache_; }
+
   // Bytes attention state holds for the current sequence, all layers: the
   // cached tokens it still reads (in the cache's scheme), plus with a bank
   // its clusters (mean key, mean value, key covariance, A, count per head,
   // float32) and its outlier tokens (float32 K and V).
   uint64_t attention_state_bytes() const;
+  // What the cache held at every length of the current sequence: element
+  // T - 1 is its bytes at length T (all layers), recorded as the tokens are
+  // written (a streaming cache cannot tell its past afterwards).
+  const std::vector<uint64_t>& cache_bytes_history() const { return bytes_at_; }
   const Config& config() const { return cfg_; }
-  // Called with every Q, K row before RoPE and every V row as they are
+  // Called with every Q and K row after RoPE and every V row as they are
   // computed (layer, pos, q, k, v); empty: none.
   using KvObserver =
       std::function<void(int, int, std::span<const float>, std::span<const float>, std::span<const float>)>;
@@ -171,8 +183,8 @@ class Transformer {
   void BankChunk(int layer, int t0, int t1);
   const Config& cfg_;
   const Weights& w_;
-  std::optional<KvCache> cache_;
-  std::optional<GroupedKvCache> grouped_;
+  KvCache cache_;
+  std::vector<uint64_t> bytes_at_;
   KvObserver observer_;
   RopeTable rope_;
   int max_seq_;

@@ -111,7 +111,7 @@ ReceiptReport run_receipts(const ReceiptOptions& o) {
       tf->forward_window({text.window(w), static_cast<size_t>(text.ctx)});
       for (int l = 0; l < L; ++l)
         per[static_cast<size_t>(w) * static_cast<size_t>(L) + static_cast<size_t>(l)] =
-            RunLayer(tf->cache().view(l, text.ctx), text.ctx, o);
+            RunLayer(tf->cache().rows(l, text.ctx), text.ctx, o);
       if (tty) {
 #pragma omp critical(kvq_progress)
         std::fprintf(stderr, "\r[kvq receipts] window %d/%d", ++done, text.windows);

@@ -18,6 +18,7 @@
 #include "kvq/cluster_bank.h"
 #include "kvq/cluster_outliers.h"
 #include "kvq/grouped_kv.h"
+#include "kvq/kv_cache.h"
 #include "kvq/sorted_profile.h"
 #include "kvq/stats.h"
 
@@ -107,6 +108,38 @@ template <typename Fn>
 auto WithoutGil(Fn&& fn) {
   py::gil_scoped_release release;
   return fn();
+}
+
+// A 32-byte identity from Python (bytes or None).
+std::optional<std::array<uint8_t, 32>> Digest32(const py::object& o, const char* arg) {
+  std::optional<std::array<uint8_t, 32>> r;
+  if (o.is_none()) return r;
+  KVQ_CHECK_ARG(py::isinstance<py::bytes>(o), arg, ": expected 32 bytes or None");
+  const std::string b = o.cast<std::string>();
+  KVQ_CHECK_ARG(b.size() == 32, arg, ": expected 32 bytes, got ", b.size());
+  std::array<uint8_t, 32> a;
+  std::memcpy(a.data(), b.data(), 32);
+  r = a;
+  return r;
+}
+
+py::object DigestOf(const std::optional<std::array<uint8_t, 32>>& d) {
+  if (!d) return py::none();
+  return py::bytes(reinterpret_cast<const char*>(d->data()), d->size());
+}
+
+KvCacheMeta MetaOf(const py::object& fingerprint, const py::object& digest) {
+  KvCacheMeta meta;
+  meta.model_fingerprint = Digest32(fingerprint, "model_fingerprint");
+  meta.tokens_digest = Digest32(digest, "tokens_digest");
+  return meta;
+}
+
+KvCacheExpect ExpectOf(const py::object& fingerprint, const py::object& max_seq) {
+  KvCacheExpect e;
+  e.model_fingerprint = Digest32(fingerprint, "model_fingerprint");
+  if (!max_seq.is_none()) e.max_seq = max_seq.cast<int>();
+  return e;
 }
 
 py::dict ReceiptToPython(BirthMergeReceipt r) {
@@ -353,11 +386,24 @@ PYBIND11_MODULE(_kvq, m) {
                   head_dim);
     return KvRowCodec(parse_kv_scheme(name, "scheme"), n_kv_heads * head_dim, head_dim).bits_per_element();
   });
+  m.def("kv_scheme_info", [](const std::string& name) {
+    const KvSchemeInfo i = describe_kv_scheme(name, "scheme");
+    py::dict d;
+    d["name"] = i.name;
+    d["label"] = i.label;
+    d["family"] = i.family;
+    d["needs_ranges"] = i.needs_ranges;
+    return d;
+  });
+  m.def("all_kv_scheme_names", &all_kv_scheme_names);
   py::class_<KvCache>(m, "KvCache")
-      .def(py::init([](const std::string& scheme, int n_layers, int max_seq, int n_kv_heads, int head_dim) {
-        return KvCache(parse_kv_scheme(scheme, "scheme"), n_layers, max_seq, n_kv_heads, head_dim);
+      .def(py::init([](const std::string& scheme, int n_layers, int max_seq, int n_kv_heads, int head_dim,
+                       std::shared_ptr<StaticRanges> ranges, float rope_theta) {
+        RopeConfig rope;
+        rope.theta = rope_theta;
+        return KvCache(scheme, n_layers, max_seq, n_kv_heads, head_dim, ranges.get(), rope);
       }))
-      // k, v: float32 C-contiguous (T, n_kv_heads * head_dim); rows pos0 .. pos0 + T - 1.
+      // k (after RoPE), v: float32 C-contiguous (T, n_kv_heads * head_dim); tokens pos0 .. pos0 + T - 1.
       .def("write_many",
            [](KvCache& c, int layer, int pos0, const py::array& k, const py::array& v) {
              const TensorView kv = ViewOf(k, DType::F32, "k"), vv = ViewOf(v, DType::F32, "v");
@@ -367,7 +413,7 @@ PYBIND11_MODULE(_kvq, m) {
              KVQ_CHECK_ARG(vv.shape() == kv.shape(), "v: expected shape ", shape_str(kv.shape()), " like k, got ",
                            shape_str(vv.shape()));
              const int64_t T = kv.dim(0);
-             KVQ_CHECK_ARG(T >= 1 && pos0 >= 0 && pos0 + T <= c.max_seq(), "pos: rows ", pos0, "..", pos0 + T - 1,
+             KVQ_CHECK_ARG(T >= 1 && pos0 >= 0 && pos0 + T <= c.max_seq(), "pos: tokens ", pos0, "..", pos0 + T - 1,
                            " do not fit the cache's max_seq ", c.max_seq());
              WithoutGil([&] {
                for (int64_t t = 0; t < T; ++t) {
@@ -379,48 +425,91 @@ PYBIND11_MODULE(_kvq, m) {
              });
            })
       .def("read",
-           [](const KvCache& c, int layer, int pos) {
-             KVQ_CHECK_ARG(layer >= 0 && layer < c.n_layers(), "layer: expected 0..", c.n_layers() - 1, ", got ",
-                           layer);
-             KVQ_CHECK_ARG(pos >= 0 && pos < c.max_seq(), "pos: expected 0..", c.max_seq() - 1, ", got ", pos);
+           [](const KvCache& c, int layer, int64_t pos) {
              const size_t row = static_cast<size_t>(c.n_kv_heads()) * static_cast<size_t>(c.head_dim());
              std::vector<float> k(row), v(row);
-             c.read_k(layer, pos, k);
-             c.read_v(layer, pos, v);
+             c.read(layer, pos, k, v);
              return py::make_tuple(VectorToNumpy(k), VectorToNumpy(v));
            })
-      .def_property_readonly("scheme", [](const KvCache& c) { return std::string(kv_scheme_name(c.scheme())); })
+      .def("written", &KvCache::written)
+      .def("bytes", [](const KvCache& c, int64_t tokens) { return c.bytes(tokens); })
+      .def("bits", [](const KvCache& c, int64_t tokens) { return c.bits(tokens); })
+      .def("allocated_bytes", &KvCache::allocated_bytes)
+      .def("to_bytes",
+           [](const KvCache& c, int64_t tokens, const py::object& fingerprint, const py::object& digest) {
+             const KvCacheMeta meta = MetaOf(fingerprint, digest);
+             const std::vector<uint8_t> b = WithoutGil([&] { return c.to_bytes(tokens, meta); });
+             return py::bytes(reinterpret_cast<const char*>(b.data()), b.size());
+           })
+      .def("save",
+           [](const KvCache& c, const std::string& path, int64_t tokens, const py::object& fingerprint,
+              const py::object& digest) {
+             const KvCacheMeta meta = MetaOf(fingerprint, digest);
+             WithoutGil([&] { c.save(path, tokens, meta); });
+           })
+      // (cache, model_fingerprint, tokens_digest): the two as saved (None when absent).
+      .def_static("from_bytes",
+                  [](const py::bytes& data, const py::object& fingerprint, const py::object& max_seq) {
+                    const std::string b = data;
+                    const KvCacheExpect e = ExpectOf(fingerprint, max_seq);
+                    KvCacheMeta meta;
+                    KvCache c = WithoutGil([&] {
+                      return KvCache::from_bytes({reinterpret_cast<const uint8_t*>(b.data()), b.size()}, e, &meta);
+                    });
+                    return py::make_tuple(std::move(c), DigestOf(meta.model_fingerprint), DigestOf(meta.tokens_digest));
+                  })
+      .def_static("load",
+                  [](const std::string& path, const py::object& fingerprint, const py::object& max_seq) {
+                    const KvCacheExpect e = ExpectOf(fingerprint, max_seq);
+                    KvCacheMeta meta;
+                    KvCache c = WithoutGil([&] { return KvCache::load(path, e, &meta); });
+                    return py::make_tuple(std::move(c), DigestOf(meta.model_fingerprint), DigestOf(meta.tokens_digest));
+                  })
+      .def("attend",
+           [](const KvCache& c, const py::array& q, int layer, int64_t tokens, bool int8_query, float scale,
+              int threads, bool reference) {
+             const TensorView qv = ViewOf(q, DType::F32, "q");
+             KVQ_CHECK_ARG(qv.rank() == 2 && qv.dim(1) == c.head_dim(), "q: expected shape (n_heads, ", c.head_dim(),
+                           "), got ", shape_str(qv.shape()));
+             KVQ_CHECK_ARG(threads >= 0 && threads <= 1024, "threads: expected 0..1024, got ", threads);
+             DecodeAttentionOptions o;
+             o.length = tokens;
+             o.int8_query = int8_query;
+             o.scale = scale;
+             o.threads = threads;
+             const size_t n = static_cast<size_t>(qv.numel());
+             std::vector<float> out(n);
+             const std::span<const float> qs(qv.data_as<float>(), n);
+             WithoutGil([&] {
+               if (reference) {
+                 c.attend_ref(layer, qs, static_cast<int>(qv.dim(0)), out, o);
+               } else {
+                 c.attend(layer, qs, static_cast<int>(qv.dim(0)), out, o);
+               }
+               return 0;
+             });
+             return VectorToNumpy(out);
+           })
+      .def_property_readonly("scheme", [](const KvCache& c) { return c.scheme(); })
+      .def_property_readonly("label", [](const KvCache& c) { return c.info().label; })
+      .def_property_readonly("tokens", &KvCache::tokens)
       .def_property_readonly("n_layers", &KvCache::n_layers)
       .def_property_readonly("max_seq", &KvCache::max_seq)
       .def_property_readonly("n_kv_heads", &KvCache::n_kv_heads)
-      .def_property_readonly("head_dim", &KvCache::head_dim)
-      .def_property_readonly("bits_per_element", &KvCache::bits_per_element)
-      .def_property_readonly("bytes_per_token", &KvCache::bytes_per_token);
-  m.def("decode_attention", [](const py::array& q, const KvCache& c, int layer, int64_t tokens, bool int8_query,
-                               float scale, int threads) {
-    const TensorView qv = ViewOf(q, DType::F32, "q");
-    KVQ_CHECK_ARG(layer >= 0 && layer < c.n_layers(), "layer: expected 0..", c.n_layers() - 1, ", got ", layer);
-    KVQ_CHECK_ARG(tokens >= 1 && tokens <= c.max_seq(), "tokens: expected 1..", c.max_seq(), " (max_seq), got ",
-                  tokens);
-    KVQ_CHECK_ARG(threads >= 0 && threads <= 1024, "threads: expected 0..1024, got ", threads);
-    DecodeAttentionOptions o;
-    o.int8_query = int8_query;
-    o.scale = scale;
-    o.threads = threads;
-    const KvRowsView view = c.view(layer, tokens);
-    return ToNumpy(WithoutGil([&] { return decode_attention(qv, view, o); }));
-  });
+      .def_property_readonly("head_dim", &KvCache::head_dim);
 
-  // ---- grouped low-bit caches (K before RoPE) ----------------------------------
+  // ---- grouped low-bit schemes ---------------------------------------------------
   m.def("grouped_kv_presets", [] {
     std::vector<std::pair<std::string, std::string>> out;
     for (const auto& [name, g] : grouped_kv_presets()) out.emplace_back(name, g.name());
     return out;
   });
   m.def("grouped_kv_scheme_name", [](const std::string& name) { return parse_grouped_kv_scheme(name, "scheme").name(); });
-  m.def("grouped_kv_scheme_bits", [](const std::string& name, int64_t T) {
+  m.def("grouped_kv_scheme_bits", [](const std::string& name, int64_t T, int n_kv_heads, int head_dim) {
     KVQ_CHECK_ARG(T >= 1 && T <= (int64_t{1} << 40), "tokens: expected 1..2^40, got ", T);
-    return parse_grouped_kv_scheme(name, "scheme").bits(T);
+    KVQ_CHECK_ARG(n_kv_heads >= 1 && head_dim >= 1 && int64_t{n_kv_heads} * head_dim <= (1 << 20),
+                  "n_kv_heads, head_dim: expected >= 1 with at most 2^20 values a token");
+    return parse_grouped_kv_scheme(name, "scheme").bits(T, n_kv_heads, head_dim);
   });
   py::class_<StaticRanges, std::shared_ptr<StaticRanges>>(m, "StaticRanges")
       .def_readonly("n_layers", &StaticRanges::n_layers)
@@ -454,62 +543,6 @@ PYBIND11_MODULE(_kvq, m) {
     }
     return r;
   });
-  py::class_<GroupedKvCache>(m, "GroupedKvCache")
-      .def(py::init([](const std::string& scheme, int n_layers, int max_seq, int n_kv_heads, int head_dim,
-                       std::shared_ptr<StaticRanges> ranges) {
-        return std::make_unique<GroupedKvCache>(parse_grouped_kv_scheme(scheme, "scheme"), n_layers, max_seq,
-                                                n_kv_heads, head_dim, ranges.get());
-      }))
-      // k (before RoPE), v: float32 C-contiguous (T, n_kv_heads * head_dim) at pos0 .. pos0 + T - 1.
-      .def("write_many",
-           [](GroupedKvCache& c, int layer, int pos0, const py::array& k, const py::array& v) {
-             const TensorView kv = ViewOf(k, DType::F32, "k"), vv = ViewOf(v, DType::F32, "v");
-             const int64_t row = int64_t{c.n_kv_heads()} * c.head_dim();
-             KVQ_CHECK_ARG(kv.rank() == 2 && kv.dim(1) == row && vv.shape() == kv.shape(), "k, v: expected shape (T, ",
-                           row, ") each, got ", shape_str(kv.shape()), " and ", shape_str(vv.shape()));
-             WithoutGil([&] {
-               for (int64_t t = 0; t < kv.dim(0); ++t) {
-                 c.write(layer, static_cast<int>(pos0 + t), {kv.data_as<float>() + t * row, static_cast<size_t>(row)},
-                         {vv.data_as<float>() + t * row, static_cast<size_t>(row)});
-               }
-               return 0;
-             });
-           })
-      .def("read",
-           [](const GroupedKvCache& c, int layer, int64_t pos, int64_t length) {
-             const size_t row = static_cast<size_t>(c.n_kv_heads()) * static_cast<size_t>(c.head_dim());
-             std::vector<float> k(row), v(row);
-             c.read(layer, pos, length, k, v);
-             return py::make_tuple(VectorToNumpy(k), VectorToNumpy(v));
-           })
-      .def("attend",
-           [](const GroupedKvCache& c, const py::array& q, int layer, int64_t length, int threads, bool reference) {
-             const TensorView qv = ViewOf(q, DType::F32, "q");
-             KVQ_CHECK_ARG(qv.rank() == 2 && qv.dim(1) == c.head_dim(), "q: expected shape (n_heads, ", c.head_dim(),
-                           "), got ", shape_str(qv.shape()));
-             const size_t n = static_cast<size_t>(qv.numel());
-             std::vector<float> out(n);
-             const std::span<const float> qs(qv.data_as<float>(), n);
-             WithoutGil([&] {
-               if (reference) {
-                 c.attend_ref(layer, length, qs, static_cast<int>(qv.dim(0)), out);
-               } else {
-                 c.attend(layer, length, qs, static_cast<int>(qv.dim(0)), out, threads);
-               }
-               return 0;
-             });
-             return VectorToNumpy(out);
-           })
-      .def("written", &GroupedKvCache::written)
-      .def("bytes", &GroupedKvCache::bytes)
-      .def("bits", py::overload_cast<int64_t>(&GroupedKvCache::bits, py::const_))
-      .def("steady_state_bits", &GroupedKvCache::steady_state_bits)
-      .def_property_readonly("scheme", [](const GroupedKvCache& c) { return c.scheme().name(); })
-      .def_property_readonly("n_layers", &GroupedKvCache::n_layers)
-      .def_property_readonly("max_seq", &GroupedKvCache::max_seq)
-      .def_property_readonly("n_kv_heads", &GroupedKvCache::n_kv_heads)
-      .def_property_readonly("head_dim", &GroupedKvCache::head_dim);
-
   m.def("spearman", [](const py::array& a, const py::array& b) {
     const TensorView av = ViewOf(a, DType::F32, "a"), bv = ViewOf(b, DType::F32, "b");
     return spearman({av.data_as<float>(), static_cast<size_t>(av.numel())},

@@ -1,17 +1,24 @@
-// The fused attention kernel over coded groups (grouped_kv.h), Highway
-// SIMD for every compiled target (one dispatch per call). Vectors hold up to
-// 16 lanes: 16 tokens of a K tile (AVX-512; two or four chunks on narrower
-// targets) or 8-16 channels of a V row. Codes come out of an 8-code block
-// (grouped_attention.h) by a 32-bit broadcast, a per-lane shift and a mask.
+// The fused attention kernel over coded groups (grouped_attention.h),
+// Highway SIMD for every compiled target (one dispatch per call).
 //
-// Per group: for each 16-token tile the rotation of each RoPE pair is built
-// once for all heads (angle addition from the tile's first position and the
-// lane offsets: cos(a + b) = cos a cos b - sin a sin b), each KV head's key
-// codes are dequantized (lo + step q) and rotated in registers, and every
-// query head of the GQA group takes its 16 scores from them. Then per head
-// one online-softmax step for the whole group, and the weighted V codes are
-// summed as integers-times-weights per channel: sum_t p_t x^_t = lo P +
-// step sum_t p_t q_t, with P = sum_t p_t (the group's scale folded once).
+// Per group and query head: the group's K steps and lo fold into the query
+// (W_i = q'_i step_i, C = q' . lo with q' = R(t0)^T q rotated once per
+// 16-token tile), W is written in fixed point (one or two base-128 digits,
+// scale sigma = max_i step_i |q_pair(i)| / kMaxW, which bounds |W_i| for
+// every tile because RoPE keeps a pair's norm), and a tile's 16 scores are
+// sigma * sum_i W^_i q_ti + C: integer dot products of the codes with the
+// digits (AVX-512 VNNI vpdpbusd on AVX3_DL, 4 codes per lane; exact int32
+// sums elsewhere). One online-softmax step per group: the weights
+// p_t = exp(s_t - m) are written as P^_t = rne(p_t / sigma_p) in 0..kMaxP
+// (sigma_p = max_t p_t / kMaxP) and the group's V sum is
+//   sum_t p^_t x^_t = sigma_p (lo sum_t P^_t + step (.) sum_t P^_t q_t),
+// again integer dot products (4 tokens per lane). The softmax normaliser
+// uses the same p^ = sigma_p P^, so the output is exact attention with the
+// weights p^.
+//
+// Error against exact attention over the decoded cache (derived in
+// grouped_kv.h, tested in grouped_kv_test.cc): a score moves by at most
+// sigma / 2 * sum_i q_ti, a weight by at most sigma_p / 2.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "src/grouped_attention.cc"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
@@ -24,266 +31,644 @@
 #include <vector>
 
 #include "hwy/aligned_allocator.h"
+#include "hwy/cache_control.h"
 #include "hwy/contrib/math/math-inl.h"
 #include "kvq/half.h"
 #include "src/grouped_attention.h"
+
+#ifndef KVQ_GROUPED_ATTENTION_ONCE
+#define KVQ_GROUPED_ATTENTION_ONCE
+namespace kvq::grouped {
+namespace {
+// Unpacking tables of a 64-code operand of b bits (AVX3_DL): vpermb places
+// the b source bytes of codes 8m..8m+7 in qword m, vpmultishiftqb takes
+// code j of the qword from bit j b, the mask keeps b bits.
+struct UnpackTables {
+  alignas(64) uint8_t perm[9][64];
+  alignas(64) uint8_t shift[9][64];
+  alignas(64) uint8_t mask[9][64];
+  constexpr UnpackTables() : perm(), shift(), mask() {
+    for (int b = 1; b <= 8; ++b) {
+      for (int m = 0; m < 8; ++m) {
+        for (int j = 0; j < 8; ++j) {
+          perm[b][8 * m + j] = static_cast<uint8_t>(m * b + (j < b ? j : 0));
+          shift[b][8 * m + j] = static_cast<uint8_t>(j * b);
+          mask[b][8 * m + j] = static_cast<uint8_t>((1u << b) - 1);
+        }
+      }
+    }
+  }
+};
+constexpr UnpackTables kUnpack;
+}  // namespace
+}  // namespace kvq::grouped
+#endif
 
 HWY_BEFORE_NAMESPACE();
 namespace kvq::grouped {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
-constexpr int kL = 16;    // tokens per K tile
+using DF = hn::CappedTag<float, 16>;
 
-HWY_INLINE uint32_t Word(const uint8_t* p) {
-  uint32_t w;
-  std::memcpy(&w, p, 4);
-  return w;
-}
+// A run of channel quads of one K width: quads [k0, k1) of `bits`.
+struct Run {
+  int bits;
+  size_t k0, k1;
+};
 
-// Shift tables of an 8-code block of b bits: lane l (0..15) -> the shift of
-// code l % 8 in the low plane and in the high plane.
-struct Shifts {
-  HWY_ALIGN uint32_t lo[kL];
-  HWY_ALIGN uint32_t hi[kL];
-  uint32_t mlo, mhi;
-  int b;
-  explicit Shifts(int bits) : b(bits) {
-    const int lb = bits < 4 ? bits : 4;
-    for (int l = 0; l < kL; ++l) {
-      lo[l] = static_cast<uint32_t>(lb * (l % 8));
-      hi[l] = static_cast<uint32_t>(bits > 4 ? (bits - 4) * (l % 8) : 0);
-    }
-    mlo = (1u << lb) - 1;
-    mhi = bits > 4 ? (1u << (bits - 4)) - 1 : 0;
+// Scratch of one call, sized once.
+struct Work {
+  std::vector<Run> runs;          // every KV head's runs, head h's at [run_begin[h], run_begin[h + 1])
+  std::vector<size_t> run_begin;
+  size_t hd = 0, G = 0, nh = 0, rep = 0;
+  hwy::AlignedFreeUniquePtr<float[]> f;
+  hwy::AlignedFreeUniquePtr<int32_t[]> i;
+  // float views
+  float *klo, *kst, *vlo, *vst;         // [kv head][hd]
+  float *qbar;                          // [q head][hd]: the pair-swapped query (q1, -q0)
+  float *a, *b, *sigma;                 // [q head][hd] x2, [q head]
+  float *lam;                           // [kv head][hd]: lo / step (steps of 0 replaced, see PrepareGroup)
+  float *cos2, *sin2, *cos1, *sin1;     // the tile's rotation: [hd], [hd], [hd/2], [hd/2]
+  float *scores, *acc, *m, *l, *psum, *sp, *al, *cst;  // [q head][G], [q head][hd], [q head] ...
+  // int views
+  int32_t *wd;  // [q head][digit][hd/4] packed W digits (4 bytes a quad)
+  int32_t *pd;  // [q head][digit][G/4] packed P digits (4 tokens a word)
+  int32_t *psumi;  // [q head] sum of P^ of the group
+  void Init(size_t hd_, size_t G_, size_t nh_, size_t nkv) {
+    hd = hd_, G = G_, nh = nh_;
+    // Each array starts on a 64-byte boundary (16 floats).
+    const size_t sizes[] = {nkv * hd, nkv * hd, nkv * hd, nkv * hd, nh * hd, nh * hd, nh * hd, nh, nkv * hd,
+                            hd, hd, hd / 2, hd / 2, nh * G, nh * hd, nh, nh, nh, nh, nh, nh};
+    size_t nf = 0;
+    for (size_t n : sizes) nf += (n + 15) / 16 * 16;
+    f = hwy::AllocateAligned<float>(nf);
+    std::fill(f.get(), f.get() + nf, 0.0f);
+    float* p = f.get();
+    size_t at = 0;
+    auto take = [&] { float* r = p; p += (sizes[at++] + 15) / 16 * 16; return r; };
+    klo = take(), kst = take(), vlo = take(), vst = take();
+    qbar = take(), a = take(), b = take(), sigma = take(), lam = take();
+    cos2 = take(), sin2 = take(), cos1 = take(), sin1 = take();
+    scores = take(), acc = take(), m = take(), l = take(), psum = take(), sp = take(), al = take(), cst = take();
+    const size_t ni = nh * 2 * (hd / 4) + nh * 2 * (G / 4) + nh;
+    i = hwy::AllocateAligned<int32_t>(ni);
+    std::fill(i.get(), i.get() + ni, 0);
+    wd = i.get(), pd = wd + nh * 2 * (hd / 4), psumi = pd + nh * 2 * (G / 4);
   }
 };
 
-// Codes of lanes [c0, c0 + N) of two consecutive 8-code blocks at p (lanes
-// 0-7 from the first, 8-15 from the second), as floats. N <= 16, c0 % N == 0.
+// DecodeGroupParams (grouped_attention.h) in SIMD: the same values (unit * a
+// is exact, so fused or not the sum rounds once).
 template <class D>
-HWY_INLINE hn::Vec<D> Codes(D d, const uint8_t* p, const Shifts& sh, size_t c0) {
-  const hn::RebindToUnsigned<D> du;
+HWY_INLINE void DecodeParams(D d, const uint8_t* p, size_t hd, const float* grid, float* lo, float* st) {
+  if (grid == nullptr) {
+    DecodeGroupParams(p, hd, nullptr, lo, st);
+    return;
+  }
   const hn::RebindToSigned<D> di;
+  const hn::Rebind<uint8_t, D> d8;
   const size_t N = hn::Lanes(d);
-  const size_t bb = static_cast<size_t>(sh.b);
-  hn::Vec<decltype(du)> w, wh;
-  if (N >= 16) {
-    const auto first = hn::FirstN(du, 8);
-    w = hn::IfThenElse(first, hn::Set(du, Word(p)), hn::Set(du, Word(p + bb)));
-    if (sh.b > 4) wh = hn::IfThenElse(first, hn::Set(du, Word(p + 4)), hn::Set(du, Word(p + bb + 4)));
-  } else {
-    const uint8_t* blk = p + (c0 / 8) * bb;
-    w = hn::Set(du, Word(blk));
-    if (sh.b > 4) wh = hn::Set(du, Word(blk + 4));
-  }
-  auto c = hn::And(hn::Shr(w, hn::LoadU(du, sh.lo + c0)), hn::Set(du, sh.mlo));
-  if (sh.b > 4) {
-    c = hn::Or(c, hn::ShiftLeft<4>(hn::And(hn::Shr(wh, hn::LoadU(du, sh.hi + c0)), hn::Set(du, sh.mhi))));
-  }
-  return hn::ConvertTo(d, hn::BitCast(di, c));
-}
-
-// V of one group and KV head, query heads [r0, r0 + NR): acc[r] = acc[r]
-// alpha_r + lo P_r + step sum_t p_rt q_t, channels in chunks of the tag's
-// lanes (NR a constant, so the accumulators stay in registers).
-template <int NR, class D>
-HWY_INLINE void AccumulateVHeads(D d, const uint8_t* codes, size_t row_bytes, int G, int hd, int r0, const Shifts& sh,
-                                 const float* HWY_RESTRICT p, const float* HWY_RESTRICT psum,
-                                 const float* HWY_RESTRICT alpha, const float* HWY_RESTRICT vlo,
-                                 const float* HWY_RESTRICT vst, float* HWY_RESTRICT acc) {
-  const size_t N = hn::Lanes(d);
-  const size_t uhd = static_cast<size_t>(hd), uG = static_cast<size_t>(G);
-  for (size_t c0 = 0; c0 < uhd; c0 += N) {
-    // The 16-lane window this chunk reads: blocks (c0 / 16) * 2 and the next.
-    const size_t win = (c0 / 16) * 16, lane0 = c0 - win;
-    hn::Vec<D> a[NR];
-    for (int r = 0; r < NR; ++r) a[r] = hn::Zero(d);
-    const uint8_t* blk = codes + (win / 8) * static_cast<size_t>(sh.b);
-    const float* pr = p + static_cast<size_t>(r0) * uG;
-    for (size_t t = 0; t < uG; ++t, blk += row_bytes) {
-      const auto cf = Codes(d, blk, sh, lane0);
-      for (int r = 0; r < NR; ++r) a[r] = hn::MulAdd(hn::Set(d, pr[static_cast<size_t>(r) * uG + t]), cf, a[r]);
-    }
-    const auto lo = hn::LoadU(d, vlo + c0), st = hn::LoadU(d, vst + c0);
-    for (int r = 0; r < NR; ++r) {
-      float* HWY_RESTRICT out = acc + static_cast<size_t>(r0 + r) * uhd + c0;
-      const auto prev = hn::Mul(hn::LoadU(d, out), hn::Set(d, alpha[r0 + r]));
-      hn::StoreU(hn::MulAdd(st, a[r], hn::MulAdd(lo, hn::Set(d, psum[r0 + r]), prev)), d, out);
-    }
+  for (size_t i = 0; i < hd; i += N) {
+    const auto a = hn::BitCast(di, hn::PromoteTo(hn::RebindToUnsigned<D>(), hn::LoadU(d8, p + i)));
+    const auto b = hn::BitCast(di, hn::PromoteTo(hn::RebindToUnsigned<D>(), hn::LoadU(d8, p + hd + i)));
+    hn::StoreU(hn::MulAdd(hn::LoadU(d, grid + hd + i), hn::ConvertTo(d, a), hn::LoadU(d, grid + i)), d, lo + i);
+    hn::StoreU(hn::Mul(hn::LoadU(d, grid + 2 * hd + i), hn::ConvertTo(d, hn::Sub(b, a))), d, st + i);
   }
 }
 
+// Per KV head: the group's K and V lo / step; per query head: the folded
+// query a, b (W = a cos2 + b sin2, in units of sigma), the lo terms A, B
+// (C = sum_i A_i cos2_i + B_i sin2_i) and the fixed-point scale sigma.
+// With q' = R(t0)^T q: q'_i = q_i cos2_i + qbar_i sin2_i (qbar = (q1, -q0)
+// per pair), so W_i = q'_i step_i and C = q' . lo.
 template <class D>
-HWY_INLINE void AccumulateV(D d, const uint8_t* codes, size_t row_bytes, int G, int hd, int rep, const Shifts& sh,
-                            const float* HWY_RESTRICT p, const float* HWY_RESTRICT psum, const float* HWY_RESTRICT alpha,
-                            const float* HWY_RESTRICT vlo, const float* HWY_RESTRICT vst, float* HWY_RESTRICT acc) {
-  int r0 = 0;
-  for (; r0 + 4 <= rep; r0 += 4) AccumulateVHeads<4>(d, codes, row_bytes, G, hd, r0, sh, p, psum, alpha, vlo, vst, acc);
-  for (; r0 + 2 <= rep; r0 += 2) AccumulateVHeads<2>(d, codes, row_bytes, G, hd, r0, sh, p, psum, alpha, vlo, vst, acc);
-  for (; r0 < rep; ++r0) AccumulateVHeads<1>(d, codes, row_bytes, G, hd, r0, sh, p, psum, alpha, vlo, vst, acc);
-}
-
-// Scores of query heads [r0, r0 + NR) of one KV head for one K tile, lanes
-// [c0, c0 + N): the keys dequantized and rotated in registers, shared by
-// the NR heads.
-template <int NR, class D>
-HWY_INLINE void ScoreTile(D d, const uint8_t* tile, const uint8_t* bits, const uint32_t* off, int P,
-                          const Shifts* shifts, const float* HWY_RESTRICT kp,
-                          size_t uhd, const float* HWY_RESTRICT cs, const float* HWY_RESTRICT sn,
-                          const float* HWY_RESTRICT qb, size_t c0, float* HWY_RESTRICT out, size_t out_stride) {
-  hn::Vec<D> a[NR];
-  for (int r = 0; r < NR; ++r) a[r] = hn::Zero(d);
-  for (int pp = 0; pp < P; ++pp) {
-    const size_t i0 = static_cast<size_t>(2 * pp), i1 = i0 + 1;
-    const auto q0 = Codes(d, tile + off[i0], shifts[bits[i0]], c0);
-    const auto q1 = Codes(d, tile + off[i1], shifts[bits[i1]], c0);
-    const auto k0 = hn::MulAdd(q0, hn::Set(d, kp[uhd + i0]), hn::Set(d, kp[i0]));
-    const auto k1 = hn::MulAdd(q1, hn::Set(d, kp[uhd + i1]), hn::Set(d, kp[i1]));
-    const auto vc = hn::Load(d, cs + pp * kL + c0), vs = hn::Load(d, sn + pp * kL + c0);
-    const auto r0v = hn::NegMulAdd(k1, vs, hn::Mul(k0, vc));
-    const auto r1v = hn::MulAdd(k0, vs, hn::Mul(k1, vc));
-    for (int r = 0; r < NR; ++r) {
-      const float* qr = qb + static_cast<size_t>(r) * uhd;
-      a[r] = hn::MulAdd(hn::Set(d, qr[i0]), r0v, a[r]);
-      a[r] = hn::MulAdd(hn::Set(d, qr[i1]), r1v, a[r]);
+void PrepareGroup(D d, const Call& c, const uint8_t* rec, Work& w) {
+  const size_t N = hn::Lanes(d);
+  const size_t hd = w.hd, H = static_cast<size_t>(c.n_kv_heads), rep = w.nh / H;
+  const float maxw = static_cast<float>(kMaxW[c.k_digits]);
+  for (size_t h = 0; h < H; ++h) {
+    float* klo = w.klo + h * hd;
+    float* kst = w.kst + h * hd;
+    float* vlo = w.vlo + h * hd;
+    float* vst = w.vst + h * hd;
+    if (c.params == Params::kStatic) {
+      std::copy(c.k_static + h * 2 * hd, c.k_static + h * 2 * hd + hd, klo);
+      std::copy(c.k_static + h * 2 * hd + hd, c.k_static + (h + 1) * 2 * hd, kst);
+      std::copy(c.v_static + h * 2 * hd, c.v_static + h * 2 * hd + hd, vlo);
+      std::copy(c.v_static + h * 2 * hd + hd, c.v_static + (h + 1) * 2 * hd, vst);
+    } else {
+      const bool p8 = c.params == Params::kP8;
+      DecodeParams(d, rec + c.layout.kparams(h), hd, p8 ? c.k_grid + h * 3 * hd : nullptr, klo, kst);
+      DecodeParams(d, rec + c.layout.vparams(h), hd, p8 ? c.v_grid + h * 3 * hd : nullptr, vlo, vst);
+    }
+    // C = q' . lo = sum_i W_i lo_i / step_i: a channel whose step is 0 (all
+    // its codes 0) gets a step of 2^-16 max(1, |lo|) instead (its value lo
+    // unchanged), so lo / step stays finite.
+    {
+      const auto tiny = hn::Set(d, 0x1p-16f), one = hn::Set(d, 1.0f), zero = hn::Zero(d);
+      for (size_t i = 0; i < hd; i += N) {
+        const auto lo = hn::LoadU(d, klo + i);
+        auto st = hn::LoadU(d, kst + i);
+        st = hn::IfThenElse(hn::Gt(st, zero), st, hn::Mul(hn::Max(one, hn::Abs(lo)), tiny));
+        hn::StoreU(st, d, kst + i);
+        hn::StoreU(hn::Div(lo, st), d, w.lam + h * hd + i);
+      }
+    }
+    for (size_t r = 0; r < rep; ++r) {
+      const size_t qh = h * rep + r;
+      const float* q = c.q + qh * hd;
+      const float* qb = w.qbar + qh * hd;
+      float* a = w.a + qh * hd;
+      float* b = w.b + qh * hd;
+      // sigma: the largest step_i |q_pair(i)| over kMaxW bounds |W_i| in every
+      // tile (a little margin for the rounding of a cos + b sin).
+      auto vm = hn::Zero(d);
+      for (size_t i = 0; i < hd; i += N) {
+        const auto qv = hn::LoadU(d, q + i), qbv = hn::LoadU(d, qb + i), st = hn::LoadU(d, kst + i);
+        vm = hn::Max(vm, hn::Mul(hn::Mul(st, st), hn::MulAdd(qv, qv, hn::Mul(qbv, qbv))));
+      }
+      const float mx = std::sqrt(hn::GetLane(hn::MaxOfLanes(d, vm)));
+      const float sigma = mx > 0.0f ? mx * 1.0001f / maxw : 0.0f;
+      w.sigma[qh] = sigma;
+      const auto inv = hn::Set(d, sigma > 0.0f ? 1.0f / sigma : 0.0f);
+      for (size_t i = 0; i < hd; i += N) {
+        const auto st = hn::Mul(hn::LoadU(d, kst + i), inv);
+        hn::StoreU(hn::Mul(hn::LoadU(d, q + i), st), d, a + i);
+        hn::StoreU(hn::Mul(hn::LoadU(d, qb + i), st), d, b + i);
+      }
     }
   }
-  for (int r = 0; r < NR; ++r) hn::StoreU(a[r], d, out + static_cast<size_t>(r) * out_stride + c0);
+}
+
+// The rotation of tile `tile` (position first + 16 tile): cos / sin per
+// pair and per channel.
+void TileRotation(const Call& c, int64_t tile, Work& w) {
+  const size_t P = w.hd / 2;
+  const float* cs = c.tile_cos + static_cast<size_t>(tile) * P;
+  const float* sn = c.tile_sin + static_cast<size_t>(tile) * P;
+  for (size_t p = 0; p < P; ++p) {
+    w.cos2[2 * p] = w.cos2[2 * p + 1] = cs[p];
+    w.sin2[2 * p] = w.sin2[2 * p + 1] = sn[p];
+  }
+}
+
+// Query head qh's W digits for the current tile (packed bytes, quad-major,
+// into w.wd) and its constant C (into w.cst).
+template <class D>
+void TileWeights(D d, const Call& c, size_t qh, Work& w) {
+  const hn::RebindToSigned<D> di;
+  const hn::Rebind<int8_t, D> d8;
+  const size_t N = hn::Lanes(d), hd = w.hd, nq = hd / 4;
+  const float* a = w.a + qh * hd;
+  const float* b = w.b + qh * hd;
+  int8_t* lo = reinterpret_cast<int8_t*>(w.wd + qh * 2 * nq);
+  int8_t* hi = lo + 4 * nq;
+  const auto m7 = hn::Set(di, 127);
+  for (size_t i = 0; i < hd; i += N) {
+    const auto wf = hn::MulAdd(hn::LoadU(d, a + i), hn::LoadU(d, w.cos2 + i), hn::Mul(hn::LoadU(d, b + i), hn::LoadU(d, w.sin2 + i)));
+    const auto wi = hn::NearestInt(wf);
+    if (c.k_digits == 1) {
+      hn::StoreU(hn::DemoteTo(d8, wi), d8, lo + i);
+    } else {
+      hn::StoreU(hn::DemoteTo(d8, hn::And(wi, m7)), d8, lo + i);
+      hn::StoreU(hn::DemoteTo(d8, hn::ShiftRight<7>(wi)), d8, hi + i);
+    }
+  }
+  // C / sigma = sum_i (W_i / sigma) lo_i / step_i (the rotated query times lo).
+  const float* lam = w.lam + (qh / (w.nh / static_cast<size_t>(c.n_kv_heads))) * hd;
+  auto s0 = hn::Zero(d);
+  for (size_t i = 0; i < hd; i += N) {
+    const auto wf = hn::MulAdd(hn::LoadU(d, a + i), hn::LoadU(d, w.cos2 + i), hn::Mul(hn::LoadU(d, b + i), hn::LoadU(d, w.sin2 + i)));
+    s0 = hn::MulAdd(wf, hn::LoadU(d, lam + i), s0);
+  }
+  const float cst = hn::GetLane(hn::SumOfLanes(d, s0)) * w.sigma[qh];
+  w.cst[qh] = cst;
+}
+
+// One online-softmax step of query head qh over the group's G scores: the
+// weights as P^ digits (w.pd), their integer sum, the rescale of what was
+// accumulated (w.al) and sigma_p (w.sp).
+void SoftmaxStep(const Call& c, size_t qh, Work& w) {
+  const DF d;
+  const hn::RebindToSigned<DF> di;
+  const hn::Rebind<int8_t, DF> d8;
+  const size_t N = hn::Lanes(d), G = w.G;
+  const float* s = w.scores + qh * G;
+  auto vm = hn::Set(d, -std::numeric_limits<float>::infinity());
+  for (size_t t = 0; t < G; t += N) vm = hn::Max(vm, hn::LoadU(d, s + t));
+  const float mg = hn::GetLane(hn::MaxOfLanes(d, vm));
+  const float mn = std::max(w.m[qh], mg);
+  const float alpha = std::exp(w.m[qh] - mn);  // 0 when m was -inf
+  w.m[qh] = mn;
+  const float pmax = std::exp(mg - mn);
+  const int maxp = kMaxP[c.v_digits];
+  const float sp = pmax / static_cast<float>(maxp);
+  const float inv = pmax > 0.0f ? static_cast<float>(maxp) / pmax : 0.0f;
+  int8_t* lo = reinterpret_cast<int8_t*>(w.pd + qh * 2 * (G / 4));
+  int8_t* hi = lo + G;
+  auto vsum = hn::Zero(di);
+  const auto vmn = hn::Set(d, mn), vinv = hn::Set(d, inv);
+  const auto m7 = hn::Set(di, 127);
+  for (size_t t = 0; t < G; t += N) {
+    const auto e = hn::Exp(d, hn::Sub(hn::LoadU(d, s + t), vmn));
+    // p <= pmax, so P^ <= kMaxP (both exps within a few ulp of exact).
+    const auto pi = hn::NearestInt(hn::Mul(e, vinv));
+    vsum = hn::Add(vsum, pi);
+    if (c.v_digits == 1) {
+      hn::StoreU(hn::DemoteTo(d8, pi), d8, lo + t);
+    } else {
+      hn::StoreU(hn::DemoteTo(d8, hn::And(pi, m7)), d8, lo + t);
+      hn::StoreU(hn::DemoteTo(d8, hn::ShiftRight<7>(pi)), d8, hi + t);
+    }
+  }
+  const int32_t psum = hn::GetLane(hn::SumOfLanes(di, vsum));
+  w.psumi[qh] = psum;
+  w.al[qh] = alpha;
+  w.sp[qh] = sp;
+  w.l[qh] = w.l[qh] * alpha + sp * static_cast<float>(psum);
+}
+
+// acc[qh] = acc alpha + sigma_p (vlo sum P^ + vst (.) sums[ch]) for the
+// channels [c0, c0 + n), sums the integer V sums as floats.
+HWY_INLINE void FinishV(size_t qh, size_t h, size_t c0, size_t n, const float* HWY_RESTRICT sums, Work& w) {
+  const hn::CappedTag<float, 8> d;
+  const size_t N = hn::Lanes(d);
+  float* HWY_RESTRICT acc = w.acc + qh * w.hd + c0;
+  const float* HWY_RESTRICT vlo = w.vlo + h * w.hd + c0;
+  const float* HWY_RESTRICT vst = w.vst + h * w.hd + c0;
+  const auto al = hn::Set(d, w.al[qh]), sp = hn::Set(d, w.sp[qh]), ps = hn::Set(d, static_cast<float>(w.psumi[qh]));
+  size_t i = 0;
+  for (; i + N <= n; i += N) {
+    const auto t = hn::MulAdd(hn::LoadU(d, vst + i), hn::LoadU(d, sums + i), hn::Mul(hn::LoadU(d, vlo + i), ps));
+    hn::StoreU(hn::MulAdd(hn::LoadU(d, acc + i), al, hn::Mul(sp, t)), d, acc + i);
+  }
+  for (; i < n; ++i) acc[i] = acc[i] * w.al[qh] + w.sp[qh] * (vst[i] * sums[i] + vlo[i] * static_cast<float>(w.psumi[qh]));
+}
+
+// ---- portable integer dot products (exact int32; every target) -----------------
+
+void ScoresPortable(const Call& c, const uint8_t* tile, size_t h, size_t rep, size_t j, Work& w) {
+  const size_t hd = w.hd, nq = hd / 4;
+  const uint8_t* kb = c.k_quad_bits + h * nq;
+  const uint32_t* ko = c.k_quad_off + h * nq;
+  int32_t dots[64][kTile];
+  uint8_t u[64];
+  std::memset(dots, 0, sizeof(dots));
+  for (size_t k = 0; k < nq; ++k) {
+    UnpackCodes(tile + ko[k], 64, kb[k], u);
+    for (size_t r = 0; r < rep; ++r) {
+      const size_t qh = h * rep + r;
+      const int8_t* lo = reinterpret_cast<const int8_t*>(w.wd + qh * 2 * nq) + 4 * k;
+      const int8_t* hi = lo + 4 * nq;
+      for (int l = 0; l < kTile; ++l) {
+        int32_t s = 0;
+        for (int jj = 0; jj < 4; ++jj) {
+          const int32_t wq = c.k_digits == 1 ? lo[jj] : 128 * hi[jj] + lo[jj];
+          s += wq * u[4 * l + jj];
+        }
+        dots[r][l] += s;
+      }
+    }
+  }
+  for (size_t r = 0; r < rep; ++r) {
+    const size_t qh = h * rep + r;
+    float* out = w.scores + qh * w.G + j * kTile;
+    for (int l = 0; l < kTile; ++l) out[l] = static_cast<float>(dots[r][l]) * w.sigma[qh] + w.cst[qh];
+  }
+}
+
+void AccumulateVPortable(const Call& c, const uint8_t* rec, size_t h, size_t rep, Work& w) {
+  const size_t hd = w.hd, G = w.G;
+  const int vb = c.v_bits;
+  const size_t vw = c.layout.vw;
+  uint8_t u[64];
+  float sums[16];
+  for (size_t x = 0; x < hd / vw; ++x) {
+    for (size_t r = 0; r < rep; ++r) {
+      const size_t qh = h * rep + r;
+      const int8_t* lo = reinterpret_cast<const int8_t*>(w.pd + qh * 2 * (G / 4));
+      const int8_t* hi = lo + G;
+      int32_t s[16] = {};
+      for (size_t r4 = 0; r4 < G / 4; ++r4) {
+        UnpackCodes(rec + c.layout.voperand(h, x, r4), 4 * vw, vb, u);
+        for (size_t n = 0; n < vw; ++n) {
+          for (int jj = 0; jj < 4; ++jj) {
+            const int32_t pq = c.v_digits == 1 ? lo[4 * r4 + jj] : 128 * hi[4 * r4 + jj] + lo[4 * r4 + jj];
+            s[n] += pq * u[4 * n + jj];
+          }
+        }
+      }
+      for (size_t n = 0; n < vw; ++n) sums[n] = static_cast<float>(s[n]);
+      FinishV(qh, h, x * vw, vw, sums, w);
+    }
+  }
+}
+
+#if HWY_TARGET == HWY_AVX3_DL
+// ---- AVX-512 VNNI + VBMI ----
+// Highway 1.0.3's AVX3_DL target string lacks avx512vnni and avx512vbmi (every
+// AVX3_DL CPU has them); the functions that use them add them.
+#define KVQ_DL_ATTR __attribute__((target("avx512vnni,avx512vbmi")))
+#define KVQ_DL_ATTR_BASE
+// TileWeights with native rounding (cvtps2dq: to nearest even, in range by
+// construction) and narrowing stores (vpmovdb), for the RB query heads of
+// KV head h at once (the rotation and lo / step loaded once).
+template <int RB>
+KVQ_DL_ATTR_BASE HWY_INLINE void TileWeightsDlBlock(const Call& c, size_t h, size_t qh0, Work& w) {
+  const size_t hd = w.hd, nq = hd / 4;
+  const float* lam = w.lam + h * hd;
+  __m512 s[RB];
+  for (int r = 0; r < RB; ++r) s[r] = _mm512_setzero_ps();
+  const __m512i m7 = _mm512_set1_epi32(127);
+  for (size_t i = 0; i < hd; i += 16) {
+    const __m512 c2 = _mm512_loadu_ps(w.cos2 + i), s2 = _mm512_loadu_ps(w.sin2 + i), l = _mm512_loadu_ps(lam + i);
+    for (int r = 0; r < RB; ++r) {
+      const size_t qh = qh0 + static_cast<size_t>(r);
+      const __m512 wf = _mm512_fmadd_ps(_mm512_loadu_ps(w.a + qh * hd + i), c2, _mm512_mul_ps(_mm512_loadu_ps(w.b + qh * hd + i), s2));
+      const __m512i wi = _mm512_cvtps_epi32(wf);
+      int8_t* lo = reinterpret_cast<int8_t*>(w.wd + qh * 2 * nq);
+      if (c.k_digits == 1) {
+        _mm512_mask_cvtepi32_storeu_epi8(lo + i, 0xFFFF, wi);
+      } else {
+        _mm512_mask_cvtepi32_storeu_epi8(lo + i, 0xFFFF, _mm512_and_si512(wi, m7));
+        _mm512_mask_cvtepi32_storeu_epi8(lo + 4 * nq + i, 0xFFFF, _mm512_srai_epi32(wi, 7));
+      }
+      s[r] = _mm512_fmadd_ps(wf, l, s[r]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) w.cst[qh0 + static_cast<size_t>(r)] = _mm512_reduce_add_ps(s[r]) * w.sigma[qh0 + static_cast<size_t>(r)];
+}
+
+KVQ_DL_ATTR_BASE void TileWeightsDl(const Call& c, size_t h, size_t rep, Work& w) {
+  size_t r = 0;
+  for (; r + 4 <= rep; r += 4) TileWeightsDlBlock<4>(c, h, h * rep + r, w);
+  for (; r + 2 <= rep; r += 2) TileWeightsDlBlock<2>(c, h, h * rep + r, w);
+  for (; r < rep; ++r) TileWeightsDlBlock<1>(c, h, h * rep + r, w);
+}
+
+// acc += codes . broadcast(*w) with the broadcast folded into vpdpbusd's
+// memory operand (GCC 12 does not fold _mm512_set1_epi32 into it).
+HWY_INLINE __m512i DpBcast(__m512i acc, __m512i codes, const int32_t* w) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(codes), "m"(*w));
+  return acc;
+}
+
+struct Unpacker {
+  __m512i perm, shift, mask;
+  __mmask64 load;
+  int bits;
+};
+
+KVQ_DL_ATTR HWY_INLINE Unpacker MakeUnpacker(int bits) {
+  Unpacker u;
+  u.perm = _mm512_load_si512(kUnpack.perm[bits]);
+  u.shift = _mm512_load_si512(kUnpack.shift[bits]);
+  u.mask = _mm512_load_si512(kUnpack.mask[bits]);
+  u.load = bits == 8 ? ~__mmask64{0} : ((__mmask64{1} << (8 * bits)) - 1);
+  u.bits = bits;
+  return u;
+}
+
+// The 64 codes of the operand at p, a byte each.
+KVQ_DL_ATTR HWY_INLINE __m512i Unpack(const Unpacker& u, const uint8_t* p) {
+  const __m512i src = _mm512_maskz_loadu_epi8(u.load, p);
+  if (u.bits == 8) return src;
+  return _mm512_and_si512(_mm512_multishift_epi64_epi8(u.shift, _mm512_permutexvar_epi8(u.perm, src)), u.mask);
+}
+
+// Independent accumulator chains per (head, digit): about 8 in all, so the
+// vpdpbusd latency (~4-5 cycles) is hidden behind throughput.
+constexpr int Chains(int rb, int d) { return rb * d >= 8 ? 1 : (rb * d >= 4 ? 2 : 4); }
+
+// Scores of query heads [qh0, qh0 + RB) of KV head h for one tile: kD digit
+// accumulators per head, kU partial sums (independent chains) each. The
+// quads come in runs of one width (runs), so each run's unpacker is loaded
+// once.
+template <int RB, int kD>
+KVQ_DL_ATTR HWY_INLINE void ScoresVnniBlock(const uint8_t* tile, const uint32_t* ko, const Run* runs, size_t n_runs,
+                                            size_t nq, size_t qh0, Work& w, size_t j) {
+  constexpr int kU = Chains(RB, kD);
+  __m512i acc[RB][kD][kU];
+  for (int r = 0; r < RB; ++r)
+    for (int dd = 0; dd < kD; ++dd)
+      for (int uu = 0; uu < kU; ++uu) acc[r][dd][uu] = _mm512_setzero_si512();
+  const int32_t* wd[RB];
+  for (int r = 0; r < RB; ++r) wd[r] = w.wd + (qh0 + r) * 2 * nq;
+  for (size_t ri = 0; ri < n_runs; ++ri) {
+    const Unpacker up = MakeUnpacker(runs[ri].bits);
+    size_t k = runs[ri].k0;
+    const size_t k1 = runs[ri].k1;
+    for (; k + kU <= k1; k += kU) {
+      for (int uu = 0; uu < kU; ++uu) {
+        const size_t kk = k + static_cast<size_t>(uu);
+        const __m512i codes = Unpack(up, tile + ko[kk]);
+        for (int r = 0; r < RB; ++r) {
+          acc[r][0][uu] = DpBcast(acc[r][0][uu], codes, wd[r] + kk);
+          if constexpr (kD == 2) acc[r][1][uu] = DpBcast(acc[r][1][uu], codes, wd[r] + nq + kk);
+        }
+      }
+    }
+    for (; k < k1; ++k) {
+      const __m512i codes = Unpack(up, tile + ko[k]);
+      for (int r = 0; r < RB; ++r) {
+        acc[r][0][0] = DpBcast(acc[r][0][0], codes, wd[r] + k);
+        if constexpr (kD == 2) acc[r][1][0] = DpBcast(acc[r][1][0], codes, wd[r] + nq + k);
+      }
+    }
+  }
+  for (int r = 0; r < RB; ++r) {
+    const size_t qh = qh0 + static_cast<size_t>(r);
+    __m512i lo = acc[r][0][0], hi = kD == 2 ? acc[r][kD - 1][0] : _mm512_setzero_si512();
+    for (int uu = 1; uu < kU; ++uu) {
+      lo = _mm512_add_epi32(lo, acc[r][0][uu]);
+      if constexpr (kD == 2) hi = _mm512_add_epi32(hi, acc[r][1][uu]);
+    }
+    const __m512i sum = kD == 2 ? _mm512_add_epi32(_mm512_slli_epi32(hi, 7), lo) : lo;
+    const __m512 s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(w.sigma[qh]), _mm512_set1_ps(w.cst[qh]));
+    _mm512_storeu_ps(w.scores + qh * w.G + j * kTile, s);
+  }
+}
+
+template <int kD>
+KVQ_DL_ATTR void ScoresVnni(const Call& c, const uint8_t* tile, size_t h, size_t rep, size_t j, Work& w) {
+  const size_t nq = w.hd / 4;
+  const uint32_t* ko = c.k_quad_off + h * nq;
+  const Run* runs = w.runs.data() + w.run_begin[h];
+  const size_t n = w.run_begin[h + 1] - w.run_begin[h];
+  size_t r = 0;
+  for (; r + 8 <= rep; r += 8) ScoresVnniBlock<8, kD>(tile, ko, runs, n, nq, h * rep + r, w, j);
+  for (; r + 4 <= rep; r += 4) ScoresVnniBlock<4, kD>(tile, ko, runs, n, nq, h * rep + r, w, j);
+  for (; r + 2 <= rep; r += 2) ScoresVnniBlock<2, kD>(tile, ko, runs, n, nq, h * rep + r, w, j);
+  for (; r < rep; ++r) ScoresVnniBlock<1, kD>(tile, ko, runs, n, nq, h * rep + r, w, j);
+}
+
+// V of query heads [qh0, qh0 + RB) over channel blocks [x0, x0 + XB) of KV
+// head h: every weight broadcast feeds XB blocks.
+template <int RB, int kD, int XB>
+KVQ_DL_ATTR HWY_INLINE void AccumulateVVnniBlock(const uint8_t* rec, const Call& c, const Unpacker& up, size_t x0,
+                                                 size_t qh0, size_t h, Work& w) {
+  constexpr int kU = RB * kD * XB >= 8 ? 1 : 2;  // independent chains per accumulator
+  const size_t G = w.G, nw = G / 4, opb = c.layout.vop;
+  __m512i acc[XB][RB][kD][kU];
+  for (int x = 0; x < XB; ++x)
+    for (int r = 0; r < RB; ++r)
+      for (int dd = 0; dd < kD; ++dd)
+        for (int uu = 0; uu < kU; ++uu) acc[x][r][dd][uu] = _mm512_setzero_si512();
+  const int32_t* pd[RB];
+  for (int r = 0; r < RB; ++r) pd[r] = w.pd + (qh0 + r) * 2 * nw;
+  const uint8_t* base[XB];
+  for (int x = 0; x < XB; ++x) base[x] = rec + c.layout.voperand(h, x0 + static_cast<size_t>(x), 0);
+  for (size_t q4 = 0; q4 < nw; q4 += kU) {  // nw = G / 4 is a multiple of 4
+    for (int uu = 0; uu < kU; ++uu) {
+      const size_t qq = q4 + static_cast<size_t>(uu);
+      __m512i codes[XB];
+      for (int x = 0; x < XB; ++x) codes[x] = Unpack(up, base[x] + qq * opb);
+      for (int r = 0; r < RB; ++r) {
+        const __m512i b0 = _mm512_set1_epi32(pd[r][qq]);
+        for (int x = 0; x < XB; ++x) acc[x][r][0][uu] = _mm512_dpbusd_epi32(acc[x][r][0][uu], codes[x], b0);
+        if constexpr (kD == 2) {
+          const __m512i b1 = _mm512_set1_epi32(pd[r][nw + qq]);
+          for (int x = 0; x < XB; ++x) acc[x][r][1][uu] = _mm512_dpbusd_epi32(acc[x][r][1][uu], codes[x], b1);
+        }
+      }
+    }
+  }
+  for (int x = 0; x < XB; ++x) {
+    const size_t c0 = (x0 + static_cast<size_t>(x)) * 16;
+    const __m512 vst = _mm512_loadu_ps(w.vst + h * w.hd + c0), vlo = _mm512_loadu_ps(w.vlo + h * w.hd + c0);
+    for (int r = 0; r < RB; ++r) {
+      const size_t qh = qh0 + static_cast<size_t>(r);
+      __m512i lo = acc[x][r][0][0], hi = kD == 2 ? acc[x][r][kD - 1][0] : _mm512_setzero_si512();
+      for (int uu = 1; uu < kU; ++uu) {
+        lo = _mm512_add_epi32(lo, acc[x][r][0][uu]);
+        if constexpr (kD == 2) hi = _mm512_add_epi32(hi, acc[x][r][1][uu]);
+      }
+      // Combined in float: 128 hi + lo can pass 2^31 for long groups of 8-bit codes.
+      __m512 sums = _mm512_cvtepi32_ps(lo);
+      if constexpr (kD == 2) sums = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(128.0f), sums);
+      // acc = acc alpha + sigma_p (vlo sum P^ + vst (.) sums)
+      float* out = w.acc + qh * w.hd + c0;
+      const __m512 t = _mm512_fmadd_ps(vst, sums, _mm512_mul_ps(vlo, _mm512_set1_ps(static_cast<float>(w.psumi[qh]))));
+      _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_loadu_ps(out), _mm512_set1_ps(w.al[qh]),
+                                            _mm512_mul_ps(_mm512_set1_ps(w.sp[qh]), t)));
+    }
+  }
+}
+
+template <int kD>
+KVQ_DL_ATTR void AccumulateVVnni(const Call& c, const uint8_t* rec, size_t h, size_t rep, Work& w) {
+  const size_t nx = w.hd / 16;
+  const Unpacker up = MakeUnpacker(c.v_bits);
+  size_t x = 0;
+  for (; x + 2 <= nx; x += 2) {
+    size_t r = 0;
+    for (; r + 4 <= rep; r += 4) AccumulateVVnniBlock<4, kD, 2>(rec, c, up, x, h * rep + r, h, w);
+    for (; r + 2 <= rep; r += 2) AccumulateVVnniBlock<2, kD, 2>(rec, c, up, x, h * rep + r, h, w);
+    for (; r < rep; ++r) AccumulateVVnniBlock<1, kD, 2>(rec, c, up, x, h * rep + r, h, w);
+  }
+  for (; x < nx; ++x) {
+    size_t r = 0;
+    for (; r + 4 <= rep; r += 4) AccumulateVVnniBlock<4, kD, 1>(rec, c, up, x, h * rep + r, h, w);
+    for (; r + 2 <= rep; r += 2) AccumulateVVnniBlock<2, kD, 1>(rec, c, up, x, h * rep + r, h, w);
+    for (; r < rep; ++r) AccumulateVVnniBlock<1, kD, 1>(rec, c, up, x, h * rep + r, h, w);
+  }
+}
+#endif  // HWY_TARGET == HWY_AVX3_DL
+
+HWY_INLINE void PrefetchRange(const uint8_t* p, size_t bytes) {
+  for (size_t off = 0; off < bytes; off += 64) hwy::Prefetch(p + off);
 }
 
 void AttendImpl(const Call& c) {
-  const hn::CappedTag<float, kL> d;
-  const size_t N = hn::Lanes(d);
-  const int hd = c.head_dim, P = hd / 2, H = c.n_kv_heads, rep = c.n_heads / H, G = c.group;
-  const int tiles = G / kL;
-  const size_t uhd = static_cast<size_t>(hd), uG = static_cast<size_t>(G);
-  const Shifts shifts[9] = {Shifts(1), Shifts(1), Shifts(2), Shifts(3), Shifts(4),
-                            Shifts(5), Shifts(6), Shifts(7), Shifts(8)};  // by bits (0 unused)
-  const Shifts& vsh = shifts[c.v_bits];
-  const size_t vrow = uhd * static_cast<size_t>(c.v_bits) / 8;
-  const size_t header = c.k_static ? 0 : GroupHeaderBytes(uhd, c.k_grid != nullptr);  // per-group lo | step
-  // Rotation of each pair at lane offsets 0..15 (transposed: [pair][lane]),
-  // and the tile's rotation (aligned: read with Load).
-  const size_t pl = static_cast<size_t>(P) * kL;
-  auto rot = hwy::AllocateAligned<float>(4 * pl);
-  float* co = rot.get();
-  float* so = co + pl;
-  float* cs = so + pl;
-  float* sn = cs + pl;
-  const size_t nh = static_cast<size_t>(c.n_heads), ur = static_cast<size_t>(rep);
-  std::vector<float> scores_v(nh * uG), acc_v(nh * uhd, 0.0f), pw_v(ur * uG), m_v(nh), l_v(nh, 0.0f);
-  std::vector<float> vlo_v(uhd), vst_v(uhd), psum_v(ur), alpha_v(ur);
-  float* scores = scores_v.data();  // [n_heads][G]
-  float* acc = acc_v.data();        // [n_heads][hd]
-  float* pw = pw_v.data();          // [rep][G]: one KV head's weights
-  float* m = m_v.data();
-  float* l = l_v.data();
-  float* vlo = vlo_v.data();
-  float* vst = vst_v.data();
-  float* psum = psum_v.data();
-  float* alpha = alpha_v.data();
-  for (int pp = 0; pp < P; ++pp) {
-    for (int ln = 0; ln < kL; ++ln) {
-      co[pp * kL + ln] = c.rope_cos[ln * P + pp];
-      so[pp * kL + ln] = c.rope_sin[ln * P + pp];
+  const size_t hd = static_cast<size_t>(c.head_dim), G = static_cast<size_t>(c.group);
+  const size_t H = static_cast<size_t>(c.n_kv_heads), nh = static_cast<size_t>(c.n_heads), rep = nh / H;
+  Work w;
+  w.Init(hd, G, nh, H);
+  std::fill(w.m, w.m + nh, -std::numeric_limits<float>::infinity());
+  for (size_t i = 0; i < nh * hd; i += 2) w.qbar[i] = c.q[i + 1], w.qbar[i + 1] = -c.q[i];
+  for (size_t h = 0; h < H; ++h) {
+    w.run_begin.push_back(w.runs.size());
+    const uint8_t* kb = c.k_quad_bits + h * (hd / 4);
+    for (size_t k = 0; k < hd / 4; ++k) {
+      if (w.runs.size() > w.run_begin.back() && w.runs.back().bits == kb[k]) {
+        w.runs.back().k1 = k + 1;
+      } else {
+        w.runs.push_back({kb[k], k, k + 1});
+      }
     }
   }
-  std::fill(m, m + nh, -std::numeric_limits<float>::infinity());
-  std::vector<float> kparams(static_cast<size_t>(H) * 2 * uhd);
-
+  w.run_begin.push_back(w.runs.size());
+#if HWY_TARGET == HWY_AVX3_DL
+  const bool vnni = hd % 16 == 0;
+#endif
   for (int64_t g = c.g0; g < c.g1; ++g) {
-    for (int h = 0; h < H && !c.k_static; ++h) {
-      const uint8_t* hdr = c.k + (static_cast<size_t>(h) * static_cast<size_t>(c.max_groups) + static_cast<size_t>(g)) * c.gbk;
-      float* kp = kparams.data() + static_cast<size_t>(h) * 2 * uhd;
-      DecodeGroupParams(hdr, uhd, c.k_grid ? c.k_grid + static_cast<size_t>(h) * 3 * uhd : nullptr, kp, kp + uhd);
+    const uint8_t* rec = c.groups[g];
+    // The next record's parameters (the rest streams in order).
+    if (g + 1 < c.g1) {
+      const uint8_t* nx = c.groups[g + 1];
+      for (size_t off = 0; off < c.layout.codes() + 256; off += 64) hwy::Prefetch(nx + off);
     }
-    for (int j = 0; j < tiles; ++j) {
-      const int64_t t0 = c.first + g * G + j * kL;
-      const float* cb = c.rope_cos + t0 * P;
-      const float* sb = c.rope_sin + t0 * P;
-      for (int pp = 0; pp < P; ++pp) {
-        const auto vc = hn::Set(d, cb[pp]), vs = hn::Set(d, sb[pp]);
-        for (size_t c0 = 0; c0 < static_cast<size_t>(kL); c0 += N) {
-          const auto o_c = hn::Load(d, co + pp * kL + c0), o_s = hn::Load(d, so + pp * kL + c0);
-          hn::Store(hn::NegMulAdd(vs, o_s, hn::Mul(vc, o_c)), d, cs + pp * kL + c0);  // cos(a + b)
-          hn::Store(hn::MulAdd(vc, o_s, hn::Mul(vs, o_c)), d, sn + pp * kL + c0);     // sin(a + b)
-        }
-      }
-      for (int h = 0; h < H; ++h) {
-        const uint8_t* tile = c.k + (static_cast<size_t>(h) * static_cast<size_t>(c.max_groups) + static_cast<size_t>(g)) * c.gbk +
-                              header + static_cast<size_t>(j) * c.ktile_bytes;
-        const uint8_t* kb = c.k_bits_ch + static_cast<size_t>(h) * uhd;
-        const uint32_t* ko = c.k_off_ch + static_cast<size_t>(h) * uhd;
-        const float* kp = (c.k_static ? c.k_static : kparams.data()) + static_cast<size_t>(h) * 2 * uhd;
-        for (size_t c0 = 0; c0 < static_cast<size_t>(kL); c0 += N) {
-          float* out = scores + static_cast<size_t>(h * rep) * uG + static_cast<size_t>(j) * kL;
-          const float* qb = c.q + static_cast<size_t>(h * rep) * uhd;
-          int r0 = 0;
-          for (; r0 + 4 <= rep; r0 += 4) {
-            ScoreTile<4>(d, tile, kb, ko, P, shifts, kp, uhd, cs, sn, qb + static_cast<size_t>(r0) * uhd, c0,
-                         out + static_cast<size_t>(r0) * uG, uG);
-          }
-          for (; r0 + 2 <= rep; r0 += 2) {
-            ScoreTile<2>(d, tile, kb, ko, P, shifts, kp, uhd, cs, sn, qb + static_cast<size_t>(r0) * uhd, c0,
-                         out + static_cast<size_t>(r0) * uG, uG);
-          }
-          for (; r0 < rep; ++r0) {
-            ScoreTile<1>(d, tile, kb, ko, P, shifts, kp, uhd, cs, sn, qb + static_cast<size_t>(r0) * uhd, c0,
-                         out + static_cast<size_t>(r0) * uG, uG);
-          }
-        }
-      }
+    if (hd % 16 == 0) {
+      PrepareGroup(DF(), c, rec, w);
+    } else {
+      PrepareGroup(hn::CappedTag<float, 8>(), c, rec, w);
     }
-    // One softmax step per head for the whole group, then V.
-    for (int h = 0; h < H; ++h) {
-      const uint8_t* grp = c.v + (static_cast<size_t>(h) * static_cast<size_t>(c.max_groups) + static_cast<size_t>(g)) * c.gbv;
-      if (c.v_static) {
-        std::copy(c.v_static + static_cast<size_t>(h) * 2 * uhd, c.v_static + static_cast<size_t>(h) * 2 * uhd + uhd, vlo);
-        std::copy(c.v_static + static_cast<size_t>(h) * 2 * uhd + uhd, c.v_static + static_cast<size_t>(h) * 2 * uhd + 2 * uhd,
-                  vst);
-      } else {
-        DecodeGroupParams(grp, uhd, c.v_grid ? c.v_grid + static_cast<size_t>(h) * 3 * uhd : nullptr, vlo, vst);
-      }
-      for (int r = 0; r < rep; ++r) {
-        const size_t qh = static_cast<size_t>(h * rep + r);
-        const float* HWY_RESTRICT s = scores + qh * uG;
-        auto vm = hn::Set(d, -std::numeric_limits<float>::infinity());
-        for (size_t t = 0; t < uG; t += N) vm = hn::Max(vm, hn::LoadU(d, s + t));
-        const float mg = hn::GetLane(hn::MaxOfLanes(d, vm));
-        const float mn = std::max(m[qh], mg);
-        alpha[r] = std::exp(m[qh] - mn);  // 0 when m was -inf
-        m[qh] = mn;
-        float* HWY_RESTRICT pr = pw + static_cast<size_t>(r) * uG;
-        auto vsum = hn::Zero(d);
-        const auto vmn = hn::Set(d, mn);
-        for (size_t t = 0; t < uG; t += N) {
-          const auto e = hn::Exp(d, hn::Sub(hn::LoadU(d, s + t), vmn));
-          hn::StoreU(e, d, pr + t);
-          vsum = hn::Add(vsum, e);
-        }
-        psum[r] = hn::GetLane(hn::SumOfLanes(d, vsum));
-        l[qh] = l[qh] * alpha[r] + psum[r];
-      }
-      float* a = acc + static_cast<size_t>(h * rep) * uhd;
-      const uint8_t* codes = grp + header;
+    const RecordLayout& L = c.layout;
+    for (size_t j = 0; j < G / kTile; ++j) {
+      // The next tile's codes (the last tile: the first heads' V codes).
+      PrefetchRange(rec + L.tile(j, 0) + H * L.ktile, H * L.ktile);
+      TileRotation(c, g * static_cast<int64_t>(G / kTile) + static_cast<int64_t>(j), w);
+#if HWY_TARGET == HWY_AVX3_DL
+      if (vnni) {
+        for (size_t h = 0; h < H; ++h) TileWeightsDl(c, h, rep, w);
+      } else
+#endif
       if (hd % 16 == 0) {
-        AccumulateV(d, codes, vrow, G, hd, rep, vsh, pw, psum, alpha, vlo, vst, a);
-      } else {
-        const hn::CappedTag<float, 8> d8;
-        AccumulateV(d8, codes, vrow, G, hd, rep, vsh, pw, psum, alpha, vlo, vst, a);
+        for (size_t qh = 0; qh < nh; ++qh) TileWeights(DF(), c, qh, w);
+      } else {  // head_dim 8, 24, ...: vectors of at most 8 lanes
+        for (size_t qh = 0; qh < nh; ++qh) TileWeights(hn::CappedTag<float, 8>(), c, qh, w);
       }
+      for (size_t h = 0; h < H; ++h) {
+        const uint8_t* tile = rec + c.layout.tile(j, h);
+#if HWY_TARGET == HWY_AVX3_DL
+        if (vnni) {
+          if (c.k_digits == 1) {
+            ScoresVnni<1>(c, tile, h, rep, j, w);
+          } else {
+            ScoresVnni<2>(c, tile, h, rep, j, w);
+          }
+          continue;
+        }
+#endif
+        ScoresPortable(c, tile, h, rep, j, w);
+      }
+    }
+    for (size_t qh = 0; qh < nh; ++qh) SoftmaxStep(c, qh, w);
+    const size_t vhead = L.vblocks() * L.vquads() * L.vop;
+    for (size_t h = 0; h < H; ++h) {
+      if (h + 1 < H) PrefetchRange(rec + L.voperand(h + 1, 0, 0), vhead);
+#if HWY_TARGET == HWY_AVX3_DL
+      if (vnni) {
+        if (c.v_digits == 1) {
+          AccumulateVVnni<1>(c, rec, h, rep, w);
+        } else {
+          AccumulateVVnni<2>(c, rec, h, rep, w);
+        }
+        continue;
+      }
+#endif
+      AccumulateVPortable(c, rec, h, rep, w);
     }
   }
-  for (int qh = 0; qh < c.n_heads; ++qh) {
-    const size_t uq = static_cast<size_t>(qh);
-    if (l[uq] > 0.0f) {
-      c.log_mass[uq] = static_cast<double>(m[uq]) + std::log(static_cast<double>(l[uq]));
-      const float inv = 1.0f / l[uq];
-      for (size_t i = 0; i < uhd; ++i) c.value[uq * uhd + i] = acc[uq * uhd + i] * inv;
+  for (size_t qh = 0; qh < nh; ++qh) {
+    if (w.l[qh] > 0.0f) {
+      c.log_mass[qh] = static_cast<double>(w.m[qh]) + std::log(static_cast<double>(w.l[qh]));
+      const float inv = 1.0f / w.l[qh];
+      for (size_t i = 0; i < hd; ++i) c.value[qh * hd + i] = w.acc[qh * hd + i] * inv;
     } else {
-      c.log_mass[uq] = -std::numeric_limits<double>::infinity();
-      for (size_t i = 0; i < uhd; ++i) c.value[uq * uhd + i] = 0.0f;
+      c.log_mass[qh] = -std::numeric_limits<double>::infinity();
+      for (size_t i = 0; i < hd; ++i) c.value[qh * hd + i] = 0.0f;
     }
   }
 }
@@ -296,5 +681,35 @@ HWY_AFTER_NAMESPACE();
 namespace kvq::grouped {
 HWY_EXPORT(AttendImpl);
 void Attend(const Call& c) { HWY_DYNAMIC_DISPATCH(AttendImpl)(c); }
+
+void UnpackCodes(const uint8_t* p, size_t n, int bits, uint8_t* out) {
+  if (bits == 8) {
+    std::memcpy(out, p, n);
+    return;
+  }
+  if (bits == 4) {
+    for (size_t i = 0; i < n / 2; ++i) out[2 * i] = p[i] & 15, out[2 * i + 1] = static_cast<uint8_t>(p[i] >> 4);
+    return;
+  }
+  if (bits == 2) {
+    for (size_t i = 0; i < n / 4; ++i) {
+      out[4 * i] = p[i] & 3, out[4 * i + 1] = (p[i] >> 2) & 3, out[4 * i + 2] = (p[i] >> 4) & 3;
+      out[4 * i + 3] = static_cast<uint8_t>(p[i] >> 6);
+    }
+    return;
+  }
+  uint64_t acc = 0;
+  int have = 0;
+  const uint32_t mask = (1u << bits) - 1;
+  for (size_t i = 0; i < n; ++i) {
+    if (have < bits) {
+      acc |= static_cast<uint64_t>(*p++) << have;
+      have += 8;
+    }
+    out[i] = static_cast<uint8_t>(acc & mask);
+    acc >>= bits;
+    have -= bits;
+  }
+}
 }  // namespace kvq::grouped
 #endif

@@ -12,6 +12,7 @@
 #include "kvq/error.h"
 #include "kvq/half.h"
 #include "src/grouped_attention.h"
+#include "src/grouped_encode.h"
 
 namespace kvq {
 
@@ -104,29 +105,63 @@ int64_t GroupedKvScheme::coded_end(int64_t T) const {
   return sinks + group * (open / group);
 }
 
-int64_t GroupedKvScheme::stored_bits(int64_t T) const {
-  if (T <= 0) return 0;
-  const int64_t kv = k_bits + v_bits;
-  if (calibrated) {  // every token after the sinks coded on arrival; the recent ones also exact; the table
-    const int64_t coded = std::max<int64_t>(0, T - sinks);
-    const int64_t exact = std::min<int64_t>(T, sinks) + std::min<int64_t>(recent, coded);
-    return coded * kv + exact * 32 + 64;
+int64_t GroupedKvScheme::complete_end(int64_t T) const {
+  if (calibrated) return std::max<int64_t>(sinks, T);
+  return sinks + group * (std::max<int64_t>(0, T - sinks) / group);
+}
+
+namespace {
+// Bytes a flag set of one open token takes: a bit per unit (K or V of a head).
+inline uint64_t FlagBytes(int n_kv_heads) { return (2 * static_cast<uint64_t>(n_kv_heads) + 7) / 8; }
+}  // namespace
+
+uint64_t GroupedKvScheme::layer_bytes(int64_t T, int H, int hd) const {
+  const uint64_t E = static_cast<uint64_t>(H) * static_cast<uint64_t>(hd);
+  const uint64_t kv = static_cast<uint64_t>(k_bits + v_bits);
+  // The tables: p8's grid or the static ranges (fp16 base | unit, or lo |
+  // step, of K and V: 8 bytes a channel) and the allocated K widths (a byte
+  // per channel quad).
+  uint64_t bytes = (params8 || calibrated ? 8 * E : 0) + (k_allocated ? E / 4 : 0);
+  if (T <= 0) return bytes;
+  bytes += static_cast<uint64_t>(std::min<int64_t>(T, sinks)) * 4 * E;  // sinks, fp16 K and V
+  if (calibrated) {  // codes of every started tile of 16 tokens, and the last R tokens in fp16 too
+    const int64_t after = std::max<int64_t>(0, T - sinks);
+    return bytes + static_cast<uint64_t>((after + 15) / 16) * 16 * E * kv / 8 +
+           static_cast<uint64_t>(std::min<int64_t>(recent, after)) * 4 * E;
   }
-  const int64_t ce = coded_end(T), coded = ce - sinks, o0 = std::max<int64_t>(sinks, ce);
+  const int64_t ce = coded_end(T), coded = (ce - sinks) / group, complete = (complete_end(T) - sinks) / group;
+  // Per group: K and V parameters (fp16 lo | step: 8 bytes a channel; p8: 4)
+  // from the group's completion, codes from its hand-over.
+  bytes += static_cast<uint64_t>(complete) * E * (params8 ? 4 : 8) +
+           static_cast<uint64_t>(coded) * static_cast<uint64_t>(group) * E * kv / 8;
+  const int64_t o0 = std::max<int64_t>(sinks, ce);
   const int64_t open = std::max<int64_t>(0, T - o0);
-  // Per group and channel, K and V: fp16 lo and step (64 bits), or p8's
-  // 8-bit a and b (32 bits) plus its grid table (fp16 base and unit of K and
-  // V: 64 bits per channel, once).
-  int64_t bits = coded * kv + coded / group * (params8 ? 32 : 64) + (params8 ? 64 : 0) + std::min<int64_t>(T, sinks) * 32;
-  if (!open_coded() || open == 0) return bits + open * 32;
-  // N-bit open tokens, except in fp16 the first group's (no previous range:
-  // [S, S + G) while nothing is coded) and the last x, and in 8 bits the w
-  // before those.
+  if (!open_coded()) return bytes + static_cast<uint64_t>(open) * 4 * E;
+  // N-bit open tokens with a flag set, except in fp16 the first group's
+  // (no previous range: [S, S + G) while nothing is coded) and the last x,
+  // and in 8 bits the w before those.
   const auto [f0, f1, x0] = OpenFp16(T);
   const int64_t fp16 = (f1 - f0) + (T - x0) - std::max<int64_t>(0, f1 - x0);
   const int64_t wide = std::max<int64_t>(0, x0 - std::max(wide_start(T), f1));
-  return bits + fp16 * 32 + wide * 16 + (open - fp16 - wide) * 2 * open_bits;
+  const int64_t narrow = open - fp16 - wide;
+  return bytes + static_cast<uint64_t>(fp16) * 4 * E + static_cast<uint64_t>(wide) * 2 * E +
+         static_cast<uint64_t>(narrow) * 2 * E * static_cast<uint64_t>(open_bits) / 8 +
+         static_cast<uint64_t>(wide + narrow) * FlagBytes(H);
 }
+
+double GroupedKvScheme::bits(int64_t T, int H, int hd) const {
+  return T > 0 ? 8.0 * static_cast<double>(layer_bytes(T, H, hd)) / (2.0 * static_cast<double>(T) * H * hd) : 0.0;
+}
+
+double GroupedKvScheme::steady_state_bits(int64_t ctx, int H, int hd) const {
+  const int64_t lo = std::max<int64_t>(1, ctx - 127);
+  double s = 0;
+  for (int64_t T = lo; T <= ctx; ++T) s += bits(T, H, hd);
+  return ctx >= 1 ? s / static_cast<double>(ctx - lo + 1) : 0.0;
+}
+
+int GroupedKvScheme::k_digits(int max_k_bits) const { return grouped::KDigits(max_k_bits); }
+int GroupedKvScheme::v_digits() const { return grouped::VDigits(v_bits); }
 
 std::tuple<int64_t, int64_t, int64_t> GroupedKvScheme::OpenFp16(int64_t T) const {
   const int64_t ce = coded_end(T), o0 = std::max<int64_t>(sinks, ce);
@@ -138,17 +173,6 @@ std::tuple<int64_t, int64_t, int64_t> GroupedKvScheme::OpenFp16(int64_t T) const
 int64_t GroupedKvScheme::wide_start(int64_t T) const {
   const auto [o0, f1, x0] = OpenFp16(T);
   return std::clamp<int64_t>(x0 - wide_recent, o0, x0);
-}
-
-double GroupedKvScheme::bits(int64_t T) const {
-  return T > 0 ? static_cast<double>(stored_bits(T)) / (2.0 * static_cast<double>(T)) : 0.0;
-}
-
-double GroupedKvScheme::steady_state_bits(int64_t ctx) const {
-  const int64_t lo = std::max<int64_t>(1, ctx - 127);
-  double s = 0;
-  for (int64_t T = lo; T <= ctx; ++T) s += bits(T);
-  return ctx >= 1 ? s / static_cast<double>(ctx - lo + 1) : 0.0;
 }
 
 void GroupedKvScheme::validate(const char* arg) const {
@@ -185,12 +209,16 @@ const std::vector<std::pair<std::string, GroupedKvScheme>>& grouped_kv_presets()
   // code group parameters on a calibrated grid, so they need ranges (kvq
   // eval measures them on text the model generates).
   static const std::vector<std::pair<std::string, GroupedKvScheme>> p = {
-      {"kvq-6.5", Named("k6av5g128o8x16")},
+      {"kvq-6.5", Named("k6av5g128o8x16r8")},
       {"kvq-4.5", Named("k4av3g64p8o8r16")},
       {"kvq-3.5", Named("k3av2g64p8o8r8")},
-      {"kvq-2.5", Named("k2av2g96p8mo4w4r4")},
+      {"kvq-2.5", Named("k2av2g96p8mo4w4r3")},
   };
   return p;
+}
+
+const char* grouped_kv_grammar() {
+  return "k<bits>[a]v<bits>g<G>[p8][m][o<N>[x<X>][w<W>]][r<R>][s<S>] or k<bits>[a]v<bits>c[r<R>][s<S>]";
 }
 
 bool is_grouped_kv_scheme(const std::string& name) {
@@ -290,63 +318,19 @@ std::vector<int> allocate_channel_bits(std::span<const float> weights, int avg_b
   return b;
 }
 
-// ---- RopeTable -------------------------------------------------------------
-
-RopeTable::RopeTable(int max_seq, int head_dim) : max_seq_(max_seq), head_dim_(head_dim) {
-  KVQ_CHECK_ARG(max_seq >= 1, "rope: max_seq must be >= 1, got ", max_seq);
-  KVQ_CHECK_ARG(head_dim >= 2 && head_dim % 2 == 0, "rope: head_dim must be even (RoPE rotates pairs), got ",
-                head_dim);
-  const size_t n = static_cast<size_t>(max_seq) * static_cast<size_t>(head_dim / 2);
-  cos_.resize(n);
-  sin_.resize(n);
-  for (int pos = 0; pos < max_seq; ++pos) {
-    for (int i = 0; i < head_dim; i += 2) {
-      const float freq = 1.0f / std::pow(10000.0f, static_cast<float>(i) / static_cast<float>(head_dim));
-      const float val = static_cast<float>(pos) * freq;
-      cos_[static_cast<size_t>(pos * (head_dim / 2) + i / 2)] = std::cos(val);
-      sin_[static_cast<size_t>(pos * (head_dim / 2) + i / 2)] = std::sin(val);
-    }
-  }
-}
-
-void RopeTable::apply(float* x, int n_heads, int pos) const {
-  const float* c = cos(pos);
-  const float* s = sin(pos);
-  for (int h = 0; h < n_heads; ++h) {
-    float* xh = x + static_cast<size_t>(h) * static_cast<size_t>(head_dim_);
-    for (int p = 0; p < head_dim_ / 2; ++p) {
-      const float x0 = xh[2 * p], x1 = xh[2 * p + 1];
-      xh[2 * p] = x0 * c[p] - x1 * s[p];
-      xh[2 * p + 1] = x0 * s[p] + x1 * c[p];
-    }
-  }
-}
-
 // ---- group codes -------------------------------------------------------------
 
 namespace {
 
-// fp16 lo (rounded down) and step (rounded up) covering [mn, mx].
+// fp16 lo (rounded down) and step (rounded up) covering [mn, mx]
+// (grouped_encode.h's rule, for the static ranges).
 void RangeParams(float mn, float mx, int bits, uint16_t* lo, uint16_t* step) {
-  uint16_t l16 = f32_to_f16_ref(mn);
-  if (f16_to_f32_ref(l16) > mn) l16 = F16Down(l16);
-  const float lof = f16_to_f32_ref(l16);
-  const int levels = (1 << bits) - 1;
-  uint16_t s16 = 0;
-  if (mx > lof) {
-    const float st = (mx - lof) / static_cast<float>(levels);
-    s16 = f32_to_f16_ref(st);
-    if (f16_to_f32_ref(s16) < st) s16 = F16Up(s16);
-  }
-  *lo = l16;
-  *step = s16;
+  const float lof = grouped::F16Floor(mn);
+  *lo = grouped::F16Bits(lof);
+  *step = grouped::F16Bits(mx > lof ? grouped::F16Ceil((mx - lof) / static_cast<float>((1 << bits) - 1)) : 0.0f);
 }
 
-uint8_t Code(float x, float lo, float step, int levels) {
-  if (step == 0.0f) return 0;
-  const float q = std::nearbyint((x - lo) / step);
-  return static_cast<uint8_t>(std::clamp(q, 0.0f, static_cast<float>(levels)));
-}
+uint8_t Code(float x, float lo, float step, int levels) { return grouped::CodeOf(x, lo, step, levels); }
 
 // p8's grid of one channel from its calibrated range [mn, mx] (width w):
 // [mn - w, mx + w] in 255 units, base rounded down and unit up to fp16
@@ -365,524 +349,895 @@ void P8Grid(float mn, float mx, int bits, float* base, float* unit, float* ustep
   *ustep = *unit / static_cast<float>((1 << bits) - 1);
 }
 
-// p8 codes of a group channel's range [mn, mx] on its grid (base, unit):
-// a rounded down, b up, both clamped to 0..255 (values beyond the grid
-// are clamped by the codes).
-// The decoded range (DecodeGroupParams) then covers [mn, mx] where the grid
-// does: a and b are moved by one unit where float rounding left it short.
-void P8Codes(float mn, float mx, float base, float unit, float ustep, int levels, uint8_t* a, uint8_t* b) {
-  const float fa = std::floor((mn - base) / unit), fb = std::ceil((mx - base) / unit);
-  int ia = static_cast<int>(std::clamp(fa, 0.0f, 255.0f));
-  if (ia > 0 && base + unit * static_cast<float>(ia) > mn) --ia;
-  int ib = static_cast<int>(std::clamp(fb, static_cast<float>(ia), 255.0f));
-  const auto top = [&](int x) {
-    return base + unit * static_cast<float>(ia) + ustep * static_cast<float>(x - ia) * static_cast<float>(levels);
-  };
-  if (ib < 255 && top(ib) < mx) ++ib;
-  *a = static_cast<uint8_t>(ia);
-  *b = static_cast<uint8_t>(ib);
-}
-
-// One group channel's code: values x[t * stride], t < n, in `bits`. Its
-// range is, among [mn + a w / 16, mx - b w / 16] for a, b = 0..clip (w =
-// mx - mn; clip 0: min / max), the one whose codes have the least squared
-// error (ties: the wider, tried first), stored as fp16 lo / step (grid
-// null) or as p8's a / b on grid = {base, unit, ustep}.
-struct ChannelParams {
-  uint16_t lo = 0, step = 0;  // fp16
-  uint8_t a = 0, b = 0;       // p8
-};
-ChannelParams CodeChannel(const float* x, int n, size_t stride, int bits, const float* grid, int clip,
-                          uint8_t* codes) {
-  const size_t un = static_cast<size_t>(n);
-  float mn = x[0], mx = x[0];
-  for (size_t t = 1; t < un; ++t) mn = std::min(mn, x[t * stride]), mx = std::max(mx, x[t * stride]);
-  const float w = mx - mn;
-  const int levels = (1 << bits) - 1;
-  ChannelParams best_p;
-  double best = std::numeric_limits<double>::infinity();
-  uint8_t qs[kMaxGroup];
-  for (int ca = 0; ca <= clip; ++ca) {
-    for (int cz = 0; cz <= clip && ca + cz < 16; ++cz) {
-      const float rlo = mn + w * static_cast<float>(ca) / 16.0f, rhi = mx - w * static_cast<float>(cz) / 16.0f;
-      ChannelParams p;
-      float lof, stf;
-      if (grid) {
-        P8Codes(rlo, rhi, grid[0], grid[1], grid[2], levels, &p.a, &p.b);
-        const uint8_t hdr[2] = {p.a, p.b};  // one channel's a | b
-        grouped::DecodeGroupParams(hdr, 1, grid, &lof, &stf);
-      } else {
-        RangeParams(rlo, rhi, bits, &p.lo, &p.step);
-        lof = f16_to_f32_ref(p.lo), stf = f16_to_f32_ref(p.step);
-      }
-      double sse = 0;
-      for (size_t t = 0; t < un; ++t) {
-        const float xt = x[t * stride];
-        qs[t] = Code(xt, lof, stf, levels);
-        const double e = static_cast<double>(xt) - (lof + stf * static_cast<float>(qs[t]));
-        sse += e * e;
-      }
-      if (sse < best) best = sse, best_p = p, std::copy(qs, qs + un, codes);
-    }
-  }
-  return best_p;
-}
-
 }  // namespace
 
 void encode_group_channel_ref(const float* x, int n, size_t stride, int bits, uint16_t* lo, uint16_t* step,
                               uint8_t* codes) {
-  const ChannelParams p = CodeChannel(x, n, stride, bits, nullptr, 0, codes);
-  *lo = p.lo;
-  *step = p.step;
+  const uint8_t b = static_cast<uint8_t>(bits);
+  grouped::EncodeArgs a;
+  a.x = x, a.n = n, a.stride = stride, a.n_ch = 1, a.bits = &b;
+  a.lo16 = lo, a.step16 = step, a.codes = codes;
+  grouped::EncodeChannelRef(a);
+}
+
+std::pair<float, float> encode_group_channel_ref(const float* x, int n, size_t stride, int bits, const float* grid,
+                                                 bool mse, uint8_t* codes) {
+  const uint8_t b = static_cast<uint8_t>(bits);
+  uint16_t l16, s16;
+  uint8_t pa, pb;
+  float lo, st;
+  grouped::EncodeArgs a;
+  a.x = x, a.n = n, a.stride = stride, a.n_ch = 1, a.bits = &b, a.grid = grid, a.clip = mse ? kClipSteps : 0;
+  a.lo16 = &l16, a.step16 = &s16, a.a = &pa, a.b = &pb, a.lo = &lo, a.step = &st, a.codes = codes;
+  grouped::EncodeChannelRef(a);
+  return {lo, st};
 }
 
 // ---- GroupedKvCache ------------------------------------------------------------
 
 namespace {
-// Checked before any member is built (scheme_ is the first member).
-const GroupedKvScheme& Validated(const GroupedKvScheme& s, int n_layers, int max_seq, int n_kv_heads, int head_dim) {
-  s.validate("kv");
-  KVQ_CHECK_ARG(head_dim >= 2 && head_dim % 8 == 0 && head_dim <= 512,
-                "head_dim: grouped schemes need an even head_dim (RoPE rotates pairs), a multiple of 8 up to 512, got ",
-                head_dim);
-  KVQ_CHECK_ARG(n_layers >= 1 && n_kv_heads >= 1 && max_seq >= 1, "grouped cache: expected n_layers, n_kv_heads, ",
-                "max_seq >= 1, got ", n_layers, ", ", n_kv_heads, ", ", max_seq);
-  // Every position keeps an fp16 row and 8-bit codes besides its group codes:
-  // about 8 bytes per element; refuse what cannot be allocated on purpose.
-  const double bytes = 8.0 * n_layers * static_cast<double>(max_seq) * n_kv_heads * head_dim;
-  KVQ_CHECK_ARG(int64_t{n_kv_heads} * head_dim <= (1 << 20) && bytes <= 0x1p40, "grouped cache: ", n_layers,
-                " layers x ", max_seq, " positions x ", n_kv_heads, " heads x ", head_dim,
-                " exceeds the limits (n_kv_heads * head_dim <= 2^20, about 1 TiB in all)");
-  return s;
-}
+
+constexpr int kQuad = 4;  // channels per K operand lane
+
+// fp16 units (a token's K or V of one KV head, head_dim halves) held for
+// open tokens: the first group's and those outside their grid. Keys
+// (pos * 2H + unit) are added in increasing order and dropped from the
+// front at a hand-over.
+class Fp16Pool {
+ public:
+  explicit Fp16Pool(size_t hd = 0) : hd_(hd) {}
+  void add(int64_t key, const float* x) {
+    key_.push_back(key);
+    const size_t at = data_.size();
+    data_.resize(at + hd_);
+    for (size_t i = 0; i < hd_; ++i) data_[at + i] = f32_to_f16_ref(x[i]);
+  }
+  void add_halves(int64_t key, const uint16_t* h) {
+    key_.push_back(key);
+    data_.insert(data_.end(), h, h + hd_);
+  }
+  const uint16_t* find(int64_t key) const {
+    const auto it = std::lower_bound(key_.begin(), key_.end(), key);
+    if (it == key_.end() || *it != key) return nullptr;
+    return data_.data() + static_cast<size_t>(it - key_.begin()) * hd_;
+  }
+  // Drops every key below `key`; gives memory back once mostly empty.
+  void drop_before(int64_t key) {
+    const size_t n = static_cast<size_t>(std::lower_bound(key_.begin(), key_.end(), key) - key_.begin());
+    if (n == 0) return;
+    key_.erase(key_.begin(), key_.begin() + static_cast<std::ptrdiff_t>(n));
+    data_.erase(data_.begin(), data_.begin() + static_cast<std::ptrdiff_t>(n * hd_));
+    if (data_.capacity() > 4 * data_.size() + 4096) {
+      data_.shrink_to_fit();
+      key_.shrink_to_fit();
+    }
+  }
+  void clear() {
+    std::vector<int64_t>().swap(key_);
+    std::vector<uint16_t>().swap(data_);
+  }
+  size_t size() const { return key_.size(); }
+  uint64_t allocated() const { return key_.capacity() * sizeof(int64_t) + data_.capacity() * sizeof(uint16_t); }
+  const std::vector<int64_t>& keys() const { return key_; }
+
+ private:
+  size_t hd_;
+  std::vector<int64_t> key_;
+  std::vector<uint16_t> data_;
+};
+
+// Grids of the open tokens of one group g >= 1 (from group g - 1's range):
+// per channel (K then V, 2E) lo, the N-bit step and the 8-bit step.
+struct OpenGrid {
+  int64_t group = -1;
+  std::vector<float> lo, st, st8;
+};
+
 }  // namespace
 
+struct GroupedKvCache::Impl {
+  // Geometry and layout.
+  int L = 0, max_seq = 0, H = 0, hd = 0;
+  size_t E = 0;
+  int G = 0, S = 0, R = 0, X = 0, W = 0, N = 16;
+  bool calibrated = false, open_coded = false, mse = false;
+  grouped::Params params = grouped::Params::kFp16;
+  grouped::RecordLayout lay;  // a group record's byte layout
+  size_t hdr = 0;         // one head's K (or V) parameter bytes in a record
+  size_t ktile = 0;       // one head's K tile
+  size_t rec_bytes = 0;   // a record (every head)
+  int vw = 16;            // V channels per operand
+  int k_digits = 2, v_digits = 2;
+  size_t cap = 0;         // open ring slots (dynamic: G + R)
+  size_t nslot = 0;       // bytes of one slot's N-bit codes (2E N / 8)
+  size_t fslot = 0;       // bytes of one slot's flags
+  size_t wslots = 0;      // 8-bit ring slots (W + X)
+  size_t xslots = 0;      // fp16 ring slots: the last X (o<N>), every open token (fp16 open), R (calibrated)
+  // Tables, per layer: K bits and offset of every (head, quad); p8 grids and
+  // static lo | step, per (K|V, head): base | unit | ustep / lo | step.
+  std::vector<uint8_t> qbits;
+  std::vector<uint32_t> qoff;
+  std::vector<float> grid, stat;
+  std::vector<uint16_t> table16;  // the stored form of the grid / static table: [layer][K|V][channel][2] fp16
+  std::vector<float> tcos, tsin;  // rotation at every tile start S + 16 j: (tiles, hd / 2)
+
+  struct Layer {
+    int64_t T = 0;
+    std::vector<std::unique_ptr<uint8_t[]>> recs;  // complete groups (calibrated: started tiles)
+    std::vector<const uint8_t*> rec_ptr;           // the same, for the kernel
+    int64_t n_coded = 0;                           // records with their codes (dynamic)
+    std::vector<uint16_t> sink;                    // S x [K (after RoPE) | V] fp16
+    std::vector<uint16_t> f16;                     // fp16 ring: slot x [K (tile frame) | V]
+    std::vector<uint8_t> ncodes, flags, w8;        // o<N> rings
+    Fp16Pool pool;
+    std::vector<OpenGrid> grids;                   // of the groups with open tokens
+  };
+  std::vector<Layer> layers;
+
+  // ---- tables ----
+  const uint8_t* QuadBits(int l, int h) const { return qbits.data() + (static_cast<size_t>(l) * H + static_cast<size_t>(h)) * (static_cast<size_t>(hd) / kQuad); }
+  const uint32_t* QuadOff(int l, int h) const { return qoff.data() + (static_cast<size_t>(l) * H + static_cast<size_t>(h)) * (static_cast<size_t>(hd) / kQuad); }
+  int ChannelBits(int l, size_t which, size_t c) const {
+    return which == 0 ? QuadBits(l, 0)[c / kQuad] : 0;  // (c spans the heads: quads are contiguous)
+  }
+  const float* Grid(int l, size_t which, size_t h) const {
+    return grid.data() + ((static_cast<size_t>(l) * 2 + which) * E + h * static_cast<size_t>(hd)) * 3;
+  }
+  const float* Stat(int l, size_t which, size_t h) const {
+    return stat.data() + ((static_cast<size_t>(l) * 2 + which) * E + h * static_cast<size_t>(hd)) * 2;
+  }
+  const float* TileCos(int64_t tile) const { return tcos.data() + static_cast<size_t>(tile) * (static_cast<size_t>(hd) / 2); }
+  const float* TileSin(int64_t tile) const { return tsin.data() + static_cast<size_t>(tile) * (static_cast<size_t>(hd) / 2); }
+  int64_t TileOf(int64_t pos) const { return (pos - S) / grouped::kTile; }
+  // Bits of channel c (= head * hd + i) of K (which 0) or V (1).
+  int Bits(int l, size_t which, size_t c) const { return which == 0 ? qbits[static_cast<size_t>(l) * E / kQuad + c / kQuad] : vbits; }
+  int vbits = 0;
+  int levels_k_max = 0;
+
+  // ---- records ----
+  uint8_t* NewRecord(Layer& ly) {
+    ly.recs.emplace_back(new uint8_t[rec_bytes]);
+    uint8_t* r = ly.recs.back().get();
+    std::memset(r, 0, rec_bytes);
+    ly.rec_ptr.push_back(r);
+    return r;
+  }
+  // Channel c's parameters in a record (decoded): lo, step.
+  void RecordParams(int l, const uint8_t* rec, size_t which, size_t h, float* lo, float* st) const {
+    if (params == grouped::Params::kStatic) {
+      const float* sp = Stat(l, which, h);
+      std::copy(sp, sp + hd, lo);
+      std::copy(sp + hd, sp + 2 * hd, st);
+      return;
+    }
+    const uint8_t* p = rec + (which == 0 ? lay.kparams(h) : lay.vparams(h));
+    grouped::DecodeGroupParams(p, static_cast<size_t>(hd), params == grouped::Params::kP8 ? Grid(l, which, h) : nullptr,
+                               lo, st);
+  }
+  // The code of token u (0..G-1 in the record) and channel i of head h.
+  uint32_t RecordCode(int l, const uint8_t* rec, size_t which, size_t h, int u, size_t i) const {
+    if (which == 0) {
+      const size_t k = i / kQuad;
+      const uint8_t* tile = rec + lay.tile(static_cast<size_t>(u / grouped::kTile), h);
+      return grouped::OperandCode(tile + QuadOff(l, static_cast<int>(h))[k], kQuad * (u % grouped::kTile) + static_cast<int>(i % kQuad),
+                                  QuadBits(l, static_cast<int>(h))[k]);
+    }
+    const size_t x = i / static_cast<size_t>(vw), n = i % static_cast<size_t>(vw);
+    return grouped::OperandCode(rec + lay.voperand(h, x, static_cast<size_t>(u / 4)), static_cast<int>(4 * n) + u % 4, vbits);
+  }
+  void SetRecordCode(int l, uint8_t* rec, size_t which, size_t h, int u, size_t i, uint32_t q) const {
+    if (which == 0) {
+      const size_t k = i / kQuad;
+      uint8_t* tile = rec + lay.tile(static_cast<size_t>(u / grouped::kTile), h);
+      grouped::SetOperandCode(tile + QuadOff(l, static_cast<int>(h))[k], kQuad * (u % grouped::kTile) + static_cast<int>(i % kQuad),
+                              QuadBits(l, static_cast<int>(h))[k], q);
+      return;
+    }
+    const size_t x = i / static_cast<size_t>(vw), n = i % static_cast<size_t>(vw);
+    grouped::SetOperandCode(rec + lay.voperand(h, x, static_cast<size_t>(u / 4)), static_cast<int>(4 * n) + u % 4, vbits, q);
+  }
+};
+
+namespace {
+
+// Checked before any member is built (scheme_ is the first member).
+const GroupedKvScheme& Validated(const GroupedKvScheme& s, int n_layers, int max_seq, int n_kv_heads, int head_dim,
+                                 const RopeConfig& rope) {
+  s.validate("kv");
+  rope.validate("rope");
+  KVQ_CHECK_ARG(head_dim >= 8 && head_dim % 8 == 0 && head_dim <= 512,
+                "head_dim: grouped schemes need a head_dim that is a multiple of 8 up to 512 (RoPE pairs, channel ",
+                "quads), got ", head_dim);
+  KVQ_CHECK_ARG(n_layers >= 1 && n_kv_heads >= 1 && max_seq >= 1, "grouped cache: expected n_layers, n_kv_heads, ",
+                "max_seq >= 1, got ", n_layers, ", ", n_kv_heads, ", ", max_seq);
+  // What the codes of max_seq tokens take at 8 bits a value, at most: refuse
+  // what cannot be allocated on purpose.
+  const double bytes = 2.0 * n_layers * static_cast<double>(max_seq) * n_kv_heads * head_dim;
+  KVQ_CHECK_ARG(int64_t{n_kv_heads} * head_dim <= (1 << 20) && bytes <= 0x1p40 && max_seq <= (1 << 28), "grouped cache: ",
+                n_layers, " layers x ", max_seq, " positions x ", n_kv_heads, " heads x ", head_dim,
+                " exceeds the limits (n_kv_heads * head_dim <= 2^20, max_seq <= 2^28, about 1 TiB in all)");
+  return s;
+}
+
+}  // namespace
+
+GroupedKvCache::~GroupedKvCache() = default;
+GroupedKvCache::GroupedKvCache(GroupedKvCache&&) noexcept = default;
+GroupedKvCache& GroupedKvCache::operator=(GroupedKvCache&&) noexcept = default;
+
 GroupedKvCache::GroupedKvCache(const GroupedKvScheme& scheme, int n_layers, int max_seq, int n_kv_heads,
-                               int head_dim, const StaticRanges* ranges)
-    : scheme_(Validated(scheme, n_layers, max_seq, n_kv_heads, head_dim)),
+                               int head_dim, const StaticRanges* ranges, const RopeConfig& rope)
+    : GroupedKvCache(scheme, n_layers, max_seq, n_kv_heads, head_dim, ranges, nullptr, rope) {}
+
+GroupedKvCache::GroupedKvCache(const GroupedKvScheme& scheme, int n_layers, int max_seq, int n_kv_heads,
+                               int head_dim, std::span<const uint8_t> tables, const RopeConfig& rope)
+    : GroupedKvCache(scheme, n_layers, max_seq, n_kv_heads, head_dim, nullptr, &tables, rope) {}
+
+GroupedKvCache::GroupedKvCache(const GroupedKvScheme& scheme, int n_layers, int max_seq, int n_kv_heads,
+                               int head_dim, const StaticRanges* ranges, const std::span<const uint8_t>* tables,
+                               const RopeConfig& rope)
+    : scheme_(Validated(scheme, n_layers, max_seq, n_kv_heads, head_dim, rope)),
       n_layers_(n_layers),
       max_seq_(max_seq),
       n_kv_heads_(n_kv_heads),
       head_dim_(head_dim),
-      rope_(std::max(max_seq, 16), head_dim),
-      exact_(KvScheme::Fp16, n_layers, max_seq, n_kv_heads, head_dim) {
-  const size_t hd = static_cast<size_t>(head_dim), H = static_cast<size_t>(n_kv_heads);
-  G_ = scheme_.calibrated ? 16 : scheme_.group;
-  header_bytes_ = scheme_.calibrated ? 0 : grouped::GroupHeaderBytes(hd, scheme_.params8);
-  // Calibrated: every token after the sinks has a tile lane (the last tile
-  // may be partial); dynamic: whole groups only.
-  const int64_t after = std::max<int64_t>(0, static_cast<int64_t>(max_seq) - scheme_.sinks);
-  max_groups_ = scheme_.calibrated ? (after + G_ - 1) / G_ : after / G_;
-  // K bits per channel: the scheme's, or allocated per head from the
-  // calibrated weights (each head keeps k_bits * head_dim bits).
-  const size_t E = H * hd;
-  const bool need_ranges = scheme_.needs_ranges();
-  KVQ_CHECK_ARG(!need_ranges || ranges != nullptr, "ranges: the scheme ", scheme_.name(),
-                " needs calibrated ranges (StaticRanges)");
-  if (need_ranges) ranges->validate(n_layers, n_kv_heads, head_dim, "ranges");
-  KVQ_CHECK_ARG(!scheme_.k_allocated || ranges->k_weight.size() == static_cast<size_t>(n_layers) * E, "ranges: the ",
-                "scheme ", scheme_.name(), " allocates K bits by calibrated weights, but the ranges have none");
-  kbits_.assign(static_cast<size_t>(n_layers) * E, static_cast<uint8_t>(scheme_.k_bits));
-  koff_.resize(kbits_.size());
+      rope_(rope),
+      impl_(std::make_unique<Impl>()) {
+  Build(ranges, tables);
+}
+
+uint64_t GroupedKvCache::layer_table_bytes() const {
+  const uint64_t E = static_cast<uint64_t>(n_kv_heads_) * static_cast<uint64_t>(head_dim_);
+  return (scheme_.params8 || scheme_.calibrated ? 8 * E : 0) + (scheme_.k_allocated ? E / 4 : 0);
+}
+
+void GroupedKvCache::save_tables(std::vector<uint8_t>& out) const {
+  const Impl& m = *impl_;
+  const size_t E = m.E, nq = E / kQuad;
+  for (int l = 0; l < n_layers_; ++l) {
+    if (!m.table16.empty()) {
+      const uint16_t* t = m.table16.data() + static_cast<size_t>(l) * 2 * E * 2;
+      const size_t at = out.size();
+      out.resize(at + 2 * E * 2 * 2);
+      std::memcpy(out.data() + at, t, 2 * E * 2 * 2);
+    }
+    if (scheme_.k_allocated) out.insert(out.end(), m.qbits.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(l) * nq),
+                                        m.qbits.begin() + static_cast<std::ptrdiff_t>((static_cast<size_t>(l) + 1) * nq));
+  }
+}
+
+void GroupedKvCache::Build(const StaticRanges* ranges, const std::span<const uint8_t>* tables) {
+  Impl& m = *impl_;
+  const GroupedKvScheme& s = scheme_;
+  const int n_layers = n_layers_, max_seq = max_seq_, n_kv_heads = n_kv_heads_, head_dim = head_dim_;
+  const size_t hd = static_cast<size_t>(head_dim), H = static_cast<size_t>(n_kv_heads), E = H * hd;
+  const size_t nq = hd / kQuad;
+  const bool need_ranges = s.needs_ranges();
+  if (tables == nullptr) {
+    KVQ_CHECK_ARG(!need_ranges || ranges != nullptr, "ranges: the scheme ", s.name(),
+                  " needs calibrated ranges (StaticRanges)");
+    if (need_ranges) {
+      ranges->validate(n_layers, n_kv_heads, head_dim, "ranges");
+      KVQ_CHECK_ARG(!s.k_allocated || ranges->k_weight.size() == static_cast<size_t>(n_layers) * E, "ranges: the ",
+                    "scheme ", s.name(), " allocates K bits by calibrated weights, but the ranges have none");
+      ranges_ = std::make_shared<const StaticRanges>(*ranges);
+    }
+  } else {
+    KVQ_CHECK_ARG(tables->size() == static_cast<size_t>(n_layers) * layer_table_bytes(), "cache tables: the scheme ",
+                  s.name(), " holds ", layer_table_bytes(), " bytes of tables per layer (", n_layers, " layers), got ",
+                  tables->size());
+  }
+  m.L = n_layers, m.max_seq = max_seq, m.H = n_kv_heads, m.hd = head_dim, m.E = E;
+  m.calibrated = s.calibrated, m.G = s.calibrated ? grouped::kTile : s.group;
+  m.S = s.sinks, m.R = s.recent, m.X = s.exact_recent, m.W = s.wide_recent, m.N = s.open_bits;
+  m.open_coded = s.open_coded(), m.mse = s.mse_ranges, m.vbits = s.v_bits;
+  m.params = s.calibrated ? grouped::Params::kStatic : s.params8 ? grouped::Params::kP8 : grouped::Params::kFp16;
+  m.hdr = grouped::GroupHeaderBytes(hd, m.params);
+  m.vw = hd % 16 == 0 ? 16 : 8;
+  const size_t t16_layer = (s.params8 || s.calibrated) ? 2 * E * 2 : 0;  // halves per layer
+  const auto saved = [&](int l) { return tables->data() + static_cast<size_t>(l) * layer_table_bytes(); };
+  // K widths per (layer, head, quad): the scheme's, or allocated from the
+  // calibrated weights summed over each quad (each head keeps k_bits x
+  // head_dim bits), or as saved.
+  m.qbits.assign(static_cast<size_t>(n_layers) * H * nq, static_cast<uint8_t>(s.k_bits));
+  m.qoff.resize(m.qbits.size());
+  int max_bits = s.k_bits;
   for (int l = 0; l < n_layers; ++l) {
     for (size_t h = 0; h < H; ++h) {
-      const size_t base = static_cast<size_t>(l) * E + h * hd;
-      if (scheme_.k_allocated) {
-        const std::vector<int> b = allocate_channel_bits({ranges->k_weight.data() + base, hd}, scheme_.k_bits, std::min(2, scheme_.k_bits));
-        for (size_t i = 0; i < hd; ++i) kbits_[base + i] = static_cast<uint8_t>(b[i]);
+      uint8_t* qb = m.qbits.data() + (static_cast<size_t>(l) * H + h) * nq;
+      if (s.k_allocated && tables == nullptr) {
+        std::vector<float> w(nq, 0.0f);
+        for (size_t i = 0; i < hd; ++i) w[i / kQuad] += ranges->k_weight[static_cast<size_t>(l) * E + h * hd + i];
+        const std::vector<int> b = allocate_channel_bits(w, s.k_bits, std::min(2, s.k_bits));
+        for (size_t k = 0; k < nq; ++k) qb[k] = static_cast<uint8_t>(b[k]);
+      } else if (s.k_allocated) {
+        std::memcpy(qb, saved(l) + t16_layer * 2 + h * nq, nq);
+        int sum = 0;
+        for (size_t k = 0; k < nq; ++k) {
+          KVQ_CHECK_ARG(qb[k] >= std::min(2, s.k_bits) && qb[k] <= kMaxBits, "cache tables: a K width of ", int{qb[k]},
+                        " bits (layer ", l, ", head ", h, ", quad ", k, "), expected 2..8");
+          sum += qb[k];
+        }
+        KVQ_CHECK_ARG(sum == s.k_bits * static_cast<int>(nq), "cache tables: the K widths of layer ", l, " head ", h,
+                      " sum to ", sum, " bits a quad row, expected ", s.k_bits * static_cast<int>(nq));
       }
       uint32_t off = 0;
-      for (size_t i = 0; i < hd; ++i) koff_[base + i] = off, off += 2 * kbits_[base + i];
+      for (size_t k = 0; k < nq; ++k) {
+        m.qoff[(static_cast<size_t>(l) * H + h) * nq + k] = off, off += 8u * qb[k];
+        max_bits = std::max(max_bits, static_cast<int>(qb[k]));
+      }
     }
   }
-  ktile_bytes_ = 2 * hd * static_cast<size_t>(scheme_.k_bits);  // the same for every head
-  group_bytes_k_ = header_bytes_ + static_cast<size_t>(G_ / 16) * ktile_bytes_;
-  group_bytes_v_ = header_bytes_ + static_cast<size_t>(G_) * hd * static_cast<size_t>(scheme_.v_bits) / 8;
-  const size_t per_layer = H * static_cast<size_t>(max_groups_) * (group_bytes_k_ + group_bytes_v_);
-  codes_.assign(per_layer * static_cast<size_t>(n_layers) + 16, 0);  // + 16: readers load 4 bytes past a block
-  // Per (layer, K or V, head, channel) tables from the calibrated ranges: p8's
-  // grid (base | unit | ustep) and the calibrated form's lo | step.
-  const auto each_range = [&](const auto& fn) {
+  m.k_digits = s.k_digits(max_bits), m.v_digits = s.v_digits();
+  m.ktile = 2 * hd * static_cast<size_t>(s.k_bits);  // the same for every head (allocation keeps the sum)
+  m.lay = grouped::RecordLayout(H, hd, static_cast<size_t>(m.G), m.params, m.ktile, s.v_bits);
+  m.rec_bytes = m.lay.bytes();
+  // Per (layer, K or V, head, channel) tables: p8's grid (base | unit |
+  // ustep) and the calibrated form's lo | step, from the calibrated ranges
+  // or from their saved fp16 form.
+  if (t16_layer > 0) m.table16.resize(static_cast<size_t>(n_layers) * t16_layer);
+  if (tables != nullptr && t16_layer > 0) {
+    for (int l = 0; l < n_layers; ++l) std::memcpy(m.table16.data() + static_cast<size_t>(l) * t16_layer, saved(l), t16_layer * 2);
+  }
+  const auto each = [&](const auto& fn) {
     for (int l = 0; l < n_layers; ++l) {
-      for (int which = 0; which < 2; ++which) {
-        for (size_t h = 0; h < H; ++h) {
-          for (size_t i = 0; i < hd; ++i) {
-            const size_t c = static_cast<size_t>(l) * E + h * hd + i;
-            const int bits = which == 0 ? kbits_[c] : scheme_.v_bits;
-            const float lo = (which == 0 ? ranges->k_lo : ranges->v_lo)[c];
-            const float hi = (which == 0 ? ranges->k_hi : ranges->v_hi)[c];
-            fn(l, which, static_cast<int>(h), i, lo, hi, bits);
-          }
+      for (size_t which = 0; which < 2; ++which) {
+        for (size_t c = 0; c < E; ++c) {
+          const size_t at = static_cast<size_t>(l) * E + c;
+          const int bits = which == 0 ? m.qbits[at / kQuad] : s.v_bits;
+          uint16_t* t = m.table16.data() + ((static_cast<size_t>(l) * 2 + which) * E + c) * 2;
+          fn(l, which, c / hd, c % hd, at, bits, t);
         }
       }
     }
   };
-  if (scheme_.params8) {
-    grid_.resize(static_cast<size_t>(n_layers) * 2 * E * 3);
-    each_range([&](int l, int which, int h, size_t i, float lo, float hi, int bits) {
-      float* out = const_cast<float*>(Grid(l, which, h));
-      P8Grid(lo, hi, bits, out + i, out + hd + i, out + 2 * hd + i);
+  if (s.params8) {
+    m.grid.resize(static_cast<size_t>(n_layers) * 2 * E * 3);
+    each([&](int l, size_t which, size_t h, size_t i, size_t at, int bits, uint16_t* t) {
+      float* out = const_cast<float*>(m.Grid(l, which, h));
+      if (tables == nullptr) {
+        const float lo = (which == 0 ? ranges->k_lo : ranges->v_lo)[at];
+        const float hi = (which == 0 ? ranges->k_hi : ranges->v_hi)[at];
+        P8Grid(lo, hi, bits, out + i, out + hd + i, out + 2 * hd + i);
+        t[0] = f32_to_f16_ref(out[i]), t[1] = f32_to_f16_ref(out[hd + i]);  // exact: both are fp16 values
+      } else {
+        out[i] = f16_to_f32_ref(t[0]), out[hd + i] = f16_to_f32_ref(t[1]);
+        KVQ_CHECK_ARG(std::isfinite(out[i]) && std::isfinite(out[hd + i]) && out[hd + i] > 0.0f,
+                      "cache tables: a p8 grid with a non-finite base or a unit that is not positive (layer ", l, ")");
+        out[2 * hd + i] = out[hd + i] / static_cast<float>((1 << bits) - 1);
+      }
     });
   }
-  if (scheme_.calibrated) {
-    static_params_.resize(static_cast<size_t>(n_layers) * 2 * E * 2);
-    each_range([&](int l, int which, int h, size_t i, float lo, float hi, int bits) {
-      float* out = const_cast<float*>(StaticParams(l, which, h));
-      uint16_t l16, s16;
-      RangeParams(lo, hi, bits, &l16, &s16);
-      out[i] = f16_to_f32_ref(l16);
-      out[hd + i] = f16_to_f32_ref(s16);
+  if (s.calibrated) {
+    m.stat.resize(static_cast<size_t>(n_layers) * 2 * E * 2);
+    each([&](int l, size_t which, size_t h, size_t i, size_t at, int bits, uint16_t* t) {
+      float* out = const_cast<float*>(m.Stat(l, which, h));
+      if (tables == nullptr) {
+        const float lo = (which == 0 ? ranges->k_lo : ranges->v_lo)[at];
+        const float hi = (which == 0 ? ranges->k_hi : ranges->v_hi)[at];
+        RangeParams(lo, hi, bits, &t[0], &t[1]);
+      }
+      out[i] = f16_to_f32_ref(t[0]);
+      out[hd + i] = f16_to_f32_ref(t[1]);
+      KVQ_CHECK_ARG(std::isfinite(out[i]) && std::isfinite(out[hd + i]) && out[hd + i] >= 0.0f,
+                    "cache tables: a static range with a non-finite end or a negative step (layer ", l, ")");
     });
-  } else {
-    pending_k_.assign(static_cast<size_t>(n_layers) * static_cast<size_t>(G_) * E, 0.0f);
-    pending_v_.assign(pending_k_.size(), 0.0f);
-    if (scheme_.open_coded()) {
-      open8_.assign(static_cast<size_t>(n_layers) * static_cast<size_t>(max_seq) * 2 * E, 0);
-      if (scheme_.wide_recent > 0) openw_.assign(open8_.size(), 0);
-      open_exact_.assign(static_cast<size_t>(n_layers) * static_cast<size_t>(max_seq) * 2 * H, 1);
-      open_grid_.assign(static_cast<size_t>(n_layers) * 6 * E, 0.0f);
+  }
+  // The rotation at every tile start.
+  const std::vector<float> freq = rope_frequencies(head_dim, rope_);
+  const int64_t tiles = (std::max<int64_t>(0, max_seq - s.sinks) + grouped::kTile - 1) / grouped::kTile + 1;
+  m.tcos.resize(static_cast<size_t>(tiles) * hd / 2);
+  m.tsin.resize(m.tcos.size());
+  for (int64_t j = 0; j < tiles; ++j) {
+    const float pos = static_cast<float>(s.sinks + grouped::kTile * j);
+    for (size_t p = 0; p < hd / 2; ++p) {
+      m.tcos[static_cast<size_t>(j) * hd / 2 + p] = std::cos(pos * freq[p]);
+      m.tsin[static_cast<size_t>(j) * hd / 2 + p] = std::sin(pos * freq[p]);
     }
   }
-  written_.assign(static_cast<size_t>(n_layers), 0);
+  // Open rings.
+  m.cap = s.calibrated ? 0 : static_cast<size_t>(m.G + m.R);
+  m.nslot = m.open_coded ? 2 * E * static_cast<size_t>(m.N) / 8 : 0;
+  m.fslot = m.open_coded ? static_cast<size_t>((2 * H + 7) / 8) : 0;
+  m.wslots = m.W > 0 ? static_cast<size_t>(m.W + m.X) : 0;
+  m.xslots = s.calibrated ? static_cast<size_t>(m.R) : m.open_coded ? static_cast<size_t>(m.X) : m.cap;
+  m.layers.resize(static_cast<size_t>(n_layers));
+  for (Impl::Layer& ly : m.layers) {
+    ly.pool = Fp16Pool(hd);
+    ly.sink.resize(static_cast<size_t>(std::min(s.sinks, max_seq)) * 2 * E);
+    ly.f16.resize(m.xslots * 2 * E);
+    ly.ncodes.resize(m.cap * m.nslot);
+    ly.flags.resize(m.cap * m.fslot);
+    ly.w8.resize(m.wslots * 2 * E);
+  }
 }
 
-const float* GroupedKvCache::Grid(int layer, int which, int head) const {
-  const size_t hd = static_cast<size_t>(head_dim_), E = static_cast<size_t>(n_kv_heads_) * hd;
-  return grid_.data() + ((static_cast<size_t>(layer) * 2 + static_cast<size_t>(which)) * E +
-                         static_cast<size_t>(head) * hd) * 3;
-}
-
-const float* GroupedKvCache::StaticParams(int layer, int which, int head) const {
-  const size_t hd = static_cast<size_t>(head_dim_), E = static_cast<size_t>(n_kv_heads_) * hd;
-  return static_params_.data() + ((static_cast<size_t>(layer) * 2 + static_cast<size_t>(which)) * E +
-                                  static_cast<size_t>(head) * hd) * 2;
-}
-
-int64_t GroupedKvCache::TileEnd(int64_t T) const {
-  const int64_t S = scheme_.sinks, ce = scheme_.coded_end(T);
-  if (ce <= S) return S;
-  return S + (ce - S) / G_ * G_;
+GroupedKvCache GroupedKvCache::Copy() const {
+  std::vector<uint8_t> tables;
+  save_tables(tables);
+  GroupedKvCache c(scheme_, n_layers_, max_seq_, n_kv_heads_, head_dim_, tables, rope_);
+  c.ranges_ = ranges_;
+  std::vector<uint8_t> state;
+  save_state(state);
+  std::vector<int64_t> lengths;
+  for (int l = 0; l < n_layers_; ++l) lengths.push_back(written(l));
+  c.load_state(state, lengths);
+  return c;
 }
 
 int64_t GroupedKvCache::written(int layer) const {
   KVQ_CHECK_ARG(layer >= 0 && layer < n_layers_, "layer: expected 0..", n_layers_ - 1, ", got ", layer);
-  return written_[static_cast<size_t>(layer)];
+  return impl_->layers[static_cast<size_t>(layer)].T;
 }
 
-const uint8_t* GroupedKvCache::group_data(int layer, int which, int head, int64_t group) const {
-  KVQ_CHECK_ARG(layer >= 0 && layer < n_layers_ && (which == 0 || which == 1) && head >= 0 && head < n_kv_heads_ &&
-                    group >= 0 && group < max_groups_,
-                "group_data: layer, K/V, head or group out of range");
-  const size_t H = static_cast<size_t>(n_kv_heads_), mg = static_cast<size_t>(max_groups_);
-  const size_t per_layer = H * mg * (group_bytes_k_ + group_bytes_v_);
-  const uint8_t* base = codes_.data() + static_cast<size_t>(layer) * per_layer;
-  if (which == 0) return base + (static_cast<size_t>(head) * mg + static_cast<size_t>(group)) * group_bytes_k_;
-  return base + H * mg * group_bytes_k_ + (static_cast<size_t>(head) * mg + static_cast<size_t>(group)) * group_bytes_v_;
+int64_t GroupedKvCache::complete_groups(int layer) const {
+  (void)written(layer);
+  return static_cast<int64_t>(impl_->layers[static_cast<size_t>(layer)].recs.size());
 }
+
+int64_t GroupedKvCache::coded_groups(int layer) const {
+  (void)written(layer);
+  const Impl::Layer& ly = impl_->layers[static_cast<size_t>(layer)];
+  return impl_->calibrated ? static_cast<int64_t>(ly.recs.size()) : ly.n_coded;
+}
+
+void GroupedKvCache::group_params(int layer, int64_t g, int which, int head, std::span<float> lo,
+                                  std::span<float> step) const {
+  KVQ_CHECK_ARG(g >= 0 && g < complete_groups(layer) && (which == 0 || which == 1) && head >= 0 &&
+                    head < n_kv_heads_ && lo.size() == static_cast<size_t>(head_dim_) && step.size() == lo.size(),
+                "group_params: group, K/V, head or span size out of range");
+  impl_->RecordParams(layer, impl_->layers[static_cast<size_t>(layer)].rec_ptr[static_cast<size_t>(g)],
+                      static_cast<size_t>(which), static_cast<size_t>(head), lo.data(), step.data());
+}
+
+int GroupedKvCache::k_digits() const { return impl_->k_digits; }
+int GroupedKvCache::v_digits() const { return impl_->v_digits; }
+
+int GroupedKvCache::k_quad_bits(int layer, int head, int quad) const {
+  KVQ_CHECK_ARG(layer >= 0 && layer < n_layers_ && head >= 0 && head < n_kv_heads_ && quad >= 0 &&
+                    quad < head_dim_ / kQuad,
+                "k_quad_bits: layer, head or quad out of range");
+  return impl_->QuadBits(layer, head)[quad];
+}
+
+namespace {
+
+// The grid of group g's open tokens (g >= 1) from group g - 1's record, as
+// the previous version computed it: per channel lo' = lo - w / 2, step' =
+// 2 w / (2^N - 1), step8 = 2 w / 255, w = step (2^B - 1).
+void MakeOpenGrid(const GroupedKvCache::Impl& m, int l, const uint8_t* prev, int64_t g, OpenGrid& out) {
+  const size_t hd = static_cast<size_t>(m.hd), E = m.E;
+  out.group = g;
+  out.lo.resize(2 * E), out.st.resize(2 * E), out.st8.resize(2 * E);
+  std::vector<float> lo(hd), st(hd);
+  for (size_t which = 0; which < 2; ++which) {
+    for (size_t h = 0; h < static_cast<size_t>(m.H); ++h) {
+      m.RecordParams(l, prev, which, h, lo.data(), st.data());
+      for (size_t i = 0; i < hd; ++i) {
+        const size_t c = h * hd + i;
+        const int bits = m.Bits(l, which, c);
+        const float w = st[i] * static_cast<float>((1 << bits) - 1);
+        out.lo[which * E + c] = lo[i] - 0.5f * w;
+        out.st[which * E + c] = 2.0f * w / static_cast<float>((1 << m.N) - 1);
+        out.st8[which * E + c] = 2.0f * w / 255.0f;
+      }
+    }
+  }
+}
+
+const OpenGrid& GridOf(const GroupedKvCache::Impl::Layer& ly, int64_t g) {
+  for (const OpenGrid& og : ly.grids) {
+    if (og.group == g) return og;
+  }
+  KVQ_ASSERT(false);
+  return ly.grids.front();
+}
+
+}  // namespace
+
+namespace {
+
+// The value the store holds for token pos, unit un, channel i of the open
+// store, for encoding its group (fallback units and the first group in
+// fp16, the rest their N-bit codes' values) or for attention at length T
+// (also the last x in fp16 and the w tier's 8-bit codes).
+struct OpenReader {
+  const GroupedKvCache::Impl& m;
+  const GroupedKvCache::Impl::Layer& ly;
+  const GroupedKvScheme& s;
+  int layer;
+  // All 2E values of token pos into out (K in the tile frame).
+  void Token(int64_t pos, bool for_attention, float* out) const {
+    const size_t E = m.E, hd = static_cast<size_t>(m.hd), H = static_cast<size_t>(m.H);
+    const int64_t T = ly.T;
+    if (!m.open_coded) {
+      f16_to_f32({ly.f16.data() + static_cast<size_t>(pos) % m.cap * 2 * E, 2 * E}, {out, 2 * E});
+      return;
+    }
+    const int64_t g = (pos - m.S) / m.G;
+    if (g >= 1 && for_attention && m.X > 0 && pos >= T - m.X) {
+      f16_to_f32({ly.f16.data() + static_cast<size_t>(pos) % m.xslots * 2 * E, 2 * E}, {out, 2 * E});
+      return;
+    }
+    const size_t slot = static_cast<size_t>(pos) % m.cap;
+    const uint8_t* fl = ly.flags.data() + slot * m.fslot;
+    if (g >= 1) {
+      const OpenGrid& og = GridOf(ly, g);
+      const bool wide = for_attention && m.W > 0 && pos >= s.wide_start(T);
+      if (wide) {
+        const uint8_t* c8 = ly.w8.data() + static_cast<size_t>(pos) % m.wslots * 2 * E;
+        for (size_t c = 0; c < 2 * E; ++c) out[c] = og.lo[c] + og.st8[c] * static_cast<float>(c8[c]);
+      } else {
+        std::vector<uint8_t> q(2 * E);
+        grouped::UnpackCodes(ly.ncodes.data() + slot * m.nslot, 2 * E, m.N, q.data());
+        for (size_t c = 0; c < 2 * E; ++c) out[c] = og.lo[c] + og.st[c] * static_cast<float>(q[c]);
+      }
+    }
+    for (size_t un = 0; un < 2 * H; ++un) {
+      if (g >= 1 && !((fl[un / 8] >> (un % 8)) & 1)) continue;
+      const uint16_t* h = ly.pool.find(pos * static_cast<int64_t>(2 * H) + static_cast<int64_t>(un));
+      KVQ_ASSERT(h != nullptr);
+      f16_to_f32({h, hd}, {out + un * hd, hd});
+    }
+  }
+};
+
+}  // namespace
+
+namespace {
+
+// Packs codes [which][head][channel][token] (G tokens) into a record's K
+// tiles and V quads.
+void PackRecord(const GroupedKvCache::Impl& m, int layer, const uint8_t* codes, uint8_t* rec) {
+  const size_t E = m.E, hd = static_cast<size_t>(m.hd), G = static_cast<size_t>(m.G), nq = hd / kQuad;
+  const size_t vw = static_cast<size_t>(m.vw);
+  uint8_t op[64];
+  for (size_t h = 0; h < static_cast<size_t>(m.H); ++h) {
+    const uint8_t* kc = codes + h * hd * G;          // K, head h: [channel][token]
+    const uint8_t* vc = codes + (E + h * hd) * G;    // V
+    const uint8_t* qb = m.QuadBits(layer, static_cast<int>(h));
+    const uint32_t* qo = m.QuadOff(layer, static_cast<int>(h));
+    for (size_t j = 0; j < G / grouped::kTile; ++j) {
+      uint8_t* tile = rec + m.lay.tile(j, h);
+      for (size_t k = 0; k < nq; ++k) {
+        for (int l = 0; l < grouped::kTile; ++l) {
+          for (int c = 0; c < kQuad; ++c) op[kQuad * l + c] = kc[(kQuad * k + static_cast<size_t>(c)) * G + j * grouped::kTile + static_cast<size_t>(l)];
+        }
+        grouped::PackOperand(op, 64, qb[k], tile + qo[k]);
+      }
+    }
+    for (size_t x = 0; x < hd / vw; ++x) {
+      for (size_t r = 0; r < G / 4; ++r) {
+        for (size_t n = 0; n < vw; ++n) {
+          for (size_t jj = 0; jj < 4; ++jj) op[4 * n + jj] = vc[(x * vw + n) * G + 4 * r + jj];
+        }
+        grouped::PackOperand(op, static_cast<int>(4 * vw), m.vbits, rec + m.lay.voperand(h, x, r));
+      }
+    }
+  }
+}
+
+// Group g's parameters (codes = false: at its completion) or codes (at its
+// hand-over) from the values the store holds for its tokens.
+void EncodeGroup(const GroupedKvCache::Impl& m, const GroupedKvScheme& s, int layer, int64_t g, uint8_t* rec, bool codes) {
+  const GroupedKvCache::Impl::Layer& ly = m.layers[static_cast<size_t>(layer)];
+  const size_t E = m.E, hd = static_cast<size_t>(m.hd), H = static_cast<size_t>(m.H);
+  const int G = m.G;
+  const size_t uG = static_cast<size_t>(G);
+  // The group's held values, [token][K | V].
+  thread_local std::vector<float> x;
+  x.resize(uG * 2 * E);
+  const OpenReader rd{m, ly, s, layer};
+  for (int t = 0; t < G; ++t) rd.Token(m.S + g * G + t, /*for_attention=*/false, x.data() + static_cast<size_t>(t) * 2 * E);
+  thread_local std::vector<uint8_t> q;
+  q.resize(codes ? 2 * E * uG : 0);
+  std::vector<float> lo(hd), st(hd);
+  std::vector<uint8_t> bits(hd);
+  std::vector<uint16_t> l16(hd), s16(hd);
+  for (size_t which = 0; which < 2; ++which) {
+    for (size_t h = 0; h < H; ++h) {
+      for (size_t i = 0; i < hd; ++i) bits[i] = static_cast<uint8_t>(m.Bits(layer, which, h * hd + i));
+      const float* xs = x.data() + which * E + h * hd;
+      if (!codes) {
+        // Per channel its range (m: of least squared error) as fp16 lo /
+        // step or p8's a / b (grouped_encode.h).
+        uint8_t* prm = rec + (which == 0 ? m.lay.kparams(h) : m.lay.vparams(h));
+        grouped::EncodeArgs a;
+        a.x = xs, a.n = G, a.stride = 2 * E, a.n_ch = static_cast<int>(hd), a.bits = bits.data();
+        a.grid = m.params == grouped::Params::kP8 ? m.Grid(layer, which, h) : nullptr;
+        a.clip = m.mse ? kClipSteps : 0;
+        a.lo16 = l16.data(), a.step16 = s16.data(), a.a = prm, a.b = prm + hd;
+        grouped::EncodeChannels(a);
+        if (!a.grid) {
+          std::memcpy(prm, l16.data(), 2 * hd);
+          std::memcpy(prm + 2 * hd, s16.data(), 2 * hd);
+        }
+        continue;
+      }
+      // The codes on the stored parameters (those the coder chose).
+      m.RecordParams(layer, rec, which, h, lo.data(), st.data());
+      grouped::CodeValues(xs, G, 2 * E, static_cast<int>(hd), lo.data(), st.data(), bits.data(),
+                          q.data() + (which * E + h * hd) * uG);
+    }
+  }
+  if (codes) PackRecord(m, layer, q.data(), rec);
+}
+
+}  // namespace
+
+namespace {
+// The open store of token pos (group g >= 1) from its fp16 values, as the
+// store holds it (grouped_kv.h): the N-bit codes, the 8-bit ones (w), a flag
+// per unit outside the grid (its fp16 values to the pool), the x ring.
+void OpenFromHalves(GroupedKvCache::Impl& m, GroupedKvCache::Impl::Layer& ly, int64_t pos, const OpenGrid& og,
+                    const float* x) {
+  const size_t E = m.E, hd = static_cast<size_t>(m.hd), H2 = 2 * static_cast<size_t>(m.H);
+  const size_t slot = static_cast<size_t>(pos) % m.cap;
+  uint8_t* fl = ly.flags.data() + slot * m.fslot;
+  std::fill(fl, fl + m.fslot, 0);
+  uint8_t* c8 = m.W > 0 ? ly.w8.data() + static_cast<size_t>(pos) % m.wslots * 2 * E : nullptr;
+  thread_local std::vector<uint8_t> qn, fits;
+  qn.resize(2 * E), fits.resize(H2);
+  grouped::OpenCodes(x, og.lo.data(), og.st.data(), og.st8.data(), H2, hd, m.N, qn.data(), c8, fits.data());
+  for (size_t un = 0; un < H2; ++un) {
+    if (fits[un]) continue;
+    fl[un / 8] = static_cast<uint8_t>(fl[un / 8] | (1u << (un % 8)));
+    ly.pool.add(pos * static_cast<int64_t>(H2) + static_cast<int64_t>(un), x + un * hd);
+  }
+  grouped::PackOperand(qn.data(), static_cast<int>(2 * E), m.N, ly.ncodes.data() + slot * m.nslot);
+  if (m.X > 0) f32_to_f16({x, 2 * E}, {ly.f16.data() + static_cast<size_t>(pos) % m.xslots * 2 * E, 2 * E});
+}
+}  // namespace
 
 void GroupedKvCache::write(int layer, int pos, std::span<const float> k, std::span<const float> v) {
   KVQ_CHECK_ARG(layer >= 0 && layer < n_layers_, "layer: expected 0..", n_layers_ - 1, ", got ", layer);
-  const size_t E = static_cast<size_t>(n_kv_heads_) * static_cast<size_t>(head_dim_);
+  Impl& m = *impl_;
+  const size_t E = m.E, hd = static_cast<size_t>(m.hd), H = static_cast<size_t>(m.H);
   KVQ_CHECK_ARG(k.size() == E && v.size() == E, "k, v: expected ", E, " values each, got ", k.size(), " and ",
                 v.size());
-  int64_t& w = written_[static_cast<size_t>(layer)];
-  KVQ_CHECK_ARG(pos >= 0 && pos < max_seq_ && (pos == w || pos == 0), "pos: grouped caches are written in order: ",
-                "expected ", w, " (or 0, a new sequence) below max_seq ", max_seq_, ", got ", pos);
+  Impl::Layer& ly = m.layers[static_cast<size_t>(layer)];
+  KVQ_CHECK_ARG(pos >= 0 && pos < max_seq_ && (pos == ly.T || pos == 0), "pos: grouped caches are written in order: ",
+                "expected ", ly.T, " (or 0, a new sequence) below max_seq ", max_seq_, ", got ", pos);
   for (size_t i = 0; i < E; ++i) {
     KVQ_CHECK_ARG(std::isfinite(k[i]) && std::isfinite(v[i]) && std::fabs(k[i]) <= kF16Max &&
                       std::fabs(v[i]) <= kF16Max,
                   "k, v: expected finite values within the fp16 range (|x| <= 65504) at element ", i);
   }
-  std::vector<float> kr(k.begin(), k.end());
-  rope_.apply(kr.data(), n_kv_heads_, pos);
-  exact_.write(layer, pos, kr, v);
-  w = pos + 1;
-  const int S = scheme_.sinks, G = G_;
-  if (pos < S) return;
-  if (scheme_.calibrated) {
-    EncodeToken(layer, pos, k, v);
+  if (pos == 0 && ly.T > 0) {  // a new sequence: drop everything held
+    ly.recs.clear(), ly.rec_ptr.clear(), ly.recs.shrink_to_fit(), ly.rec_ptr.shrink_to_fit();
+    ly.n_coded = 0;
+    ly.pool.clear();
+    ly.grids.clear();
+  }
+  ly.T = pos + 1;
+  const int S = m.S;
+  if (pos < S) {  // sinks: fp16 rows, K (after RoPE) rows then V rows
+    f32_to_f16(k, {ly.sink.data() + static_cast<size_t>(pos) * E, E});
+    f32_to_f16(v, {ly.sink.data() + (static_cast<size_t>(S) + static_cast<size_t>(pos)) * E, E});
     return;
   }
-  const int64_t idx = (pos - S) % G, g = (pos - S) / G;
-  const size_t off = (static_cast<size_t>(layer) * static_cast<size_t>(G) + static_cast<size_t>(idx)) * E;
-  // The group is encoded from the values the store holds: fp16, or the
-  // open codes' values (o<N>).
-  float* pk = pending_k_.data() + off;
-  float* pv = pending_v_.data() + off;
-  for (size_t i = 0; i < E; ++i) pk[i] = f16_to_f32_ref(f32_to_f16_ref(k[i])), pv[i] = f16_to_f32_ref(f32_to_f16_ref(v[i]));
-  if (scheme_.open_coded()) {
-    const size_t at = static_cast<size_t>(layer) * static_cast<size_t>(max_seq_) + static_cast<size_t>(pos);
-    uint8_t* codes = open8_.data() + at * 2 * E;
-    // Per unit (K or V of one KV head): its codes, or fp16 when a value falls
-    // outside the grid; every unit of the first group is fp16 (no grid yet).
-    const size_t hd = static_cast<size_t>(head_dim_), H = static_cast<size_t>(n_kv_heads_);
-    uint8_t* exact = open_exact_.data() + at * 2 * H;
-    std::fill(exact, exact + 2 * H, 1);
-    if (g >= 1) {
-      // The group's grids, computed at its first token (positions come in order).
-      float* lo = open_grid_.data() + static_cast<size_t>(layer) * 6 * E;
-      float* st = lo + 2 * E;
-      float* st8 = st + 2 * E;
-      if (idx == 0) OpenGrids(layer, g, lo, st, st8);
-      const bool wide = scheme_.wide_recent > 0;
-      uint8_t* codes8 = wide ? openw_.data() + at * 2 * E : nullptr;
-      float dec[512];
-      for (size_t u = 0; u < 2 * H; ++u) {
-        bool fits = true;
+  // K in the tile frame, then both as held in fp16.
+  thread_local std::vector<float> x;
+  thread_local std::vector<uint16_t> h16;
+  x.resize(2 * E), h16.resize(2 * E);
+  std::copy(k.begin(), k.end(), x.begin());
+  const int64_t tile = m.TileOf(pos);
+  rope_rotate(x.data(), m.H, m.hd, m.TileCos(tile), m.TileSin(tile), /*transpose=*/true);
+  std::copy(v.begin(), v.end(), x.begin() + static_cast<std::ptrdiff_t>(E));
+  f32_to_f16(x, h16);
+  f16_to_f32(h16, x);
+  const int64_t u = pos - S, G = m.G, g = u / G;
+
+  if (m.calibrated) {  // every token coded on arrival with the static ranges; the last R also in fp16
+    if (u % G == 0) m.NewRecord(ly);
+    uint8_t* rec = ly.recs.back().get();
+    for (size_t which = 0; which < 2; ++which) {
+      for (size_t h = 0; h < H; ++h) {
+        const float* sp = m.Stat(layer, which, h);
         for (size_t i = 0; i < hd; ++i) {
-          // From the fp16 value (what the store holds for the last x), via
-          // the 8-bit code when the last w are held in 8 bits (the N-bit code
-          // is then made from it).
-          const size_t c = u * hd + i;
-          const float x = c < E ? pk[c] : pv[c - E];
-          float y = x, half = 0.0f;
-          if (wide) {
-            codes8[c] = Code(x, lo[c], st8[c], 255);
-            y = lo[c] + st8[c] * static_cast<float>(codes8[c]);
-            half = 0.5f * st8[c];
-          }
-          const uint8_t q = Code(y, lo[c], st[c], (1 << scheme_.open_bits) - 1);
-          const float yn = lo[c] + st[c] * static_cast<float>(q);
-          if (!wide) y = yn, half = 0.5f * st[c];
-          fits = fits && std::fabs(y - x) <= half;  // else outside the grid (or a zero-width range)
-          codes[c] = q;
-          dec[i] = yn;
-        }
-        exact[u] = fits ? 0 : 1;
-        if (fits) std::copy(dec, dec + hd, (u < H ? pk : pv) + (u % H) * hd);
-      }
-    }
-  }
-  if (idx == G - 1 && g < max_groups_) EncodeGroup(layer, g);
-}
-
-void GroupedKvCache::EncodeToken(int layer, int pos, std::span<const float> k, std::span<const float> v) {
-  const int hd = head_dim_;
-  const int64_t u = pos - scheme_.sinks, g = u / G_;
-  const int lane = static_cast<int>(u % G_);
-  for (int h = 0; h < n_kv_heads_; ++h) {
-    for (int which = 0; which < 2; ++which) {
-      uint8_t* codes = const_cast<uint8_t*>(group_data(layer, which, h, g));
-      const float* prm = StaticParams(layer, which, h);
-      const float* x = (which == 0 ? k.data() : v.data()) + static_cast<size_t>(h) * static_cast<size_t>(hd);
-      const int bits = which == 0 ? scheme_.k_bits : scheme_.v_bits;
-      const size_t bb = static_cast<size_t>(bits);
-      uint8_t q[512];
-      for (int i = 0; i < hd; ++i) {
-        const int cb = which == 0 ? k_channel_bits(layer, h * hd + i) : bits;
-        q[i] = Code(x[i], prm[i], prm[hd + i], (1 << cb) - 1);
-      }
-      if (which == 0) {  // lane `lane` of each channel's two 8-code blocks
-        for (int i = 0; i < hd; ++i) {
-          const int cb = k_channel_bits(layer, h * hd + i);
-          grouped::SetCodeInBlock8(codes + KOff(layer, h * hd + i) + static_cast<size_t>(lane / 8) * static_cast<size_t>(cb),
-                                   lane % 8, cb, q[i]);
-        }
-      } else {
-        for (int i = 0; i < hd; i += 8) {
-          grouped::PackBlock8(q + i, bits, codes + static_cast<size_t>(lane) * hd * bb / 8 + static_cast<size_t>(i / 8) * bb);
+          const size_t c = h * hd + i;
+          const uint8_t q = Code(x[which * E + c], sp[i], sp[hd + i], (1 << m.Bits(layer, which, c)) - 1);
+          m.SetRecordCode(layer, rec, which, h, static_cast<int>(u % G), i, q);
         }
       }
     }
+    if (m.R > 0) f32_to_f16(x, {ly.f16.data() + static_cast<size_t>(pos % m.R) * 2 * E, 2 * E});
+    return;
+  }
+
+  // Dynamic groups: the open token as the store holds it.
+  if (!m.open_coded) {
+    f32_to_f16(x, {ly.f16.data() + static_cast<size_t>(pos) % m.cap * 2 * E, 2 * E});
+  } else if (g == 0) {  // the first group: no range yet, every unit in fp16
+    std::fill(ly.flags.begin() + static_cast<std::ptrdiff_t>((static_cast<size_t>(pos) % m.cap) * m.fslot),
+              ly.flags.begin() + static_cast<std::ptrdiff_t>((static_cast<size_t>(pos) % m.cap + 1) * m.fslot), 0xFF);
+    for (size_t un = 0; un < 2 * H; ++un) ly.pool.add(static_cast<int64_t>(pos) * static_cast<int64_t>(2 * H) + static_cast<int64_t>(un), x.data() + un * hd);
+  } else {
+    // Group g's grid (from g - 1's range), made at its first token.
+    if (ly.grids.empty() || ly.grids.back().group != g) {
+      ly.grids.emplace_back();
+      MakeOpenGrid(m, layer, ly.rec_ptr[static_cast<size_t>(g - 1)], g, ly.grids.back());
+    }
+    OpenFromHalves(m, ly, pos, ly.grids.back(), x.data());
+  }
+  // A complete group: its parameters now (the next group's open tokens are
+  // coded on its range); its codes at the hand-over.
+  if ((u + 1) % G == 0) {
+    uint8_t* rec = m.NewRecord(ly);
+    EncodeGroup(m, scheme_, layer, g, rec, /*codes=*/false);
+  }
+  const int64_t coded = (scheme_.coded_end(ly.T) - S) / G;
+  while (ly.n_coded < coded) {
+    EncodeGroup(m, scheme_, layer, ly.n_coded, ly.recs[static_cast<size_t>(ly.n_coded)].get(), /*codes=*/true);
+    ++ly.n_coded;
+    const int64_t end = S + ly.n_coded * G;  // the open store lets the group's tokens go
+    ly.pool.drop_before(end * static_cast<int64_t>(2 * H));
+    while (!ly.grids.empty() && ly.grids.front().group < ly.n_coded) ly.grids.erase(ly.grids.begin());
   }
 }
 
-void GroupedKvCache::EncodeGroup(int layer, int64_t g) {
-  const int G = G_, hd = head_dim_;
-  const size_t E = static_cast<size_t>(n_kv_heads_) * static_cast<size_t>(hd);
-  const float* pk = pending_k_.data() + static_cast<size_t>(layer) * static_cast<size_t>(G) * E;
-  const float* pv = pending_v_.data() + static_cast<size_t>(layer) * static_cast<size_t>(G) * E;
-  std::vector<uint8_t> codes(static_cast<size_t>(G) * static_cast<size_t>(hd));  // [channel][token]
-  std::vector<uint8_t> row(static_cast<size_t>(hd));
-  for (int h = 0; h < n_kv_heads_; ++h) {
-    for (int which = 0; which < 2; ++which) {
-      uint8_t* grp = const_cast<uint8_t*>(group_data(layer, which, h, g));
-      const float* src = (which == 0 ? pk : pv) + static_cast<size_t>(h) * static_cast<size_t>(hd);
-      const int bits = which == 0 ? scheme_.k_bits : scheme_.v_bits;
-      // Per channel its range (m: of least squared error; CodeChannel) as fp16
-      // lo / step or p8's a / b, and its codes.
-      const size_t uhd = static_cast<size_t>(hd);
-      const float* grid = scheme_.params8 ? Grid(layer, which, h) : nullptr;
-      for (size_t i = 0; i < uhd; ++i) {
-        const int cb = which == 0 ? k_channel_bits(layer, h * hd + static_cast<int>(i)) : bits;
-        const float g3[3] = {grid ? grid[i] : 0.0f, grid ? grid[uhd + i] : 0.0f, grid ? grid[2 * uhd + i] : 0.0f};
-        const ChannelParams p = CodeChannel(src + i, G, E, cb, grid ? g3 : nullptr,
-                                            scheme_.mse_ranges ? kClipSteps : 0, codes.data() + i * static_cast<size_t>(G));
-        if (grid) {
-          grp[i] = p.a, grp[uhd + i] = p.b;
-        } else {
-          std::memcpy(grp + 2 * i, &p.lo, 2);
-          std::memcpy(grp + 2 * (uhd + i), &p.step, 2);
-        }
-      }
-      uint8_t* out = grp + header_bytes_;
-      const size_t bb = static_cast<size_t>(bits);  // bytes of an 8-code block
-      if (which == 0) {  // K tiles: tile j, channel i: tokens 16j..16j+7, then 16j+8..16j+15
-        for (int j = 0; j < G / 16; ++j) {
-          for (int i = 0; i < hd; ++i) {
-            const int cb = k_channel_bits(layer, h * hd + i);
-            const uint8_t* c = codes.data() + static_cast<size_t>(i) * G + static_cast<size_t>(j) * 16;
-            uint8_t* o = out + static_cast<size_t>(j) * ktile_bytes_ + KOff(layer, h * hd + i);
-            grouped::PackBlock8(c, cb, o);
-            grouped::PackBlock8(c + 8, cb, o + static_cast<size_t>(cb));
-          }
-        }
-      } else {  // V rows: token u's channels in blocks of 8
-        for (int u = 0; u < G; ++u) {
-          for (int i = 0; i < hd; ++i) row[static_cast<size_t>(i)] = codes[static_cast<size_t>(i) * G + static_cast<size_t>(u)];
-          for (int i = 0; i < hd; i += 8) {
-            grouped::PackBlock8(row.data() + i, bits, out + static_cast<size_t>(u) * hd * bb / 8 + static_cast<size_t>(i / 8) * bb);
-          }
+// ---- reading -------------------------------------------------------------------
+
+namespace {
+
+// Token pos (0..T-1, past the sinks) of layer l as attention reads it at the
+// layer's length: K in the tile frame (not yet rotated), V.
+void HeldToken(const GroupedKvCache::Impl& m, const GroupedKvScheme& s, int l, int64_t pos, float* out) {
+  const GroupedKvCache::Impl::Layer& ly = m.layers[static_cast<size_t>(l)];
+  const size_t E = m.E, hd = static_cast<size_t>(m.hd);
+  const int64_t T = ly.T, u = pos - m.S;
+  if (m.calibrated && m.R > 0 && pos >= T - m.R) {
+    f16_to_f32({ly.f16.data() + static_cast<size_t>(pos % m.R) * 2 * E, 2 * E}, {out, 2 * E});
+    return;
+  }
+  if (m.calibrated || pos < s.coded_end(T)) {
+    const uint8_t* rec = ly.rec_ptr[static_cast<size_t>(u / m.G)];
+    std::vector<float> lo(hd), st(hd);
+    for (size_t which = 0; which < 2; ++which) {
+      for (size_t h = 0; h < static_cast<size_t>(m.H); ++h) {
+        m.RecordParams(l, rec, which, h, lo.data(), st.data());
+        for (size_t i = 0; i < hd; ++i) {
+          out[which * E + h * hd + i] =
+              lo[i] + st[i] * static_cast<float>(m.RecordCode(l, rec, which, h, static_cast<int>(u % m.G), i));
         }
       }
     }
+    return;
   }
+  OpenReader{m, ly, s, l}.Token(pos, /*for_attention=*/true, out);
 }
 
-void GroupedKvCache::OpenGrids(int layer, int64_t g, float* lo, float* step, float* step8) const {
-  const size_t hd = static_cast<size_t>(head_dim_), E = this->E();
-  std::vector<float> prm(2 * hd);
-  for (int which = 0; which < 2; ++which) {
-    for (int h = 0; h < n_kv_heads_; ++h) {
-      grouped::DecodeGroupParams(group_data(layer, which, h, g - 1), hd,
-                                 scheme_.params8 ? Grid(layer, which, h) : nullptr, prm.data(), prm.data() + hd);
-      for (size_t i = 0; i < hd; ++i) {
-        const size_t c = static_cast<size_t>(h) * hd + i;
-        const int bits = which == 0 ? k_channel_bits(layer, static_cast<int>(c)) : scheme_.v_bits;
-        const float w = prm[hd + i] * static_cast<float>((1 << bits) - 1);
-        lo[static_cast<size_t>(which) * E + c] = prm[i] - 0.5f * w;
-        step[static_cast<size_t>(which) * E + c] = 2.0f * w / static_cast<float>((1 << scheme_.open_bits) - 1);
-        step8[static_cast<size_t>(which) * E + c] = 2.0f * w / 255.0f;
-      }
-    }
+// Tokens [t0, t1) (past the sinks) decoded to fp32 rows, K after RoPE.
+AttentionPart DecodedPart(const GroupedKvCache::Impl& m, const GroupedKvScheme& s, int l, int64_t t0, int64_t t1,
+                          std::span<const float> q, int n_heads, const DecodeAttentionOptions& o) {
+  const size_t E = m.E;
+  std::vector<float> kr(static_cast<size_t>(t1 - t0) * E), vr(kr.size()), x(2 * E);
+  for (int64_t t = t0; t < t1; ++t) {
+    HeldToken(m, s, l, t, x.data());
+    float* k = kr.data() + static_cast<size_t>(t - t0) * E;
+    std::copy(x.begin(), x.begin() + static_cast<std::ptrdiff_t>(E), k);
+    std::copy(x.begin() + static_cast<std::ptrdiff_t>(E), x.end(), vr.data() + static_cast<size_t>(t - t0) * E);
+    const int64_t tile = m.TileOf(t);
+    rope_rotate(k, m.H, m.hd, m.TileCos(tile), m.TileSin(tile), /*transpose=*/false);
   }
+  KvRowsView rows;
+  rows.scheme = KvScheme::Fp32;
+  rows.n_kv_heads = m.H;
+  rows.head_dim = m.hd;
+  rows.k = reinterpret_cast<const uint8_t*>(kr.data());
+  rows.v = reinterpret_cast<const uint8_t*>(vr.data());
+  rows.slice_bytes = E * sizeof(float);
+  rows.slice_stride = rows.slice_bytes * static_cast<size_t>(t1 - t0);
+  rows.tokens = t1 - t0;
+  return decode_attention_part(q, n_heads, rows, o);
 }
 
-void GroupedKvCache::DecodeOpen8(int layer, int64_t pos, int64_t T, const float* lo, const float* step,
-                                 const float* step8, float* k, float* v) const {
-  const size_t E = this->E();
-  const bool wide = scheme_.wide_recent > 0 && pos >= scheme_.wide_start(T);  // the 8-bit codes
-  const uint8_t* codes = (wide ? openw_ : open8_).data() +
-                         (static_cast<size_t>(layer) * static_cast<size_t>(max_seq_) + static_cast<size_t>(pos)) * 2 * E;
-  if (wide) step = step8;
-  for (size_t c = 0; c < E; ++c) k[c] = lo[c] + step[c] * static_cast<float>(codes[c]);
-  for (size_t c = 0; c < E; ++c) v[c] = lo[E + c] + step[E + c] * static_cast<float>(codes[E + c]);
-  rope_.apply(k, n_kv_heads_, static_cast<int>(pos));
-  // Units held in fp16 instead (outside the grid): the exact rows (K after RoPE).
-  const size_t H = static_cast<size_t>(n_kv_heads_), hd = static_cast<size_t>(head_dim_);
-  const uint8_t* exact =
-      open_exact_.data() + (static_cast<size_t>(layer) * static_cast<size_t>(max_seq_) + static_cast<size_t>(pos)) * 2 * H;
-  if (std::find(exact, exact + 2 * H, 1) == exact + 2 * H) return;
-  std::vector<float> ek(E), ev(E);
-  exact_.read_k(layer, static_cast<int>(pos), ek);
-  exact_.read_v(layer, static_cast<int>(pos), ev);
-  for (size_t u = 0; u < 2 * H; ++u) {
-    if (!exact[u]) continue;
-    const float* from = (u < H ? ek.data() : ev.data()) + (u % H) * hd;
-    std::copy(from, from + hd, (u < H ? k : v) + (u % H) * hd);
-  }
+// The sinks' fp16 rows (K after RoPE) as a row view.
+KvRowsView SinkRows(const GroupedKvCache::Impl& m, const GroupedKvCache::Impl::Layer& ly, int64_t n) {
+  KvRowsView rows;
+  rows.scheme = KvScheme::Fp16;
+  rows.n_kv_heads = m.H;
+  rows.head_dim = m.hd;
+  rows.k = reinterpret_cast<const uint8_t*>(ly.sink.data());
+  rows.v = reinterpret_cast<const uint8_t*>(ly.sink.data() + static_cast<size_t>(m.S) * m.E);
+  rows.slice_bytes = m.E * sizeof(uint16_t);
+  rows.slice_stride = rows.slice_bytes * static_cast<size_t>(m.S);
+  rows.tokens = n;
+  return rows;
 }
 
-bool GroupedKvCache::IsOpen(int64_t pos, int64_t T) const {
-  return scheme_.open_coded() && pos >= scheme_.sinks + G_ && pos >= scheme_.coded_end(T) &&
-         pos < T - scheme_.exact_recent;
-}
+}  // namespace
 
-void GroupedKvCache::read(int layer, int64_t pos, int64_t T, std::span<float> k, std::span<float> v) const {
-  KVQ_CHECK_ARG(T >= 1 && T <= written(layer) && pos >= 0 && pos < T, "read: expected 0 <= pos < T <= ",
-                written(layer), ", got pos ", pos, ", T ", T);
-  const size_t E = static_cast<size_t>(n_kv_heads_) * static_cast<size_t>(head_dim_);
+void GroupedKvCache::read(int layer, int64_t pos, std::span<float> k, std::span<float> v) const {
+  const int64_t T = written(layer);
+  KVQ_CHECK_ARG(pos >= 0 && pos < T, "read: expected 0 <= pos < ", T, " (tokens written), got ", pos);
+  const Impl& m = *impl_;
+  const size_t E = m.E;
   KVQ_CHECK_ARG(k.size() == E && v.size() == E, "k, v: expected ", E, " values each");
-  const int S = scheme_.sinks, G = G_, hd = head_dim_;
-  if (IsOpen(pos, T)) {
-    std::vector<float> lo(2 * E), st(2 * E);
-    std::vector<float> st8(2 * E);
-    OpenGrids(layer, (pos - S) / G, lo.data(), st.data(), st8.data());
-    DecodeOpen8(layer, pos, T, lo.data(), st.data(), st8.data(), k.data(), v.data());
+  const Impl::Layer& ly = m.layers[static_cast<size_t>(layer)];
+  if (pos < m.S) {
+    f16_to_f32({ly.sink.data() + static_cast<size_t>(pos) * E, E}, k);
+    f16_to_f32({ly.sink.data() + (static_cast<size_t>(m.S) + static_cast<size_t>(pos)) * E, E}, v);
     return;
   }
-  if (pos < S || pos >= scheme_.coded_end(T)) {
-    exact_.read_k(layer, static_cast<int>(pos), k);
-    exact_.read_v(layer, static_cast<int>(pos), v);
-    return;
-  }
-  const int64_t g = (pos - S) / G;
-  const int u = static_cast<int>((pos - S) % G);
-  std::vector<float> prm(2 * static_cast<size_t>(hd));
-  for (int h = 0; h < n_kv_heads_; ++h) {
-    for (int which = 0; which < 2; ++which) {
-      const uint8_t* grp = group_data(layer, which, h, g);
-      if (scheme_.calibrated) {
-        const float* sp = StaticParams(layer, which, h);
-        std::copy(sp, sp + 2 * hd, prm.begin());
-      } else {
-        grouped::DecodeGroupParams(grp, static_cast<size_t>(hd), scheme_.params8 ? Grid(layer, which, h) : nullptr,
-                                   prm.data(), prm.data() + hd);
-      }
-      const uint8_t* codes = grp + header_bytes_;
-      const int bits = which == 0 ? scheme_.k_bits : scheme_.v_bits;
-      const size_t bb = static_cast<size_t>(bits);
-      float* out = (which == 0 ? k.data() : v.data()) + static_cast<size_t>(h) * static_cast<size_t>(hd);
-      for (int i = 0; i < hd; ++i) {
-        const int cb = which == 0 ? k_channel_bits(layer, h * hd + i) : bits;
-        const uint32_t q =
-            which == 0
-                ? grouped::CodeInBlock8(codes + static_cast<size_t>(u / 16) * ktile_bytes_ + KOff(layer, h * hd + i) +
-                                            static_cast<size_t>((u % 16) / 8) * static_cast<size_t>(cb),
-                                        u % 8, cb)
-                : grouped::CodeInBlock8(codes + static_cast<size_t>(u) * hd * bb / 8 + static_cast<size_t>(i / 8) * bb,
-                                        i % 8, bits);
-        out[i] = prm[static_cast<size_t>(i)] + prm[static_cast<size_t>(hd + i)] * static_cast<float>(q);
-      }
-    }
-  }
-  rope_.apply(k.data(), n_kv_heads_, static_cast<int>(pos));
+  std::vector<float> x(2 * E);
+  HeldToken(m, scheme_, layer, pos, x.data());
+  std::copy(x.begin(), x.begin() + static_cast<std::ptrdiff_t>(E), k.begin());
+  std::copy(x.begin() + static_cast<std::ptrdiff_t>(E), x.end(), v.begin());
+  const int64_t tile = m.TileOf(pos);
+  rope_rotate(k.data(), m.H, m.hd, m.TileCos(tile), m.TileSin(tile), /*transpose=*/false);
 }
 
-void GroupedKvCache::Check(int layer, int64_t T, std::span<const float> q, int n_heads) const {
-  KVQ_CHECK_ARG(T >= 1 && T <= written(layer), "T: expected 1..", written(layer), " (tokens written), got ", T);
-  KVQ_CHECK_ARG(n_heads >= 1 && n_heads % n_kv_heads_ == 0 && n_heads / n_kv_heads_ <= 64, "n_heads: expected a ",
-                "multiple of n_kv_heads ", n_kv_heads_, " (at most 64 per KV head), got ", n_heads);
-  KVQ_CHECK_ARG(q.size() == static_cast<size_t>(n_heads) * static_cast<size_t>(head_dim_), "q: expected ",
-                n_heads * head_dim_, " values, got ", q.size());
+namespace {
+void CheckQuery(const GroupedKvCache& c, int layer, std::span<const float> q, int n_heads) {
+  const int64_t T = c.written(layer);
+  KVQ_CHECK_ARG(T >= 1, "layer ", layer, ": nothing written to attend to");
+  KVQ_CHECK_ARG(n_heads >= 1 && n_heads % c.n_kv_heads() == 0 && n_heads / c.n_kv_heads() <= 64, "n_heads: expected a ",
+                "multiple of n_kv_heads ", c.n_kv_heads(), " (at most 64 per KV head), got ", n_heads);
+  KVQ_CHECK_ARG(q.size() == static_cast<size_t>(n_heads) * static_cast<size_t>(c.head_dim()), "q: expected ",
+                n_heads * c.head_dim(), " values, got ", q.size());
   for (size_t i = 0; i < q.size(); ++i) KVQ_CHECK_ARG(std::isfinite(q[i]), "q: non-finite value at ", i);
 }
+}  // namespace
 
-AttentionPart GroupedKvCache::coded_part(int layer, int64_t T, std::span<const float> q, int n_heads, int threads,
+namespace {
+
+// The fused kernel's call for layer l over its coded groups (calibrated:
+// whole tiles), q already scaled.
+grouped::Call KernelCall(const GroupedKvCache::Impl& m, int l, const float* qs, int n_heads) {
+  grouped::Call c;
+  c.groups = m.layers[static_cast<size_t>(l)].rec_ptr.data();
+  c.layout = m.lay;
+  c.n_kv_heads = m.H, c.head_dim = m.hd, c.n_heads = n_heads, c.group = m.G, c.v_bits = m.vbits;
+  c.params = m.params;
+  c.k_digits = m.k_digits, c.v_digits = m.v_digits;
+  c.first = m.S;
+  c.q = qs;
+  c.tile_cos = m.tcos.data(), c.tile_sin = m.tsin.data();
+  if (m.calibrated) c.k_static = m.Stat(l, 0, 0), c.v_static = m.Stat(l, 1, 0);
+  if (m.params == grouped::Params::kP8) c.k_grid = m.Grid(l, 0, 0), c.v_grid = m.Grid(l, 1, 0);
+  c.k_quad_bits = m.QuadBits(l, 0);
+  c.k_quad_off = m.QuadOff(l, 0);
+  return c;
+}
+
+// Groups the kernel reads at the layer's length, and where the tokens it
+// does not read start.
+std::pair<int64_t, int64_t> KernelExtent(const GroupedKvCache::Impl& m, const GroupedKvScheme& s, int l) {
+  const GroupedKvCache::Impl::Layer& ly = m.layers[static_cast<size_t>(l)];
+  const int64_t S = std::min<int64_t>(m.S, ly.T);
+  if (m.calibrated) {
+    const int64_t ce = std::max<int64_t>(S, s.coded_end(ly.T));
+    const int64_t n = (ce - S) / grouped::kTile;
+    return {n, S + n * grouped::kTile};
+  }
+  return {ly.n_coded, S + ly.n_coded * m.G};
+}
+
+}  // namespace
+
+AttentionPart GroupedKvCache::coded_part(int layer, std::span<const float> q, int n_heads, int threads,
                                          float scale) const {
-  Check(layer, T, q, n_heads);
+  CheckQuery(*this, layer, q, n_heads);
   KVQ_CHECK_ARG(threads >= 0 && threads <= 1024, "threads: expected 0..1024, got ", threads);
   KVQ_CHECK_ARG(std::isfinite(scale) && scale >= 0.0f, "scale: expected a finite value >= 0, got ", scale);
-  const int hd = head_dim_;
-  const float s = scale > 0.0f ? scale : 1.0f / std::sqrt(static_cast<float>(hd));
+  const Impl& m = *impl_;
+  const size_t nv = static_cast<size_t>(n_heads) * static_cast<size_t>(m.hd);
+  const float sc = scale > 0.0f ? scale : 1.0f / std::sqrt(static_cast<float>(m.hd));
   std::vector<float> qs(q.begin(), q.end());
-  for (float& x : qs) x *= s;
-  const int64_t n_groups = (TileEnd(T) - scheme_.sinks) / G_;
-  const size_t nv = static_cast<size_t>(n_heads) * static_cast<size_t>(hd);
+  for (float& x : qs) x *= sc;
+  const int64_t n_groups = KernelExtent(m, scheme_, layer).first;
   AttentionPart out;
   out.log_mass.assign(static_cast<size_t>(n_heads), -std::numeric_limits<double>::infinity());
   out.value.assign(nv, 0.0f);
-  if (n_groups == 0) return out;
-  grouped::Call c;
-  c.k = group_data(layer, 0, 0, 0);
-  c.v = group_data(layer, 1, 0, 0);
-  c.gbk = group_bytes_k_, c.gbv = group_bytes_v_, c.max_groups = max_groups_;
-  c.n_kv_heads = n_kv_heads_, c.head_dim = hd, c.n_heads = n_heads;
-  c.k_bits = scheme_.k_bits, c.v_bits = scheme_.v_bits, c.group = G_, c.first = scheme_.sinks;
-  if (scheme_.calibrated) c.k_static = StaticParams(layer, 0, 0), c.v_static = StaticParams(layer, 1, 0);
-  if (scheme_.params8) c.k_grid = Grid(layer, 0, 0), c.v_grid = Grid(layer, 1, 0);
-  c.k_bits_ch = kbits_.data() + static_cast<size_t>(layer) * E();
-  c.k_off_ch = koff_.data() + static_cast<size_t>(layer) * E();
-  c.ktile_bytes = ktile_bytes_;
-  c.q = qs.data();
-  c.rope_cos = rope_.cos(0), c.rope_sin = rope_.sin(0);
-  const int nt = static_cast<int>(std::min<int64_t>(threads > 0 ? threads : omp_get_max_threads(), n_groups));
-  if (nt <= 1) {
-    c.g0 = 0, c.g1 = n_groups, c.log_mass = out.log_mass.data(), c.value = out.value.data();
+  if (n_groups <= 0) return out;
+  grouped::Call c = KernelCall(m, layer, qs.data(), n_heads);
+  c.g0 = 0, c.g1 = n_groups, c.log_mass = out.log_mass.data(), c.value = out.value.data();
+  if (threads == 1) {
     grouped::Attend(c);
     return out;
   }
+  const int nt = static_cast<int>(std::min<int64_t>(threads > 0 ? threads : omp_get_max_threads(), n_groups));
   std::vector<AttentionPart> parts(static_cast<size_t>(nt));
 #pragma omp parallel for num_threads(nt) schedule(static, 1)
   for (int i = 0; i < nt; ++i) {
@@ -897,74 +1252,71 @@ AttentionPart GroupedKvCache::coded_part(int layer, int64_t T, std::span<const f
   return merge_attention_parts(parts);
 }
 
-void GroupedKvCache::attend(int layer, int64_t T, std::span<const float> q, int n_heads, std::span<float> out,
-                            int threads, float scale) const {
-  Check(layer, T, q, n_heads);
+void GroupedKvCache::attend(int layer, std::span<const float> q, int n_heads, std::span<float> out, int threads,
+                            float scale) const {
+  CheckQuery(*this, layer, q, n_heads);
   KVQ_CHECK_ARG(out.size() == q.size(), "out: expected ", q.size(), " values, got ", out.size());
+  KVQ_CHECK_ARG(threads >= 0 && threads <= 1024, "threads: expected 0..1024, got ", threads);
+  KVQ_CHECK_ARG(std::isfinite(scale) && scale >= 0.0f, "scale: expected a finite value >= 0, got ", scale);
+  const Impl& m = *impl_;
+  const Impl::Layer& ly = m.layers[static_cast<size_t>(layer)];
+  const size_t nv = static_cast<size_t>(n_heads) * static_cast<size_t>(m.hd);
+  const int64_t T = ly.T, S = std::min<int64_t>(m.S, T);
+  const auto extent = KernelExtent(m, scheme_, layer);
+  const int64_t n_groups = extent.first, ke = extent.second;  // (lambdas capture no bindings before clang 16)
+  const float sc = scale > 0.0f ? scale : 1.0f / std::sqrt(static_cast<float>(m.hd));
+  std::vector<float> qs(q.begin(), q.end());
+  for (float& x : qs) x *= sc;
+  const grouped::Call c = KernelCall(m, layer, qs.data(), n_heads);
   DecodeAttentionOptions o;
   o.scale = scale;
-  o.threads = threads;
-  const KvRowsView all = exact_.view(layer, T);
-  const int64_t S = std::min<int64_t>(scheme_.sinks, T);
-  const int64_t ce = std::max<int64_t>(S, std::min<int64_t>(scheme_.coded_end(T), T));
-  if (ce == S && !scheme_.open_coded()) {  // nothing coded yet: every token exact
-    decode_attention(q, n_heads, all, out, o);
-    return;
-  }
-  std::vector<AttentionPart> parts;
-  if (S > 0) parts.push_back(decode_attention_part(q, n_heads, all.subview(0, S), o));
-  const int64_t te = TileEnd(T);
-  if (te > S) parts.push_back(coded_part(layer, T, q, n_heads, threads, scale));
-  if (te < ce) parts.push_back(DecodedPart(layer, te, ce, T, q, n_heads, o));  // calibrated: a partial tile
-  if (ce < T && scheme_.open_coded()) {  // coded open tokens decoded, the last x in fp16
-    const int64_t x0 = std::max<int64_t>(ce, T - scheme_.exact_recent);
-    if (ce < x0) parts.push_back(DecodedPart(layer, ce, x0, T, q, n_heads, o));
-    if (x0 < T) parts.push_back(decode_attention_part(q, n_heads, all.subview(x0, T), o));
-  } else if (ce < T) {
-    parts.push_back(decode_attention_part(q, n_heads, all.subview(ce, T), o));
-  }
-  const AttentionPart m = parts.size() == 1 ? parts.front() : merge_attention_parts(parts);
-  std::copy(m.value.begin(), m.value.end(), out.begin());
-}
-
-AttentionPart GroupedKvCache::DecodedPart(int layer, int64_t t0, int64_t t1, int64_t T, std::span<const float> q,
-                                          int n_heads, const DecodeAttentionOptions& o) const {
-  const size_t E = static_cast<size_t>(n_kv_heads_) * static_cast<size_t>(head_dim_);
-  std::vector<float> kr(static_cast<size_t>(t1 - t0) * E), vr(kr.size());
-  std::vector<float> lo(2 * E), st(2 * E), st8(2 * E);
-  int64_t grid_of = -1;  // the group whose 8-bit grids lo / st hold
-  for (int64_t t = t0; t < t1; ++t) {
-    float* k = kr.data() + static_cast<size_t>(t - t0) * E;
-    float* v = vr.data() + static_cast<size_t>(t - t0) * E;
-    if (IsOpen(t, T)) {
-      const int64_t g = (t - scheme_.sinks) / G_;
-      if (g != grid_of) OpenGrids(layer, g, lo.data(), st.data(), st8.data()), grid_of = g;
-      DecodeOpen8(layer, t, T, lo.data(), st.data(), st8.data(), k, v);
-    } else {
-      read(layer, t, T, {k, E}, {v, E});
+  o.threads = 1;
+  // Each thread takes a share of the coded groups and of the tokens read
+  // decoded (the open tokens, a calibrated cache's partial tile); thread 0
+  // the sinks too. Parts merge by log-sum-exp.
+  const int64_t n_open = T - ke;
+  int nt = threads > 0 ? threads : omp_get_max_threads();
+  if (n_groups * 16 + n_open < 256) nt = 1;  // short: not worth a thread team
+  std::vector<AttentionPart> parts(2 * static_cast<size_t>(nt) + 1);
+  const auto work = [&](int i) {
+    if (i == 0 && S > 0) parts.back() = decode_attention_part(q, n_heads, SinkRows(m, ly, S), o);
+    const int64_t g0 = n_groups * i / nt, g1 = n_groups * (i + 1) / nt;
+    if (g1 > g0) {
+      AttentionPart& p = parts[2 * static_cast<size_t>(i)];
+      p.log_mass.resize(static_cast<size_t>(n_heads));
+      p.value.resize(nv);
+      grouped::Call ci = c;
+      ci.g0 = g0, ci.g1 = g1, ci.log_mass = p.log_mass.data(), ci.value = p.value.data();
+      grouped::Attend(ci);
     }
+    const int64_t t0 = ke + n_open * i / nt, t1 = ke + n_open * (i + 1) / nt;
+    if (t1 > t0) parts[2 * static_cast<size_t>(i) + 1] = DecodedPart(m, scheme_, layer, t0, t1, q, n_heads, o);
+  };
+  if (nt == 1) {
+    work(0);
+  } else {
+#pragma omp parallel for num_threads(nt) schedule(static, 1)
+    for (int i = 0; i < nt; ++i) work(i);
   }
-  KvRowsView rows;
-  rows.scheme = KvScheme::Fp32;
-  rows.n_kv_heads = n_kv_heads_;
-  rows.head_dim = head_dim_;
-  rows.k = reinterpret_cast<const uint8_t*>(kr.data());
-  rows.v = reinterpret_cast<const uint8_t*>(vr.data());
-  rows.slice_bytes = E * sizeof(float);
-  rows.tokens = t1 - t0;
-  return decode_attention_part(q, n_heads, rows, o);
+  std::vector<AttentionPart> used;
+  for (AttentionPart& p : parts) {
+    if (!p.log_mass.empty()) used.push_back(std::move(p));
+  }
+  const AttentionPart r = used.size() == 1 ? used.front() : merge_attention_parts(used);
+  std::copy(r.value.begin(), r.value.end(), out.begin());
 }
 
-void GroupedKvCache::attend_ref(int layer, int64_t T, std::span<const float> q, int n_heads, std::span<float> out,
+void GroupedKvCache::attend_ref(int layer, std::span<const float> q, int n_heads, std::span<float> out,
                                 float scale) const {
-  Check(layer, T, q, n_heads);
+  CheckQuery(*this, layer, q, n_heads);
   KVQ_CHECK_ARG(out.size() == q.size(), "out: expected ", q.size(), " values, got ", out.size());
+  const int64_t T = written(layer);
   const int hd = head_dim_, rep = n_heads / n_kv_heads_;
   const size_t E = static_cast<size_t>(n_kv_heads_) * static_cast<size_t>(hd);
   const double s = scale > 0.0f ? scale : 1.0 / std::sqrt(static_cast<double>(hd));
   std::vector<float> K(static_cast<size_t>(T) * E), V(K.size());
   for (int64_t t = 0; t < T; ++t) {
-    read(layer, t, T, {K.data() + static_cast<size_t>(t) * E, E}, {V.data() + static_cast<size_t>(t) * E, E});
+    read(layer, t, {K.data() + static_cast<size_t>(t) * E, E}, {V.data() + static_cast<size_t>(t) * E, E});
   }
   std::vector<double> sc(static_cast<size_t>(T));
   for (int qh = 0; qh < n_heads; ++qh) {
@@ -987,42 +1339,263 @@ void GroupedKvCache::attend_ref(int layer, int64_t T, std::span<const float> q, 
   }
 }
 
-uint64_t GroupedKvCache::bytes(int64_t T) const {
-  if (T <= 0) return 0;
-  const uint64_t E = static_cast<uint64_t>(n_kv_heads_) * static_cast<uint64_t>(head_dim_);
-  uint64_t total = static_cast<uint64_t>(scheme_.stored_bits(T)) * E / 8 * static_cast<uint64_t>(n_layers_);
-  if (scheme_.open_coded()) {  // open tokens held in fp16 instead (outside the grid), per unit
-    const auto [o0, f1, x0] = scheme_.OpenFp16(T);
-    const int64_t w0 = scheme_.wide_start(T);
-    for (int l = 0; l < n_layers_; ++l) {
-      const size_t H = static_cast<size_t>(n_kv_heads_);
-      for (int64_t t = f1; t < x0; ++t) {
-        const uint8_t* exact =
-            open_exact_.data() + (static_cast<size_t>(l) * static_cast<size_t>(max_seq_) + static_cast<size_t>(t)) * 2 * H;
-        for (size_t u = 0; u < 2 * H; ++u) {  // a unit: head_dim values, 16 - N bits more each
-          const int held = t >= w0 ? 8 : scheme_.open_bits;  // the unit's code width
-          if (exact[u]) total += static_cast<uint64_t>(head_dim_) * static_cast<uint64_t>(16 - held) / 8;
-        }
-      }
+// ---- accounting ------------------------------------------------------------------
+
+uint64_t GroupedKvCache::layer_bytes(int layer) const {
+  const int64_t T = written(layer);
+  const Impl& m = *impl_;
+  uint64_t total = scheme_.layer_bytes(T, n_kv_heads_, head_dim_);
+  if (!m.open_coded || T <= 0) return total;
+  // Open units held in fp16 instead of their codes (outside the grid).
+  const Impl::Layer& ly = m.layers[static_cast<size_t>(layer)];
+  const auto [o0, f1, x0] = scheme_.OpenFp16(T);
+  const int64_t w0 = scheme_.wide_start(T);
+  const size_t hd = static_cast<size_t>(m.hd), H2 = 2 * static_cast<size_t>(m.H);
+  for (int64_t t = std::max(o0, f1); t < x0; ++t) {
+    const uint8_t* fl = ly.flags.data() + static_cast<size_t>(t) % m.cap * m.fslot;
+    const int held = m.W > 0 && t >= w0 ? 8 : m.N;  // the unit's code width
+    for (size_t un = 0; un < H2; ++un) {
+      if ((fl[un / 8] >> (un % 8)) & 1) total += 2 * hd - hd * static_cast<size_t>(held) / 8;
     }
   }
   return total;
 }
 
-double GroupedKvCache::bits(int64_t T) const {
-  const double elements = 2.0 * static_cast<double>(T) * static_cast<double>(E()) * n_layers_;
-  return T > 0 ? 8.0 * static_cast<double>(bytes(T)) / elements : 0.0;
+uint64_t GroupedKvCache::bytes() const {
+  uint64_t total = 0;
+  for (int l = 0; l < n_layers_; ++l) total += layer_bytes(l);
+  return total;
 }
 
-double GroupedKvCache::steady_state_bits(int64_t ctx) const {
-  for (int l = 0; l < n_layers_; ++l) {
-    KVQ_CHECK_ARG(ctx >= 1 && ctx <= written_[static_cast<size_t>(l)], "ctx: expected 1..", written_[static_cast<size_t>(l)],
-                  " (tokens written), got ", ctx);
+double GroupedKvCache::bits() const {
+  double tokens = 0;
+  for (int l = 0; l < n_layers_; ++l) tokens += static_cast<double>(written(l));
+  const double elements = 2.0 * tokens * static_cast<double>(impl_->E);
+  return elements > 0 ? 8.0 * static_cast<double>(bytes()) / elements : 0.0;
+}
+
+uint64_t GroupedKvCache::allocated_bytes() const {
+  const Impl& m = *impl_;
+  uint64_t b = m.qbits.capacity() + 4 * m.qoff.capacity() + 4 * (m.grid.capacity() + m.stat.capacity()) +
+               2 * m.table16.capacity() + 4 * (m.tcos.capacity() + m.tsin.capacity());
+  for (const Impl::Layer& ly : m.layers) {
+    b += ly.recs.size() * m.rec_bytes + ly.recs.capacity() * sizeof(void*) + ly.rec_ptr.capacity() * sizeof(void*);
+    b += 2 * (ly.sink.capacity() + ly.f16.capacity()) + ly.ncodes.capacity() + ly.flags.capacity() + ly.w8.capacity();
+    b += ly.pool.allocated();
+    for (const OpenGrid& og : ly.grids) b += 4 * (og.lo.capacity() + og.st.capacity() + og.st8.capacity());
   }
-  const int64_t lo = std::max<int64_t>(1, ctx - 127);
-  double s = 0;
-  for (int64_t T = lo; T <= ctx; ++T) s += bits(T);
-  return s / static_cast<double>(ctx - lo + 1);
+  return b;
+}
+
+// ---- the held state as bytes -----------------------------------------------------
+//
+// Per layer, in this order (little-endian; T = the layer's length, o0 =
+// max(S, coded_end(T))):
+//   sinks      min(S, T) K rows then as many V rows, fp16 (K after RoPE)
+//   calibrated every started tile's record (codes), then the last
+//              min(R, T - S) tokens' fp16 K (tile frame) | V
+//   dynamic    every complete group's record, per head: K parameters, K
+//              tiles (coded groups only), V parameters, V codes (coded only);
+//              then each open token in [o0, T): fp16 K | V (no o<N>, the
+//              first group, the last x), or its flags (a bit per unit) and per
+//              unit its codes (N-bit, or 8-bit in the w tier) or, when
+//              flagged, its fp16 values.
+// Its size is layer_bytes() less the tables (saved by the container).
+
+namespace {
+
+void PutHalves(std::vector<uint8_t>& out, const uint16_t* h, size_t n) {
+  if (n == 0) return;
+  const size_t at = out.size();
+  out.resize(at + 2 * n);
+  std::memcpy(out.data() + at, h, 2 * n);
+}
+void PutBytes(std::vector<uint8_t>& out, const uint8_t* p, size_t n) { out.insert(out.end(), p, p + n); }
+
+// Bounds-checked reads of a saved state.
+struct StateReader {
+  std::span<const uint8_t> b;
+  size_t pos = 0;
+  const uint8_t* take(size_t n) {
+    if (n > b.size() - pos) Fail("cache state: truncated (needs ", n, " bytes at byte ", pos, " of ", b.size(), ")");
+    const uint8_t* p = b.data() + pos;
+    pos += n;
+    return p;
+  }
+  // fp16 values that must be finite.
+  void halves(uint16_t* out, size_t n, const char* what) {
+    if (n == 0) return;
+    std::memcpy(out, take(2 * n), 2 * n);
+    for (size_t i = 0; i < n; ++i) {
+      if ((out[i] & 0x7C00) == 0x7C00) Fail("cache state: non-finite fp16 value in ", what);
+    }
+  }
+};
+
+}  // namespace
+
+void GroupedKvCache::save_state(std::vector<uint8_t>& out) const {
+  const Impl& m = *impl_;
+  const size_t E = m.E, hd = static_cast<size_t>(m.hd), H2 = 2 * static_cast<size_t>(m.H);
+  for (int l = 0; l < n_layers_; ++l) {
+    const Impl::Layer& ly = m.layers[static_cast<size_t>(l)];
+    const int64_t T = ly.T;
+    const size_t ns = static_cast<size_t>(std::min<int64_t>(m.S, T));
+    PutHalves(out, ly.sink.data(), ns * E);
+    PutHalves(out, ly.sink.data() + static_cast<size_t>(m.S) * E, ns * E);
+    if (T <= m.S) continue;
+    if (m.calibrated) {
+      for (const auto& r : ly.recs) PutBytes(out, r.get(), m.rec_bytes);
+      for (int64_t t = std::max<int64_t>(m.S, T - m.R); t < T; ++t) {
+        PutHalves(out, ly.f16.data() + static_cast<size_t>(t % m.R) * 2 * E, 2 * E);
+      }
+      continue;
+    }
+    for (size_t g = 0; g < ly.recs.size(); ++g) {  // parameters from completion, codes from the hand-over
+      const bool coded = static_cast<int64_t>(g) < ly.n_coded;
+      PutBytes(out, ly.recs[g].get(), coded ? m.rec_bytes : m.lay.codes());
+    }
+    const int64_t o0 = std::max<int64_t>(m.S, scheme_.coded_end(T)), w0 = scheme_.wide_start(T);
+    std::vector<float> x(2 * E);
+    std::vector<uint16_t> h16(2 * E);
+    const OpenReader rd{m, ly, scheme_, l};
+    for (int64_t t = o0; t < T; ++t) {
+      const int64_t g = (t - m.S) / m.G;
+      if (!m.open_coded || g == 0 || (m.X > 0 && t >= T - m.X)) {  // fp16 whole
+        rd.Token(t, /*for_attention=*/true, x.data());
+        f32_to_f16(x, h16);
+        PutHalves(out, h16.data(), 2 * E);
+        continue;
+      }
+      const size_t slot = static_cast<size_t>(t) % m.cap;
+      const uint8_t* fl = ly.flags.data() + slot * m.fslot;
+      PutBytes(out, fl, m.fslot);
+      const bool wide = m.W > 0 && t >= w0;
+      for (size_t un = 0; un < H2; ++un) {
+        if ((fl[un / 8] >> (un % 8)) & 1) {
+          PutHalves(out, ly.pool.find(t * static_cast<int64_t>(H2) + static_cast<int64_t>(un)), hd);
+        } else if (wide) {
+          PutBytes(out, ly.w8.data() + static_cast<size_t>(t) % m.wslots * 2 * E + un * hd, hd);
+        } else {
+          const size_t ub = hd * static_cast<size_t>(m.N) / 8;
+          PutBytes(out, ly.ncodes.data() + slot * m.nslot + un * ub, ub);
+        }
+      }
+    }
+  }
+}
+
+void GroupedKvCache::load_state(std::span<const uint8_t> in, std::span<const int64_t> lengths) {
+  Impl& m = *impl_;
+  KVQ_CHECK_ARG(lengths.size() == static_cast<size_t>(n_layers_), "cache state: expected ", n_layers_,
+                " layer lengths, got ", lengths.size());
+  for (int64_t T : lengths) {
+    KVQ_CHECK_ARG(T >= 0 && T <= max_seq_, "cache state: a layer length of ", T, " is outside 0..", max_seq_);
+  }
+  const size_t E = m.E, hd = static_cast<size_t>(m.hd), H2 = 2 * static_cast<size_t>(m.H);
+  StateReader rd{in};
+  try {
+    for (int l = 0; l < n_layers_; ++l) {
+      Impl::Layer& ly = m.layers[static_cast<size_t>(l)];
+      ly.recs.clear(), ly.rec_ptr.clear(), ly.n_coded = 0, ly.pool.clear(), ly.grids.clear();
+      const int64_t T = lengths[static_cast<size_t>(l)];
+      ly.T = T;
+      const size_t ns = static_cast<size_t>(std::min<int64_t>(m.S, T));
+      rd.halves(ly.sink.data(), ns * E, "the sinks");
+      rd.halves(ly.sink.data() + static_cast<size_t>(m.S) * E, ns * E, "the sinks");
+      if (T <= m.S) continue;
+      if (m.calibrated) {
+        for (int64_t j = 0; j < (T - m.S + 15) / 16; ++j) std::memcpy(m.NewRecord(ly), rd.take(m.rec_bytes), m.rec_bytes);
+        for (int64_t t = std::max<int64_t>(m.S, T - m.R); t < T; ++t) {
+          rd.halves(ly.f16.data() + static_cast<size_t>(t % m.R) * 2 * E, 2 * E, "the recent tokens");
+        }
+        continue;
+      }
+      const int64_t complete = (scheme_.complete_end(T) - m.S) / m.G, coded = (scheme_.coded_end(T) - m.S) / m.G;
+      for (int64_t g = 0; g < complete; ++g) {
+        uint8_t* rec = m.NewRecord(ly);
+        std::memcpy(rec, rd.take(g < coded ? m.rec_bytes : m.lay.codes()), g < coded ? m.rec_bytes : m.lay.codes());
+        for (size_t which = 0; which < 2; ++which) {
+          for (size_t h = 0; h < static_cast<size_t>(m.H); ++h) {
+            const uint8_t* prm = rec + (which == 0 ? m.lay.kparams(h) : m.lay.vparams(h));
+            if (m.params == grouped::Params::kP8) {
+              for (size_t i = 0; i < hd; ++i) {
+                if (prm[i] > prm[hd + i]) Fail("cache state: a group range with its low end above its high end");
+              }
+            } else {
+              for (size_t i = 0; i < 2 * hd; ++i) {
+                uint16_t h16;
+                std::memcpy(&h16, prm + 2 * i, 2);
+                if ((h16 & 0x7C00) == 0x7C00 || (i >= hd && (h16 & 0x8000) && (h16 & 0x7FFF))) {
+                  Fail("cache state: a group parameter that is not finite or a negative step");
+                }
+              }
+            }
+          }
+        }
+      }
+      ly.n_coded = coded;
+      const int64_t o0 = std::max<int64_t>(m.S, scheme_.coded_end(T)), w0 = scheme_.wide_start(T);
+      std::vector<uint16_t> h16(2 * E);
+      std::vector<float> x(2 * E);
+      for (int64_t t = o0; t < T; ++t) {
+        const int64_t g = (t - m.S) / m.G;
+        const size_t slot = static_cast<size_t>(t) % std::max<size_t>(m.cap, 1);
+        if (m.open_coded && g >= 1 && (ly.grids.empty() || ly.grids.back().group != g)) {
+          ly.grids.emplace_back();
+          MakeOpenGrid(m, l, ly.rec_ptr[static_cast<size_t>(g - 1)], g, ly.grids.back());
+        }
+        if (!m.open_coded) {
+          rd.halves(ly.f16.data() + slot * 2 * E, 2 * E, "an open token");
+          continue;
+        }
+        if (g == 0) {
+          rd.halves(h16.data(), 2 * E, "an open token");
+          std::fill(ly.flags.begin() + static_cast<std::ptrdiff_t>(slot * m.fslot),
+                    ly.flags.begin() + static_cast<std::ptrdiff_t>((slot + 1) * m.fslot), 0xFF);
+          for (size_t un = 0; un < H2; ++un) ly.pool.add_halves(t * static_cast<int64_t>(H2) + static_cast<int64_t>(un), h16.data() + un * hd);
+          continue;
+        }
+        const OpenGrid& og = ly.grids.back();
+        if (m.X > 0 && t >= T - m.X) {
+          rd.halves(h16.data(), 2 * E, "an open token");
+          f16_to_f32(h16, x);
+          OpenFromHalves(m, ly, t, og, x.data());
+          continue;
+        }
+        uint8_t* fl = ly.flags.data() + slot * m.fslot;
+        std::memcpy(fl, rd.take(m.fslot), m.fslot);
+        if (H2 % 8 != 0 && (fl[m.fslot - 1] >> (H2 % 8)) != 0) Fail("cache state: flag bits set past the last unit");
+        const bool wide = m.W > 0 && t >= w0;
+        const size_t ub = hd * static_cast<size_t>(m.N) / 8;
+        std::vector<uint8_t> qn(2 * E, 0);
+        uint8_t* c8 = wide ? ly.w8.data() + static_cast<size_t>(t) % m.wslots * 2 * E : nullptr;
+        for (size_t un = 0; un < H2; ++un) {
+          if ((fl[un / 8] >> (un % 8)) & 1) {
+            rd.halves(h16.data(), hd, "a fallback unit");
+            ly.pool.add_halves(t * static_cast<int64_t>(H2) + static_cast<int64_t>(un), h16.data());
+          } else if (wide) {
+            std::memcpy(c8 + un * hd, rd.take(hd), hd);
+            const int nlev = (1 << m.N) - 1;
+            for (size_t i = 0; i < hd; ++i) {  // the N-bit codes made from the 8-bit ones, as write() does
+              const size_t c = un * hd + i;
+              qn[c] = Code(og.lo[c] + og.st8[c] * static_cast<float>(c8[c]), og.lo[c], og.st[c], nlev);
+            }
+          } else {
+            const uint8_t* p = rd.take(ub);
+            for (size_t i = 0; i < hd; ++i) qn[un * hd + i] = static_cast<uint8_t>(grouped::OperandCode(p, static_cast<int>(i), m.N));
+          }
+        }
+        grouped::PackOperand(qn.data(), static_cast<int>(2 * E), m.N, ly.ncodes.data() + slot * m.nslot);
+      }
+    }
+    if (rd.pos != in.size()) Fail("cache state: ", in.size() - rd.pos, " bytes past the end of the last layer");
+  } catch (...) {
+    for (Impl::Layer& ly : m.layers) {
+      ly.T = 0, ly.recs.clear(), ly.rec_ptr.clear(), ly.n_coded = 0, ly.pool.clear(), ly.grids.clear();
+    }
+    throw;
+  }
 }
 
 }  // namespace kvq

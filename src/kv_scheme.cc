@@ -148,7 +148,7 @@ void KvRowCodec::decode(const uint8_t* src, float* out) const {
   def_->decode(src, static_cast<size_t>(row_len_), static_cast<size_t>(head_dim_), out);
 }
 
-KvCache::KvCache(KvScheme scheme, int n_layers, int max_seq, int n_kv_heads, int head_dim)
+RowKvCache::RowKvCache(KvScheme scheme, int n_layers, int max_seq, int n_kv_heads, int head_dim)
     : codec_(scheme, n_kv_heads * head_dim, head_dim),
       n_layers_(n_layers),
       max_seq_(max_seq),
@@ -165,11 +165,11 @@ KvCache::KvCache(KvScheme scheme, int n_layers, int max_seq, int n_kv_heads, int
   data_ = Tensor({static_cast<int64_t>(2 * static_cast<size_t>(n_layers) * part_bytes_)}, DType::U8);
 }
 
-size_t KvCache::PartOffset(int layer, int kv) const {
+size_t RowKvCache::PartOffset(int layer, int kv) const {
   return (2 * static_cast<size_t>(layer) + static_cast<size_t>(kv)) * part_bytes_;
 }
 
-KvRowsView KvCache::view(int layer, int64_t tokens) const {
+KvRowsView RowKvCache::view(int layer, int64_t tokens) const {
   KVQ_CHECK_ARG(layer >= 0 && layer < n_layers_, "layer: expected 0..", n_layers_ - 1, ", got ", layer);
   KVQ_CHECK_ARG(tokens >= 0 && tokens <= max_seq_, "tokens: expected 0..", max_seq_, ", got ", tokens);
   KvRowsView v;
@@ -227,7 +227,7 @@ void KvRowsView::gather_row(int which, int64_t t, uint8_t* row) const {
   }
 }
 
-void KvCache::write(int layer, int pos, std::span<const float> k, std::span<const float> v) {
+void RowKvCache::write(int layer, int pos, std::span<const float> k, std::span<const float> v) {
   KVQ_CHECK_ARG(layer >= 0 && layer < n_layers_, "layer: expected 0..", n_layers_ - 1, ", got ", layer);
   KVQ_CHECK_ARG(pos >= 0 && pos < max_seq_, "pos: expected 0..", max_seq_ - 1, ", got ", pos);
   const size_t n = static_cast<size_t>(codec_.row_len());
@@ -236,19 +236,27 @@ void KvCache::write(int layer, int pos, std::span<const float> k, std::span<cons
   const int64_t bk = first_non_finite(k), bv = first_non_finite(v);
   KVQ_CHECK_ARG(bk < 0 && bv < 0, "k, v: expected finite values, found a non-finite value at ",
                 bk >= 0 ? "k[" : "v[", bk >= 0 ? bk : bv, "] (layer ", layer, ", pos ", pos, ")");
-  // Encode the codec row, then scatter its header and its head slices.
-  thread_local std::vector<uint8_t> row;
-  row.resize(codec_.row_bytes());
+  thread_local std::vector<uint8_t> rows;
+  rows.resize(2 * codec_.row_bytes());
+  codec_.encode(k.data(), rows.data());
+  codec_.encode(v.data(), rows.data() + codec_.row_bytes());
+  write_rows(layer, pos, rows.data(), rows.data() + codec_.row_bytes());
+}
+
+void RowKvCache::write_rows(int layer, int pos, const uint8_t* k_row, const uint8_t* v_row) {
+  KVQ_CHECK_ARG(layer >= 0 && layer < n_layers_, "layer: expected 0..", n_layers_ - 1, ", got ", layer);
+  KVQ_CHECK_ARG(pos >= 0 && pos < max_seq_, "pos: expected 0..", max_seq_ - 1, ", got ", pos);
+  // Scatter the codec row's header and its head slices.
   const size_t hb = codec_.header_bytes(), sb = codec_.slice_bytes();
   const TileCodes def_tile = codec_.def().tile;
   for (int kv = 0; kv < 2; ++kv) {
-    codec_.encode(kv == 0 ? k.data() : v.data(), row.data());
+    const uint8_t* row = kv == 0 ? k_row : v_row;
     uint8_t* part = data_.data_as<uint8_t>() + PartOffset(layer, kv);
-    if (hb) std::memcpy(part + static_cast<size_t>(pos) * hb, row.data(), hb);
+    if (hb) std::memcpy(part + static_cast<size_t>(pos) * hb, row, hb);
     if (kv == 0 ? codec_.k_tile() : codec_.v_tile()) {
       const size_t tile = static_cast<size_t>(kKTile), p = static_cast<size_t>(pos);
       for (int s = 0; s < codec_.slices(); ++s) {
-        SliceToTile(kv, def_tile, static_cast<size_t>(head_dim_), row.data() + hb + static_cast<size_t>(s) * sb,
+        SliceToTile(kv, def_tile, static_cast<size_t>(head_dim_), row + hb + static_cast<size_t>(s) * sb,
                     part + header_region_ + static_cast<size_t>(s) * slice_stride_ + p / tile * tile * sb,
                     static_cast<int>(p % tile));
       }
@@ -256,12 +264,12 @@ void KvCache::write(int layer, int pos, std::span<const float> k, std::span<cons
     }
     for (int s = 0; s < codec_.slices(); ++s) {
       std::memcpy(part + header_region_ + static_cast<size_t>(s) * slice_stride_ + static_cast<size_t>(pos) * sb,
-                  row.data() + hb + static_cast<size_t>(s) * sb, sb);
+                  row + hb + static_cast<size_t>(s) * sb, sb);
     }
   }
 }
 
-void KvCache::read(int layer, int pos, int kv, std::span<float> out) const {
+void RowKvCache::read(int layer, int pos, int kv, std::span<float> out) const {
   KVQ_CHECK_ARG(layer >= 0 && layer < n_layers_ && pos >= 0 && pos < max_seq_, "layer/pos: expected 0..",
                 n_layers_ - 1, " / 0..", max_seq_ - 1, ", got ", layer, " / ", pos);
   KVQ_CHECK_ARG(out.size() == static_cast<size_t>(codec_.row_len()), "out: expected ", codec_.row_len(), " values");

@@ -31,8 +31,8 @@ std::string Name(const Case& c) {
 }
 
 // A one-layer cache of T rows of LLM-like K/V (a few large channels).
-KvCache MakeCache(const Case& c, Rng& rng, float k_scale = 1.0f) {
-  KvCache cache(c.scheme, 1, static_cast<int>(c.T), c.n_kv, c.d);
+RowKvCache MakeCache(const Case& c, Rng& rng, float k_scale = 1.0f) {
+  RowKvCache cache(c.scheme, 1, static_cast<int>(c.T), c.n_kv, c.d);
   const int row = c.n_kv * c.d;
   std::vector<float> k(static_cast<size_t>(row)), v(k.size());
   for (int64_t t = 0; t < c.T; ++t) {
@@ -108,18 +108,18 @@ double Tolerance(const std::vector<float>& q, const std::vector<float>& K, const
 
 // Whether the exact kernel takes K-tile scores from query digits: AVX-512
 // VNNI among the (test-selected) targets, K tiles, 16-lane vectors.
-bool DigitsApply(const KvCache& cache, int d) {
+bool DigitsApply(const RowKvCache& cache, int d) {
   return (hwy::SupportedTargets() & HWY_AVX3_DL) != 0 && cache.codec().k_tile() != 0 && d % 16 == 0 && d <= 512;
 }
 
 // Whether V is accumulated from weight digits: AVX-512 VNNI and V tiles.
-bool VDigitsApply(const KvCache& cache) {
+bool VDigitsApply(const RowKvCache& cache) {
   return (hwy::SupportedTargets() & HWY_AVX3_DL) != 0 && cache.codec().v_tile() != 0;
 }
 
 void CheckAgainstReference(const Case& c, int threads, Rng& rng, float q_scale = 1.0f) {
   SCOPED_TRACE(Name(c) + " threads=" + std::to_string(threads));
-  const KvCache cache = MakeCache(c, rng);
+  const RowKvCache cache = MakeCache(c, rng);
   const int n_heads = c.n_kv * c.ratio, row = c.n_kv * c.d;
   std::vector<float> q(static_cast<size_t>(n_heads * c.d));
   for (auto& x : q) x = q_scale * static_cast<float>(rng.Gaussian());
@@ -211,7 +211,7 @@ TEST(DecodeAttention, EveryCompiledTargetMatchesTheReference) {
 TEST(DecodeAttention, ExactQueryDigitsRunAndDoNotOverflow) {
   if ((hwy::SupportedTargets() & HWY_AVX3_DL) == 0) GTEST_SKIP() << "needs AVX-512 VNNI (Highway AVX3_DL)";
   Rng rng(8);
-  const auto Attend = [](const std::vector<float>& q, int n_heads, const KvCache& cache, int64_t T, float scale,
+  const auto Attend = [](const std::vector<float>& q, int n_heads, const RowKvCache& cache, int64_t T, float scale,
                          int64_t targets) {
     hwy::SetSupportedTargetsForTest(targets);
     std::vector<float> out(q.size());
@@ -221,7 +221,7 @@ TEST(DecodeAttention, ExactQueryDigitsRunAndDoNotOverflow) {
     hwy::SetSupportedTargetsForTest(0);
     return out;
   };
-  const auto Check = [&](const std::vector<float>& q, int n_heads, const KvCache& cache, const Case& c,
+  const auto Check = [&](const std::vector<float>& q, int n_heads, const RowKvCache& cache, const Case& c,
                          float scale) -> std::vector<float> {
     SCOPED_TRACE(Name(c));
     const int row = c.n_kv * c.d;
@@ -251,7 +251,7 @@ TEST(DecodeAttention, ExactQueryDigitsRunAndDoNotOverflow) {
   const KvScheme tiled[] = {KvScheme::Int8, KvScheme::Int8Head, KvScheme::Q8_0, KvScheme::Q4_0};
   for (KvScheme s : tiled) {  // (a)
     const Case c{s, 2, 4, 128, 700};
-    const KvCache cache = MakeCache(c, rng);
+    const RowKvCache cache = MakeCache(c, rng);
     std::vector<float> q(static_cast<size_t>(8 * c.d));
     for (auto& x : q) x = static_cast<float>(rng.Gaussian());
     const float scale = 1.0f / std::sqrt(128.0f);
@@ -262,7 +262,7 @@ TEST(DecodeAttention, ExactQueryDigitsRunAndDoNotOverflow) {
   }
   for (KvScheme s : tiled) {  // (b)
     const Case c{s, 1, 4, 512, 300};
-    KvCache cache(s, 1, static_cast<int>(c.T), 1, c.d);
+    RowKvCache cache(s, 1, static_cast<int>(c.T), 1, c.d);
     const auto sign = [](int e) { return e % 3 == 0 ? -1.0f : 1.0f; };
     std::vector<float> k(static_cast<size_t>(c.d)), v(k.size());
     for (int64_t t = 0; t < c.T; ++t) {
@@ -294,7 +294,7 @@ TEST(DecodeAttention, ExtremeScoresStayFiniteAndSelectTheRightToken) {
   // output is that token's V row. Catches skipped tokens, blocks or segments.
   for (int64_t hot : {0, 31, 32, 777, 1999}) {
     const Case c{KvScheme::Fp32, 1, 2, 64, 2000};
-    KvCache cache(c.scheme, 1, 2000, 1, 64);
+    RowKvCache cache(c.scheme, 1, 2000, 1, 64);
     std::vector<float> k(64), v(64), q(128, 0.0f);
     for (int64_t t = 0; t < c.T; ++t) {
       for (int e = 0; e < 64; ++e) {
@@ -322,7 +322,7 @@ TEST(DecodeAttention, ExtremeScoresStayFiniteAndSelectTheRightToken) {
 TEST(DecodeAttention, LengthAndScaleOptions) {
   Rng rng(5);
   const Case c{KvScheme::Int8, 2, 2, 64, 500};
-  const KvCache cache = MakeCache(c, rng);
+  const RowKvCache cache = MakeCache(c, rng);
   std::vector<float> q(256);
   for (auto& x : q) x = static_cast<float>(rng.Gaussian());
   std::vector<float> a(256), b(256);
@@ -357,7 +357,7 @@ TEST(DecodeAttention, Int8QueryIsWithinItsDerivedBound) {
         for (int64_t T : {1, 33, 700}) {
           const Case c{s, KvHeadsFor(d), ratio, d, T};
           SCOPED_TRACE(Name(c));
-          const KvCache cache = MakeCache(c, rng);
+          const RowKvCache cache = MakeCache(c, rng);
           const int n_heads = c.n_kv * ratio, row = c.n_kv * d;
           std::vector<float> q(static_cast<size_t>(n_heads * d));
           for (auto& x : q) x = static_cast<float>(rng.Gaussian());
@@ -429,7 +429,7 @@ TEST(DecodeAttention, PartsOfSubviewsMergeIntoTheWhole) {
   for (KvScheme s : {KvScheme::Fp32, KvScheme::Int8, KvScheme::Q4_0}) {
     SCOPED_TRACE(kv_scheme_name(s));
     const Case c{s, 2, 4, 64, 300};
-    const KvCache cache = MakeCache(c, rng);
+    const RowKvCache cache = MakeCache(c, rng);
     const KvRowsView all = cache.view(0, c.T);
     std::vector<float> q(8 * 64);
     for (auto& x : q) x = static_cast<float>(rng.Gaussian());
@@ -459,20 +459,20 @@ TEST(DecodeAttention, PartsOfSubviewsMergeIntoTheWhole) {
     for (int h = 0; h < 8; ++h) EXPECT_NEAR(merged.log_mass[h], whole.log_mass[h], 1e-5);
     for (size_t i = 0; i < out.size(); ++i) EXPECT_NEAR(merged.value[i], out[i], 1e-4);
   }
-  const KvCache cache = MakeCache({KvScheme::Fp32, 1, 1, 8, 10}, rng);
+  const RowKvCache cache = MakeCache({KvScheme::Fp32, 1, 1, 8, 10}, rng);
   EXPECT_NE(ErrorOf([&] { cache.view(0, 10).subview(3, 11); }).find("subview: expected 0 <= t0 <= t1 <= 10"),
             std::string::npos);
 }
 
 // A caller's own layout: whole token-major rows (one slice) and a separate
-// header array. The kernel gives the same result as on KvCache's head-major
+// header array. The kernel gives the same result as on RowKvCache's head-major
 // slices (same per-lane arithmetic), for every scheme.
 TEST(DecodeAttention, WholeRowLayoutMatchesHeadMajorSlices) {
   Rng rng(12);
   for (KvScheme s : all_kv_schemes()) {
     SCOPED_TRACE(kv_scheme_name(s));
     const Case c{s, 4, 2, 64, 77};
-    const KvCache cache = MakeCache(c, rng);
+    const RowKvCache cache = MakeCache(c, rng);
     const KvRowsView hm = cache.view(0, c.T);
     const KvRowCodec& codec = cache.codec();
     const size_t rb = codec.row_bytes(), hb = codec.header_bytes();
@@ -527,7 +527,7 @@ TEST(DecodeAttention, WholeRowLayoutMatchesHeadMajorSlices) {
 
 TEST(DecodeAttention, BadArgumentsAreClearErrors) {
   Rng rng(6);
-  const KvCache cache = MakeCache({KvScheme::Q8_0, 2, 2, 64, 10}, rng);
+  const RowKvCache cache = MakeCache({KvScheme::Q8_0, 2, 2, 64, 10}, rng);
   const KvRowsView good = cache.view(0, 10);
   std::vector<float> q(256, 0.5f), out(256);
   const auto err = [&](KvRowsView kv, int n_heads = 4, DecodeAttentionOptions o = {}) {

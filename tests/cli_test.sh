@@ -116,7 +116,7 @@ check "--json DIR is refused before the run" '[ $rc -eq 2 ] && grep -q "director
 check "--json in a missing directory is refused" '[ $rc -eq 2 ] && grep -q "does not exist" "$T/err"'
 echo victim > "$T/victim"; ln -s "$T/victim" "$T/ok2.json.tmp"
 "$KVQ" eval --kv fp32 --ctx 32 --max-windows 2 --json "$T/ok2.json" >/dev/null 2>"$T/err"; rc=$?
-check "--json leaves a symlink beside it alone and no temp file" '[ $rc -eq 0 ] && [ "$(cat "$T/victim")" = victim ] && [ -s "$T/ok2.json" ] && [ -z "$(ls -A "$T" | grep -E "^ok2[.]json[.].{6}$|^[.]kvq-json")" ]'
+check "--json leaves a symlink beside it alone and no temp file" '[ $rc -eq 0 ] && [ "$(cat "$T/victim")" = victim ] && [ -s "$T/ok2.json" ] && [ -z "$(ls -A "$T" | grep -E "^[.]?ok2[.]json[.].{6}$|^[.]kvq-")" ]'
 # Small, odd or broken models: a clear error, never a read past a table.
 PY=/usr/bin/python3; MK="$(dirname "$0")/make_checkpoint.py"
 for v in 10 100; do
@@ -145,9 +145,39 @@ check "generate stats on stderr" 'grep -q "tok/s" "$T/err"'
 "$KVQ" generate --kv q8_0 --prompt "Lily" --steps 30 --temperature 0.8 --seed 3 >"$T/gen2" 2>/dev/null; rc=$?
 check "generate with prompt and sampling" '[ $rc -eq 0 ] && grep -q "^Lily" "$T/gen2"'
 "$KVQ" generate --kv kvq-4.5 --steps 80 >"$T/gen3" 2>"$T/err"; rc=$?
-check "generate with a grouped preset" '[ $rc -eq 0 ] && head -c 16 "$T/gen3" | grep -q "^Once upon a time" && grep -q "kv k4av3g64p8o8r16 (.* bits/element at 80 tokens" "$T/err"'
+check "generate with a grouped preset" '[ $rc -eq 0 ] && head -c 16 "$T/gen3" | grep -q "^Once upon a time" && grep -q "kv kvq-4.5 = k4av3g64p8o8r16 (.* bits/element at 80 tokens, [0-9]* bytes)" "$T/err"'
 "$KVQ" generate --kv k4v4g24 >/dev/null 2>"$T/err"; rc=$?
 check "generate with a bad grouped scheme exits 2" '[ $rc -eq 2 ] && grep -q "multiple of 16" "$T/err"'
+# Prompt caches: a saved prompt restores into the same text; every mismatch
+# is a clear error.
+P="Once upon a time, Lily found a"
+for kv in kvq-4.5 q8_0; do
+  "$KVQ" generate --kv $kv --prompt "$P" --steps 70 --save-cache "$T/p.kvqs" >"$T/s1" 2>"$T/err"; rc=$?
+  check "generate --save-cache with $kv" '[ $rc -eq 0 ] && [ -s "$T/p.kvqs" ] && grep -q "saved [0-9]* tokens to" "$T/err"'
+  "$KVQ" generate --prompt "$P" --steps 70 --load-cache "$T/p.kvqs" >"$T/s2" 2>"$T/err"; rc=$?
+  check "generate --load-cache with $kv continues as uninterrupted" '[ $rc -eq 0 ] && cmp -s "$T/s1" "$T/s2" && grep -q "restored [0-9]* tokens" "$T/err" && grep -q "evaluating 1 prompt token" "$T/err"'
+  "$KVQ" generate --prompt "$P big red" --steps 70 --load-cache "$T/p.kvqs" >"$T/s3" 2>"$T/err"; rc=$?
+  check "generate --load-cache with a longer prompt ($kv)" '[ $rc -eq 0 ] && grep -q "evaluating [2-9] prompt token" "$T/err" && "$KVQ" generate --kv $kv --prompt "$P big red" --steps 70 2>/dev/null | cmp -s - "$T/s3"'
+done
+"$KVQ" generate --prompt "Once upon a day, Tom found a red ball in the park" --steps 70 --load-cache "$T/p.kvqs" >/dev/null 2>"$T/err"; rc=$?
+check "generate --load-cache with another prompt exits 2" '[ $rc -eq 2 ] && grep -q "first [0-9]* tokens are not" "$T/err"'
+"$KVQ" generate --kv int8 --prompt "$P" --load-cache "$T/p.kvqs" >/dev/null 2>"$T/err"; rc=$?
+check "generate --load-cache with another --kv exits 2" '[ $rc -eq 2 ] && grep -q "scheme is q8_0" "$T/err"'
+cp "$T/p.kvqs" "$T/bad.kvqs" && printf '\x01' | dd of="$T/bad.kvqs" bs=1 seek=40 conv=notrunc 2>/dev/null
+"$KVQ" generate --prompt "$P" --load-cache "$T/bad.kvqs" >/dev/null 2>"$T/err"; rc=$?
+check "generate --load-cache of a corrupted file exits 2" '[ $rc -eq 2 ] && grep -q "saved KV cache" "$T/err"'
+head -c 100 "$T/p.kvqs" >"$T/short.kvqs"
+"$KVQ" generate --prompt "$P" --load-cache "$T/short.kvqs" >/dev/null 2>"$T/err"; rc=$?
+check "generate --load-cache of a truncated file exits 2" '[ $rc -eq 2 ] && grep -q "saved KV cache" "$T/err"'
+if [ -f "$SHARED/models/stories260K/tok512.bin" ]; then  # the same geometry, other weights: the fingerprint
+  $PY "$MK" model "$T/other.bin" --dim 64 --hidden 172 --layers 5 --heads 8 --kv-heads 4 --vocab 512 --seq 512
+  "$KVQ" generate --model "$T/other.bin" --prompt "$P" --load-cache "$T/p.kvqs" >/dev/null 2>"$T/err"; rc=$?
+  check "generate --load-cache on another model exits 2 naming the fingerprint" '[ $rc -eq 2 ] && grep -q "fingerprint" "$T/err"'
+fi
+"$KVQ" generate --prompt "$P" --save-cache "$SHARED/models/stories260K/stories260K.bin" >/dev/null 2>"$T/err"; rc=$?
+check "generate --save-cache over the model exits 2" '[ $rc -eq 2 ] && grep -q "refusing to overwrite" "$T/err"'
+"$KVQ" generate --save-cache "$T/empty.kvqs" >/dev/null 2>"$T/err"; rc=$?
+check "generate --save-cache without a prompt exits 2" '[ $rc -eq 2 ] && [ ! -e "$T/empty.kvqs" ]'
 "$KVQ" generate --steps 9999 >/dev/null 2>"$T/err"; rc=$?
 check "generate --steps out of range exits 2" '[ $rc -eq 2 ]'
 

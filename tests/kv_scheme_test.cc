@@ -1,5 +1,5 @@
 // KV schemes (SPEC §6): registry, ggml block layout and golden blocks, per
-// scheme round-trip bounds, exact byte accounting, and KvCache behaviour.
+// scheme round-trip bounds, exact byte accounting, and RowKvCache behaviour.
 //
 // Tolerances per value x in a row (derived from each format):
 //   fp16: |e| <= |x| 2^-11 (normal range), 2^-25 below 2^-14; bf16: |e| <= |x| 2^-8
@@ -213,7 +213,7 @@ TEST(KvScheme, BytesAndBitsPerElementAreExact) {
     KvRowCodec c(w.s, 32, 8);
     EXPECT_EQ(c.row_bytes(), w.bytes) << kv_scheme_name(w.s);
     EXPECT_DOUBLE_EQ(c.bits_per_element(), w.bits) << kv_scheme_name(w.s);
-    KvCache cache(w.s, 5, 512, 4, 8);
+    RowKvCache cache(w.s, 5, 512, 4, 8);
     EXPECT_EQ(cache.bytes(512), 2 * w.bytes * 5 * 512);
   }
   EXPECT_THROW(KvRowCodec(KvScheme::Q4_0, 48, 8), Error);  // not a multiple of 32
@@ -222,7 +222,7 @@ TEST(KvScheme, BytesAndBitsPerElementAreExact) {
   EXPECT_THROW(KvRowCodec(static_cast<KvScheme>(77), 32, 8), Error);
 }
 
-TEST(KvCache, StoresHeadMajorSlicesWhereTheSchemeAllows) {
+TEST(RowKvCache, StoresHeadMajorSlicesWhereTheSchemeAllows) {
   // head_dim 16: every scheme splits per head except the ggml blocks (32).
   for (KvScheme s : all_kv_schemes()) {
     const KvRowCodec c16(s, 64, 16), c32(s, 64, 32);
@@ -266,7 +266,7 @@ void ExpectTileLane(int which, KvScheme s, int hd, const uint8_t* slice, const u
 // Which schemes tile K and V, and both tile layouts for every tiled scheme
 // with block-aligned heads: positions written out of order, read back
 // through unaligned subviews.
-TEST(KvCache, KAndVTilesHoldTheCodecBytes) {
+TEST(RowKvCache, KAndVTilesHoldTheCodecBytes) {
   for (KvScheme s : all_kv_schemes()) {
     const bool int8 = s == KvScheme::Int8 || s == KvScheme::Int8Head;
     const bool blocks = s == KvScheme::Q8_0 || s == KvScheme::Q4_0;
@@ -286,7 +286,7 @@ TEST(KvCache, KAndVTilesHoldTheCodecBytes) {
   for (KvScheme s : {KvScheme::Int8, KvScheme::Int8Head, KvScheme::Q8_0, KvScheme::Q4_0}) {
     SCOPED_TRACE(kv_scheme_name(s));
     const int hd = 64, n_kv = 2, T = 37;
-    KvCache cache(s, 1, T, n_kv, hd);
+    RowKvCache cache(s, 1, T, n_kv, hd);
     const KvRowCodec& codec = cache.codec();
     std::vector<std::vector<uint8_t>> enc[2];
     for (auto& e : enc) e.assign(T, std::vector<uint8_t>(codec.row_bytes()));
@@ -328,10 +328,10 @@ TEST(KvCache, KAndVTilesHoldTheCodecBytes) {
   }
 }
 
-TEST(KvCache, WritesRowsAndReadsThemBack) {
+TEST(RowKvCache, WritesRowsAndReadsThemBack) {
   test::Rng rng(5);
   for (KvScheme s : all_kv_schemes()) {
-    KvCache cache(s, 2, 16, 2, 16);
+    RowKvCache cache(s, 2, 16, 2, 16);
     std::vector<float> k(32), v(32), out(32), want(32);
     std::vector<uint8_t> enc(cache.codec().row_bytes());
     for (int pos = 0; pos < 16; ++pos) {

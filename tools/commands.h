@@ -53,7 +53,9 @@ void AddReceiptsCommand(CLI::App& app, ReceiptsCliOptions& opts);
 int RunReceipts(const ReceiptsCliOptions& opts);
 
 struct GenerateOptions {
-  std::string model, tokenizer, prompt, kv = "fp32";
+  std::string model, tokenizer, prompt;
+  std::string kv;  // empty: fp32, or the loaded cache's scheme
+  std::string save_cache, load_cache;
   double temperature = 0.0;
   uint64_t seed = 0;
   int steps = 256;

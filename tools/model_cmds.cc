@@ -14,11 +14,14 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 
 #include "CLI/CLI.hpp"
 #include "kvq/error.h"
+#include "kvq/file.h"
 #include "model/calibrate.h"
 #include "model/eval.h"
+#include "model/fingerprint.h"
 #include "model/llama2.h"
 #include "model/receipts.h"
 #include "nlohmann/json.hpp"
@@ -37,58 +40,35 @@ std::string DefaultText() { return SharedDir() + "/data/tinystories-valid-dev.tx
 // --json is checked before any work starts: not a directory, not one of the
 // run's inputs (same device and inode, so a link to an input counts), and its
 // directory exists and takes a new file (one is created there and removed).
-void CheckJsonPath(const std::string& path, std::initializer_list<std::string> inputs) {
+// An output path (option `arg`) is checked before any work: not a
+// directory, not one of the run's inputs, in a directory we can write.
+void CheckOutputPath(const char* arg, const std::string& path, std::initializer_list<std::string> inputs) {
   if (path.empty()) return;
   struct stat out {};
   if (::stat(path.c_str(), &out) == 0) {
-    KVQ_CHECK_ARG(!S_ISDIR(out.st_mode), "--json: '", path, "' is a directory");
+    KVQ_CHECK_ARG(!S_ISDIR(out.st_mode), arg, ": '", path, "' is a directory");
     for (const std::string& in : inputs) {
       struct stat st {};
       KVQ_CHECK_ARG(!(::stat(in.c_str(), &st) == 0 && st.st_dev == out.st_dev && st.st_ino == out.st_ino),
-                    "--json: '", path, "' is this run's input '", in, "'; refusing to overwrite it");
+                    arg, ": '", path, "' is this run's input '", in, "'; refusing to overwrite it");
     }
   }
   const auto dir = std::filesystem::path(path).parent_path();
-  KVQ_CHECK_ARG(dir.empty() || std::filesystem::is_directory(dir), "--json: directory '", dir.string(),
+  KVQ_CHECK_ARG(dir.empty() || std::filesystem::is_directory(dir), arg, ": directory '", dir.string(),
                 "' does not exist");
-  std::string probe = (dir.empty() ? std::string(".kvq-json-XXXXXX") : (dir / ".kvq-json-XXXXXX").string());
+  std::string probe = (dir.empty() ? std::string(".kvq-out-XXXXXX") : (dir / ".kvq-out-XXXXXX").string());
   const int fd = ::mkstemp(probe.data());
-  KVQ_CHECK_ARG(fd >= 0, "--json: cannot create a file in '", dir.empty() ? "." : dir.string(), "' (",
+  KVQ_CHECK_ARG(fd >= 0, arg, ": cannot create a file in '", dir.empty() ? "." : dir.string(), "' (",
                 std::strerror(errno), ")");
   ::close(fd);
   ::unlink(probe.c_str());
 }
 
-// Written to a new temporary file beside it (mkstemp: O_EXCL, so nothing
-// that already sits there, a symlink included, is followed) and renamed over
-// it: never a partial JSON file, never a temporary file left behind.
+// Whole or not at all (kvq/file.h): never a partial JSON file, never a
+// temporary file left behind.
 void WriteJson(const std::string& path, const nlohmann::json& j) {
-  const auto target = std::filesystem::path(path);
-  const auto dir = target.parent_path();
-  std::string tmp = (dir / (target.filename().string() + ".XXXXXX")).string();
-  const int fd = ::mkstemp(tmp.data());
-  if (fd < 0) Fail("--json: cannot create a temporary file beside '", path, "' (", std::strerror(errno), ")");
-  const mode_t mask = ::umask(0);
-  ::umask(mask);
-  ::fchmod(fd, 0666 & ~mask);  // as an ordinary new file, not mkstemp's 0600
   const std::string text = j.dump(2) + "\n";
-  size_t done = 0;
-  while (done < text.size()) {
-    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const int err = errno;
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      Fail("--json: write to '", tmp, "' failed (", std::strerror(err), ")");
-    }
-    done += static_cast<size_t>(n);
-  }
-  if (::close(fd) != 0 || ::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    Fail("--json: cannot write '", path, "' (", std::strerror(err), ")");
-  }
+  write_file_whole(path, {reinterpret_cast<const uint8_t*>(text.data()), text.size()}, "--json");
 }
 
 void AddModelTextOptions(CLI::App* c, ModelTextOptions& o) {
@@ -213,10 +193,10 @@ model::CacheScheme KvPairScheme(const EvalCliOptions& o) {
     const KvScheme v = parse_kv_scheme(o.v, "--v");
     KVQ_CHECK_ARG(k == v, "--k, --v: row schemes store K and V in one scheme (got ", o.k, " and ", o.v,
                   "); K and V apart need grouped codes (g2..g8 or cal2..cal8)");
-    return k;
+    return model::CacheScheme(k);
   }
   g.validate("--k/--v");
-  return g;
+  return model::CacheScheme(g.name());
 }
 
 int RunEval(const EvalCliOptions& o) {
@@ -237,7 +217,7 @@ int RunEval(const EvalCliOptions& o) {
   KVQ_CHECK_ARG(o.window >= 0, "--window: expected >= 0, got ", o.window);
   KVQ_CHECK_ARG(o.sinks >= 0, "--sinks: expected >= 0, got ", o.sinks);
   KVQ_CHECK_ARG(o.window_chunk >= 1, "--window-chunk: expected >= 1, got ", o.window_chunk);
-  CheckJsonPath(o.json, {e.model_path, e.tokenizer_path, e.text_path});
+  CheckOutputPath("--json", o.json, {e.model_path, e.tokenizer_path, e.text_path});
   e.per_token = o.per_token;
   KVQ_CHECK_ARG(!o.per_token || !o.json.empty(), "--per-token: expected --json FILE to write them to");
   const model::EvalReport r = model::run_eval(e);
@@ -250,7 +230,7 @@ int RunEval(const EvalCliOptions& o) {
     j["tokens"] = r.tokens;
     j["results"] = nlohmann::json::array();
     for (const auto& s : r.results) {
-      j["results"].push_back({{"scheme", s.scheme.name()},
+      j["results"].push_back({{"scheme", s.scheme.info().name},
                               {"label", s.label},
                               {"window", s.policy.window},
                               {"sinks", s.policy.window ? s.policy.sinks : 0},
@@ -301,7 +281,7 @@ int RunReceipts(const ReceiptsCliOptions& o) {
   FillModelText(o, r);
   r.chunk = o.chunk;
   r.bank = o.bank;
-  CheckJsonPath(o.json, {r.model_path, r.tokenizer_path, r.text_path});
+  CheckOutputPath("--json", o.json, {r.model_path, r.tokenizer_path, r.text_path});
   const model::ReceiptReport rep = model::run_receipts(r);
   std::fputs(model::format_receipts(rep).c_str(), stdout);
   if (!o.json.empty()) {
@@ -342,61 +322,118 @@ void AddGenerateCommand(CLI::App& app, GenerateOptions& o) {
   c->add_option("--temperature", o.temperature, "0 = greedy (default)")->check(CLI::Range(0.0, 100.0));
   c->add_option("--seed", o.seed, "sampling seed");
   c->add_option("--steps", o.steps, "forward steps, prompt included (default 256, max seq_len)");
-  c->add_option("--kv", o.kv, "KV scheme: a row scheme, a grouped scheme (k4v3g64o8r16) or a preset (kvq-4.5)")
-      ->default_val("fp32");
+  c->add_option("--kv", o.kv,
+                 "KV scheme: a row scheme, a grouped scheme (k4v3g64o8r16) or a preset (kvq-4.5); default fp32, "
+                 "with --load-cache the file's");
+  c->add_option("--save-cache", o.save_cache,
+                "save the KV cache of the prompt's tokens but its last (whose forward pass starts generation) to "
+                "FILE: a checksummed KVQS container with the model's fingerprint and the tokens' digest");
+  c->add_option("--load-cache", o.load_cache,
+                "restore a cache saved by --save-cache and skip the forward pass of the prompt tokens it holds "
+                "(the model's fingerprint and the prompt's first tokens must match the file's)");
 }
 
 int RunGenerate(const GenerateOptions& o) {
-  const model::Checkpoint ckpt(o.model.empty() ? DefaultModel() : o.model);
-  const model::Tokenizer tok(o.tokenizer.empty() ? DefaultTokenizer() : o.tokenizer, ckpt.config().vocab_size);
-  const std::vector<model::CacheScheme> schemes = model::parse_cache_schemes(o.kv, "--kv");
-  KVQ_CHECK_ARG(schemes.size() == 1, "--kv: expected one scheme, got '", o.kv, "'");
-  model::CacheScheme scheme = schemes.front();
-  KVQ_CHECK_ARG(o.steps >= 1 && o.steps <= ckpt.config().seq_len, "--steps: expected 1..", ckpt.config().seq_len,
-                ", got ", o.steps);
+  const std::string model_path = o.model.empty() ? DefaultModel() : o.model;
+  const std::string tok_path = o.tokenizer.empty() ? DefaultTokenizer() : o.tokenizer;
+  CheckOutputPath("--save-cache", o.save_cache, {model_path, tok_path, o.load_cache});
+  const model::Checkpoint ckpt(model_path);
+  const model::Config& cfg = ckpt.config();
+  const model::Tokenizer tok(tok_path, cfg.vocab_size);
+  KVQ_CHECK_ARG(o.steps >= 1 && o.steps <= cfg.seq_len, "--steps: expected 1..", cfg.seq_len, ", got ", o.steps);
   KVQ_CHECK_ARG(std::isfinite(o.temperature) && o.temperature >= 0, "--temperature: expected >= 0");
   const std::vector<int> prompt = tok.encode(o.prompt, /*bos=*/true);
-  KVQ_CHECK_ARG(static_cast<int>(prompt.size()) <= o.steps, "--prompt: ", prompt.size(),
-                " tokens do not fit in --steps ", o.steps);
-  if (scheme.grouped && scheme.grouped->needs_ranges()) {  // ranges: never the prompt
-    scheme.ranges = std::make_shared<const StaticRanges>(model::calibrate_static_ranges(ckpt));
-  }
-  model::Transformer tf(ckpt, scheme, o.steps);
-  uint64_t rng = o.seed ? o.seed : 0x9E3779B97F4A7C15ull;
-  int token = prompt[0];
-  int generated = 0;
-  const auto t0 = std::chrono::steady_clock::now();
-  for (int pos = 0; pos < o.steps; ++pos) {
-    const std::span<const float> logits = tf.forward(token, pos);
-    int next;
-    if (pos + 1 < static_cast<int>(prompt.size())) {
-      next = prompt[static_cast<size_t>(pos) + 1];
-    } else {
-      next = model::sample_token(logits, o.temperature, rng);
+  const int P = static_cast<int>(prompt.size());
+  KVQ_CHECK_ARG(P <= o.steps, "--prompt: ", P, " tokens do not fit in --steps ", o.steps);
+  // A saved cache holds the prompt but its last token: that token's forward
+  // pass gives the logits generation starts from (so a restore always
+  // evaluates it, as llama.cpp's prompt cache re-evaluates its last token).
+  KVQ_CHECK_ARG(o.save_cache.empty() || P >= 2, "--save-cache: the prompt is ", P,
+                " token(s); the cache holds the prompt but its last token, so give --prompt text");
+  std::optional<model::Digest> fingerprint;
+  if (!o.save_cache.empty() || !o.load_cache.empty()) fingerprint = model::model_fingerprint(model_path, tok_path);
+  std::optional<model::Transformer> tf;
+  int start = 0;
+  if (!o.load_cache.empty()) {
+    KvCacheExpect e;
+    if (!o.kv.empty()) e.scheme = o.kv;
+    e.n_layers = cfg.n_layers, e.n_kv_heads = cfg.n_kv_heads, e.head_dim = cfg.head_size();
+    e.rope = RopeConfig{};
+    e.model_fingerprint = fingerprint;
+    e.max_seq = o.steps;
+    KvCacheMeta meta;
+    KvCache c = KvCache::load(o.load_cache, e, &meta);
+    const int n = static_cast<int>(c.tokens());
+    KVQ_CHECK_ARG(meta.tokens_digest.has_value(), "--load-cache: '", o.load_cache,
+                  "' carries no token-ids digest (expected a file written by kvq generate --save-cache)");
+    KVQ_CHECK_ARG(n < P, "--load-cache: the file holds ", n, " tokens; the prompt (", P,
+                  " tokens with BOS) must start with them and have at least one more");
+    KVQ_CHECK_ARG(model::tokens_digest(std::span(prompt).first(static_cast<size_t>(n))) == *meta.tokens_digest,
+                  "--load-cache: the prompt's first ", n, " tokens are not the ones '", o.load_cache, "' holds");
+    std::fprintf(stderr, "kvq generate: restored %d tokens from %s (kv %s, %llu bytes), evaluating %d prompt token(s)\n",
+                 n, o.load_cache.c_str(), c.info().label.c_str(), static_cast<unsigned long long>(c.bytes()), P - n);
+    tf.emplace(ckpt, std::move(c));
+    start = n;
+  } else {
+    const std::vector<model::CacheScheme> schemes = model::parse_cache_schemes(o.kv.empty() ? "fp32" : o.kv, "--kv");
+    KVQ_CHECK_ARG(schemes.size() == 1, "--kv: expected one scheme, got '", o.kv, "'");
+    model::CacheScheme scheme = schemes.front();
+    if (scheme.info().needs_ranges) {  // ranges: never the prompt
+      scheme.ranges = std::make_shared<const StaticRanges>(model::calibrate_static_ranges(ckpt));
     }
-    if (next == model::Tokenizer::kBos) break;  // BOS delimits sequences
-    const std::string piece = tok.decode(token, next);
+    tf.emplace(ckpt, scheme, o.steps);
+  }
+  auto save_if_due = [&] {
+    if (o.save_cache.empty() || tf->cache().tokens() != P - 1) return;
+    KvCacheMeta meta;
+    meta.model_fingerprint = fingerprint;
+    meta.tokens_digest = model::tokens_digest(std::span(prompt).first(static_cast<size_t>(P - 1)));
+    tf->cache().save(o.save_cache, -1, meta);
+    std::fprintf(stderr, "kvq generate: saved %d tokens to %s (%llu bytes: %llu the cache holds, %.3f bits/element)\n",
+                 P - 1, o.save_cache.c_str(), static_cast<unsigned long long>(std::filesystem::file_size(o.save_cache)),
+                 static_cast<unsigned long long>(tf->cache().bytes()), tf->cache().bits());
+  };
+  save_if_due();
+  uint64_t rng = o.seed ? o.seed : 0x9E3779B97F4A7C15ull;
+  // Each token's text is printed as it is known: the prompt's, then the
+  // sampled ones (BOS itself prints nothing).
+  auto print = [&](int prev, int next) {
+    const std::string piece = tok.decode(prev, next);
     // Like llama2.c's safe_printf: skip lone unprintable bytes.
     if (!(piece.size() == 1 && !std::isprint(static_cast<unsigned char>(piece[0])) &&
           !std::isspace(static_cast<unsigned char>(piece[0])))) {
       std::fputs(piece.c_str(), stdout);
     }
+  };
+  for (int pos = 0; pos < start; ++pos) print(prompt[static_cast<size_t>(pos)], prompt[static_cast<size_t>(pos) + 1]);
+  int token = prompt[static_cast<size_t>(start)];
+  int evaluated = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int pos = start; pos < o.steps; ++pos) {
+    const std::span<const float> logits = tf->forward(token, pos);
+    ++evaluated;
+    save_if_due();
+    int next;
+    if (pos + 1 < P) {
+      next = prompt[static_cast<size_t>(pos) + 1];
+    } else {
+      next = model::sample_token(logits, o.temperature, rng);
+    }
+    if (next == model::Tokenizer::kBos) break;  // BOS delimits sequences
+    print(token, next);
     token = next;
-    ++generated;
   }
   std::fputs("\n", stdout);
   std::fflush(stdout);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  if (const GroupedKvCache* g = tf.grouped_cache()) {  // bits at the length reached, every stored bit counted
-    const int64_t T = std::max<int64_t>(1, g->written(0));
-    std::fprintf(stderr, "kvq generate: %d tokens, kv %s (%.3f bits/element at %lld tokens, %llu bytes), %.1f tok/s\n",
-                 generated, scheme.name().c_str(), g->bits(T), static_cast<long long>(T),
-                 static_cast<unsigned long long>(g->bytes(T)), generated / secs);
-  } else {
-    std::fprintf(stderr, "kvq generate: %d tokens, kv %s (%.3f bits/element, %zu bytes/token), %.1f tok/s\n", generated,
-                 kv_scheme_name(scheme.row), tf.cache().bits_per_element(), tf.cache().bytes_per_token(),
-                 generated / secs);
-  }
+  // Bits at the length reached, every stored bit counted.
+  const KvCache& cache = tf->cache();
+  const KvSchemeInfo& info = cache.info();
+  const std::string kv = info.label == info.name ? info.name : info.label + " = " + info.name;
+  std::fprintf(stderr, "kvq generate: %d tokens (%d restored), kv %s (%.3f bits/element at %lld tokens, %llu bytes), "
+               "%.1f tok/s\n",
+               start + evaluated, start, kv.c_str(), cache.bits(), static_cast<long long>(cache.tokens()),
+               static_cast<unsigned long long>(cache.bytes()), evaluated / secs);
   return 0;
 }
 

@@ -2,7 +2,7 @@
 //
 // One new query position attends over T cached tokens whose K and V rows are
 // stored in a KvScheme (kv_scheme.h row layouts), laid out as a KvRowsView
-// describes (KvCache: head-major payload slices, scales apart, K and V of
+// describes (RowKvCache: head-major payload slices, scales apart, K and V of
 // int8 / int8-head / q8_0 / q4_0 in 16-token tiles). The kernel reads the codes
 // directly, streaming each KV head's slice: each K/V vector is dequantized in
 // registers (per-row and per-head scales are folded into the score and the

@@ -1,6 +1,6 @@
-// Low-bit grouped KV caches (issue 18): keys per channel taken before RoPE
-// (RoPE is applied when attention reads them), values per channel, both in
-// groups of G consecutive tokens, with an exact recent window and sinks.
+// Low-bit grouped KV caches: keys per channel in the tile frame (below),
+// values per channel, both in groups of G consecutive tokens, with an exact
+// recent window and sinks; a streaming store that holds what it counts.
 //
 // A scheme is named k<Bk>[a]v<Bv>g<G>[p8][m][o<N>[x<X>][w<W>]][r<R>][s<S>] (pieces
 // below), e.g. k4v3g64r16:
@@ -16,10 +16,9 @@
 // to twice its width around it (lo' = lo - w / 2, step' = 2 w / (2^N - 1),
 // w = step (2^B - 1)); a unit (a token's K or V of one KV head) with any
 // value outside that grid, and every token of the first group, is held in
-// fp16 instead. The group is encoded
+// fp16 instead (one flag bit per unit says which). The group is encoded
 // from these held values (what a streaming store has). Bits then depend on
-// the data: bytes(T) counts them. (The library keeps each code in a byte;
-// bits count N.)
+// the data: bytes() counts them.
 // ...o<N>x<X>... keeps the last X of the open tokens in fp16, and
 // ...o<N>[x<X>]w<W>... (N < 8) the W before those in 8-bit codes on the same
 // grid (2 w / 255 steps); a token's N-bit code is made from what the store
@@ -37,15 +36,18 @@
 // plus the grid table (fp16 base and unit of K and V: 64 bits per channel).
 //
 // ...g<G>[p8]m... chooses each group channel's range as the one of least
-// squared error among [mn + a w / 16, mx - b w / 16], a, b = 0..4 (w = mx -
-// mn; ties: the wider), values beyond it clamped by the codes; the encoder
-// alone differs (the kernel reads lo and step as always).
+// squared error among [mn + a w / 16, mx - b w / 16] (w = mx - mn), tried
+// with b = 0 and a = 0..4, then with the best a and b = 1..4 (ties: the
+// wider; grouped_encode.h), values beyond it clamped by the codes; the
+// encoder alone differs (the kernel reads lo and step as always).
 //
 // k<Bk>a... ("allocated") spends Bk bits per key on average but not evenly:
-// each head's Bk * head_dim bits go to its channels by reverse water-filling
-// on calibrated weights (StaticRanges::k_weight: the channel's share of the
-// score error, E|q_pair|^2 / 2 times its mean squared group range), 1..8
-// bits each (allocate_channel_bits).
+// each head's Bk * head_dim bits go to its quads of channels (4i..4i+3, one
+// width each: a kernel operand) by reverse water-filling on calibrated
+// weights (StaticRanges::k_weight: the channel's share of the score error,
+// E|q_pair|^2 / 2 times its mean squared group range, summed over the
+// quad), 2..8 bits each (allocate_channel_bits); the table of widths (a
+// byte per quad) is stored and counted.
 //
 // k<Bk>v<Bv>c[r<R>][s<S>] is the calibrated (static) form: one range per
 // layer and channel, fixed before the sequence (StaticRanges, e.g. measured
@@ -54,37 +56,58 @@
 // channel (K and V lo and step, fp16), amortised over the tokens. Values
 // outside a channel's range are clamped to it.
 //
-// What a cache of T tokens holds (per layer, K and V alike): tokens [S,
-// coded_end(T)) in complete groups of codes, where coded_end(T) = S + G *
-// floor(max(0, T - R - S) / G) (a group is read from its codes once its
-// last token is R tokens old), and every other token exact, as fp16 (keys
-// after RoPE). Per group, channel c (= head * head_dim + i) stores lo_c and
-// step_c as fp16 (lo rounded down and step up, so [lo, lo + step (2^B - 1)]
-// covers the group) and the code of token t is
-//   q = clamp(rne((x - lo) / step), 0, 2^B - 1),  x^ = lo + step * q.
-// A channel whose values are all equal to lo has step 0 and codes 0.
+// Keys are kept in the *tile frame*: token t of the 16-token tile starting
+// at position t0 (tiles start at S, S + 16, ...) is held as
+// k~_t = R(t0)^T k_t, with k_t the key after RoPE at t and R the model's
+// rotation (kvq/rope.h): the key before RoPE turned by its offset t - t0 in
+// the tile. Attention reads it as R(t0) k~^_t, so per tile the query turns
+// once and meets the codes in integer dot products (grouped_attention.h).
+// Channel ranges of keys within a 16-token tile barely move under the small
+// turns (measured: ~0.1 point of PPL at 2 bits against keys before RoPE,
+// nothing at 3-4 bits).
 //
-// Bits (honest, SPEC-style): every stored bit counts, the fp16 group
-// parameters, the codes and the exact fp16 tokens: bits(T) = stored bits /
-// (2 T n_kv_heads head_dim), and steady_state_bits(ctx) is its mean over
-// T = ctx - 127 .. ctx (grouped schemes are cheaper right after a group
-// completes; the mean is what a long decode pays).
+// What a cache of T tokens holds (per layer, K and V alike), and nothing
+// else (a streaming store; attention is always at the current length):
+//   - the sinks [0, S): fp16 rows (K after RoPE);
+//   - complete groups: their parameters from the moment the group is
+//     complete (the next group's open tokens are coded on its range), their
+//     codes from the hand-over, once the group's last token is R tokens old:
+//     tokens [S, coded_end(T)), coded_end(T) = S + G floor(max(0, T - R -
+//     S) / G), are read from codes. Per group, channel c (= head * head_dim
+//     + i) stores lo_c and step_c as fp16 (lo rounded down and step up, so
+//     [lo, lo + step (2^B - 1)] covers the group) and the code of token t is
+//       q = clamp(rne((x - lo) / step), 0, 2^B - 1),  x^ = lo + step * q;
+//     a channel whose values are all equal to lo has step 0 and codes 0;
+//   - the open tokens [coded_end(T), T): fp16 (K in the tile frame), or with
+//     o<N> at their stored width as above (N-bit or 8-bit codes, fp16 for
+//     the last x, the first group and fallback units), with one bit per unit
+//     saying which units fell back;
+//   - the calibrated tables (p8's grid, static ranges, the allocated K bits
+//     per channel quad).
+// Stored in groups, a group's operands as grouped_attention.h lays them
+// out. bytes() counts exactly those bytes; the object's allocations hold
+// them plus a bounded constant (the open rings at full capacity, the float
+// expansions of the tables, the tile rotation table: allocated_bytes()).
 //
-// Layout of one layer's codes, K and V apart, head-major: head h, group g at
-// (h * max_groups + g) * group_bytes: lo[head_dim] | step[head_dim] (fp16)
-// then the codes (calibrated: groups of 16 tokens, codes only).
-//   K (tiles, lanes = tokens): tile j of 16 tokens, channel i: 2 B bytes at
-//     4 head_dim + (j head_dim + i) 2 B, token 16 j + l's code at bits
-//     [B l, B l + B) (little-endian).
-//   V (rows, lanes = channels): token u's head_dim codes in head_dim B / 8
-//     bytes at 4 head_dim + u head_dim B / 8, channel i at bits [B i, B i + B).
-// The exact tokens live in an fp16 KvCache (kv_scheme.h) of every position
-// (so a past step can be replayed, see write()); bytes() counts only what a
-// streaming store keeps: the exact tokens S + T - coded_end(T).
+// Bits: bits(T) = stored bytes * 8 / (2 T E) per layer; the steady state is
+// the mean over T = ctx - 127 .. ctx (a grouped cache right after a
+// hand-over is up to ~0.8 bits cheaper), measured by whoever fills the
+// cache (the evaluator records bytes() at every length).
+//
+// Attention merges three parts by log-sum-exp: the sinks (fp16 row kernel),
+// the coded groups (the fused kernel: scores and V sums as integer dot
+// products of the codes against fixed-point digits of the folded query and
+// of the softmax weights; grouped_attention.h), the open tokens (decoded
+// and attended in fp32). The fused kernel's only approximation is the
+// fixed point: a score moves by at most sigma / 2 * sum_i q_ti with sigma =
+// max_i step_i |q_pair(i)| / kMaxW (kMaxW = 127 with one digit, for K codes
+// of at most 2 bits, else 16383), a softmax weight by at most max_t p_t /
+// (2 kMaxP) (kMaxP = 127 for V codes of at most 3 bits, else 16383).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <tuple>
@@ -92,7 +115,7 @@
 #include <vector>
 
 #include "kvq/attention.h"
-#include "kvq/kv_scheme.h"
+#include "kvq/rope.h"
 
 namespace kvq {
 
@@ -102,7 +125,7 @@ struct GroupedKvScheme {
   int recent = 0;
   int sinks = 0;
   bool calibrated = false;  // static per-channel ranges (StaticRanges)
-  bool k_allocated = false; // per-channel K bits from StaticRanges::k_weight
+  bool k_allocated = false; // per-quad K bits from StaticRanges::k_weight
   bool params8 = false;     // p8: 8-bit group parameters on a calibrated grid
   bool mse_ranges = false;  // m: each group channel's range of least squared error (clipped ends)
   int open_bits = 16;       // dynamic: open tokens in fp16 (16) or N-bit codes (o<N>, 3..8)
@@ -116,14 +139,16 @@ struct GroupedKvScheme {
   // Tokens [S, coded_end(T)) are read from codes when the cache holds T
   // tokens (see above; calibrated: max(S, T - R)).
   int64_t coded_end(int64_t T) const;
-  // Stored bits for T tokens divided by the 2 T E elements (E = per-token
-  // elements of K, n_kv_heads * head_dim; bits do not depend on E). With
-  // o<N>: as if no token fell back to fp16 (GroupedKvCache::bytes
-  // counts the ones that did).
-  double bits(int64_t T) const;
-  // The stored bits behind bits(T): per channel, K and V together (so the
-  // bytes of T tokens are stored_bits(T) * E / 8 per layer).
-  int64_t stored_bits(int64_t T) const;
+  // End of the complete groups at length T (their parameters are held).
+  int64_t complete_end(int64_t T) const;
+  // Bytes one layer of n_kv_heads heads of head_dim holds at length T when
+  // no open unit falls back to fp16 (GroupedKvCache::bytes counts the ones
+  // that do).
+  uint64_t layer_bytes(int64_t T, int n_kv_heads, int head_dim) const;
+  // 8 layer_bytes(T) / (2 T E), E = n_kv_heads * head_dim, and its mean over
+  // T = max(1, ctx - 127) .. ctx.
+  double bits(int64_t T, int n_kv_heads, int head_dim) const;
+  double steady_state_bits(int64_t ctx, int n_kv_heads, int head_dim) const;
   // o<N>, at length T: the open tokens [o0, T), of which [o0, f1)
   // (the first group, while nothing is coded) and [x0, T) (the last x) are
   // fp16 whatever their values.
@@ -131,8 +156,10 @@ struct GroupedKvScheme {
   // o<N>w<W>, at length T: the open tokens [wide_start(T), x0) are held in
   // 8 bits (those of the first group stay fp16).
   int64_t wide_start(int64_t T) const;
-  // Mean of bits(T) over T = max(1, ctx - 127) .. ctx.
-  double steady_state_bits(int64_t ctx) const;
+  // Fixed-point digits of the fused kernel (see above): K from the largest
+  // K code width, V from v_bits.
+  int k_digits(int max_k_bits) const;
+  int v_digits() const;
   // Throws kvq::Error naming `arg` unless every field is in range.
   void validate(const char* arg = "kv") const;
 };
@@ -143,9 +170,12 @@ GroupedKvScheme parse_grouped_kv_scheme(const std::string& name, const char* arg
 bool is_grouped_kv_scheme(const std::string& name);
 // Presets, best measured pair per bit budget: (preset name, scheme).
 const std::vector<std::pair<std::string, GroupedKvScheme>>& grouped_kv_presets();
+// The grammar, for error messages.
+const char* grouped_kv_grammar();
 
-// Calibrated ranges of K (before RoPE) and V: for layer l and channel c =
-// head * head_dim + i, [lo, hi] at index l * n_kv_heads * head_dim + c.
+// Calibrated ranges of K (in the tile frame, see above) and V: for layer l
+// and channel c = head * head_dim + i, [lo, hi] at index l * n_kv_heads *
+// head_dim + c.
 struct StaticRanges {
   int n_layers = 0, n_kv_heads = 0, head_dim = 0;
   std::vector<float> k_lo, k_hi, v_lo, v_hi;
@@ -154,8 +184,8 @@ struct StaticRanges {
   // the scores (K) for bit allocation; empty: none measured.
   std::vector<float> k_weight;
 
-  // From samples: per layer, rows of n_kv_heads * head_dim values (K before
-  // RoPE and V, equal row counts). clip: the share of each channel's
+  // From samples: per layer, rows of n_kv_heads * head_dim values (K in the
+  // tile frame and V, equal row counts). clip: the share of each channel's
   // samples left outside its range at each end (0: min and max). Throws
   // kvq::Error on no samples, ragged input, non-finite values or clip
   // outside [0, 0.25).
@@ -170,146 +200,122 @@ struct StaticRanges {
 // channel i at b_i bits, uniform levels) with sum_i b_i = avg_bits * n and
 // min_bits <= b_i <= max_bits: greedy, one bit at a time to the channel
 // whose error drops most (ties: the fewest bits, then the lowest index). Throws kvq::Error on
-// non-finite or negative weights or an infeasible budget.
+// non-finite or negative weights or an infeasible budget. (A grouped cache
+// allocates per quad of channels: the quad's weight is the sum of its 4.)
 std::vector<int> allocate_channel_bits(std::span<const float> weights, int avg_bits, int min_bits = 1,
                                        int max_bits = 8);
-
-// RoPE as llama2.c applies it: pairs (2p, 2p + 1) of each head rotated by
-// angle pos * 10000^(-2p / head_dim), the angle computed in float. One
-// table, shared by the model's forward pass and the grouped cache.
-class RopeTable {
- public:
-  // Throws kvq::Error unless max_seq >= 1 and head_dim is even and >= 2.
-  RopeTable(int max_seq, int head_dim);
-  int max_seq() const { return max_seq_; }
-  int head_dim() const { return head_dim_; }
-  const float* cos(int pos) const { return cos_.data() + static_cast<size_t>(pos) * (head_dim_ / 2); }
-  const float* sin(int pos) const { return sin_.data() + static_cast<size_t>(pos) * (head_dim_ / 2); }
-  // Rotates n_heads heads of x (head-major) in place to position pos.
-  void apply(float* x, int n_heads, int pos) const;
-
- private:
-  int max_seq_, head_dim_;
-  std::vector<float> cos_, sin_;  // (max_seq, head_dim / 2)
-};
 
 // Scalar reference of one channel's group code (tests, and the encoder):
 // x[0..n) at stride `stride` -> lo, step (fp16 bits) and codes[0..n).
 void encode_group_channel_ref(const float* x, int n, size_t stride, int bits, uint16_t* lo, uint16_t* step,
                               uint8_t* codes);
+// The same with the scheme's options: p8's grid (base, unit, ustep of the
+// channel; null: fp16 parameters) and m (ranges of least squared error).
+// Returns the decoded lo and step; codes[0..n).
+std::pair<float, float> encode_group_channel_ref(const float* x, int n, size_t stride, int bits, const float* grid,
+                                                 bool mse, uint8_t* codes);
 
 class GroupedKvCache {
  public:
-  // Throws kvq::Error on a bad scheme or geometry (head_dim even for RoPE
-  // and a multiple of 8, max_seq >= 1, n_layers, n_kv_heads >= 1), or when a
-  // calibrated scheme comes without ranges of this geometry (ranges are
-  // copied; a dynamic scheme ignores them).
+  // Throws kvq::Error on a bad scheme, RoPE or geometry (head_dim a multiple
+  // of 8 up to 512, max_seq >= 1, n_layers, n_kv_heads >= 1, within the
+  // size limits), or when a scheme that needs calibrated ranges comes
+  // without ranges of this geometry (ranges are copied; a dynamic scheme
+  // ignores them).
   GroupedKvCache(const GroupedKvScheme& scheme, int n_layers, int max_seq, int n_kv_heads, int head_dim,
-                 const StaticRanges* ranges = nullptr);
+                 const StaticRanges* ranges = nullptr, const RopeConfig& rope = {});
+  // From the tables another cache of this scheme and geometry saved
+  // (save_tables): throws kvq::Error on a wrong size or any value the
+  // scheme cannot have made (non-finite or negative steps, widths outside
+  // 2..8 or not summing to k_bits per head).
+  GroupedKvCache(const GroupedKvScheme& scheme, int n_layers, int max_seq, int n_kv_heads, int head_dim,
+                 std::span<const uint8_t> tables, const RopeConfig& rope = {});
+  ~GroupedKvCache();
+  GroupedKvCache(GroupedKvCache&&) noexcept;
+  GroupedKvCache& operator=(GroupedKvCache&&) noexcept;
+  // An explicit deep copy (tests; a cache is large).
+  GroupedKvCache Copy() const;
 
   const GroupedKvScheme& scheme() const { return scheme_; }
   int n_layers() const { return n_layers_; }
   int max_seq() const { return max_seq_; }
   int n_kv_heads() const { return n_kv_heads_; }
   int head_dim() const { return head_dim_; }
-  const RopeTable& rope() const { return rope_; }
+  const RopeConfig& rope() const { return rope_; }
+  // The calibrated ranges it was built with (null for a dynamic scheme).
+  const StaticRanges* ranges() const { return ranges_.get(); }
 
-  // Stores token `pos` of `layer`: k before RoPE, v. Positions of a layer
-  // are written in order (pos = tokens written so far), or pos = 0, which
-  // starts a new sequence. When pos completes a group, the group is encoded
-  // (its codes depend only on its own tokens, so a cache read at an earlier
-  // length sees exactly what it saw then). Throws kvq::Error on a bad
-  // layer, an out-of-order pos, a wrong length, a non-finite value or
-  // |value| > 65504 (the fp16 range of the exact tokens and parameters).
-  void write(int layer, int pos, std::span<const float> k_pre_rope, std::span<const float> v);
+  // Stores token `pos` of `layer`: k after RoPE at pos, v. Positions of a
+  // layer are written in order (pos = tokens written so far), or pos = 0,
+  // which starts a new sequence. Throws kvq::Error on a bad layer, an
+  // out-of-order pos, a wrong length, a non-finite value or |value| > 65504
+  // (the fp16 range of the open tokens and parameters).
+  void write(int layer, int pos, std::span<const float> k, std::span<const float> v);
   // Tokens written to `layer` in the current sequence.
   int64_t written(int layer) const;
 
-  // Attention of a query at position T - 1 over tokens [0, T) of `layer`, as
-  // the cache holds them at length T: the sinks and the recent tokens
-  // through the fp16 kernel (attention.h), the coded groups through the
-  // fused grouped kernel (codes read directly, RoPE at read), parts merged
-  // by log-sum-exp. q: n_heads * head_dim floats (after RoPE at T - 1).
-  // threads: 0 = OpenMP default, 1 = the caller's only. Throws kvq::Error on
-  // a bad argument (T outside 1..written(layer), geometry, non-finite q).
-  void attend(int layer, int64_t T, std::span<const float> q, int n_heads, std::span<float> out,
-              int threads = 1, float scale = 0.0f) const;
-  // The coded tokens [S, coded_end(T)) alone (log-mass -inf when none).
-  AttentionPart coded_part(int layer, int64_t T, std::span<const float> q, int n_heads, int threads = 1,
+  // Attention of a query at position T - 1 over the T = written(layer)
+  // tokens of `layer`. q: n_heads * head_dim floats (after RoPE at T - 1).
+  // threads: 0 = OpenMP default, 1 = the caller's only. Throws kvq::Error
+  // on a bad argument (nothing written, geometry, non-finite q).
+  void attend(int layer, std::span<const float> q, int n_heads, std::span<float> out, int threads = 1,
+              float scale = 0.0f) const;
+  // The coded groups alone (log-mass -inf when none).
+  AttentionPart coded_part(int layer, std::span<const float> q, int n_heads, int threads = 1,
                            float scale = 0.0f) const;
-  // Reference: every token decoded as held at length T (keys rotated with
-  // the RoPE table), scores and softmax in double.
-  void attend_ref(int layer, int64_t T, std::span<const float> q, int n_heads, std::span<float> out,
-                  float scale = 0.0f) const;
+  // Reference: every token decoded as attention reads it, scores and
+  // softmax in double.
+  void attend_ref(int layer, std::span<const float> q, int n_heads, std::span<float> out, float scale = 0.0f) const;
 
-  // Token pos of `layer` as attention reads it at length T: K after RoPE
-  // (decoded codes rotated, or the exact fp16 row), V. Throws unless
-  // 0 <= pos < T <= written(layer).
-  void read(int layer, int64_t pos, int64_t T, std::span<float> k, std::span<float> v) const;
+  // Token pos of `layer` as attention reads it now: K after RoPE, V.
+  // Throws unless 0 <= pos < written(layer).
+  void read(int layer, int64_t pos, std::span<float> k, std::span<float> v) const;
 
-  // Bytes a streaming store holds at length T, all layers (codes, fp16
-  // group parameters, exact fp16 tokens).
-  uint64_t bytes(int64_t T) const;
-  // 8 bytes(T) / (2 T E n_layers), and its mean over T = ctx - 127 .. ctx
-  // (T <= written by every layer).
-  double bits(int64_t T) const;
-  double steady_state_bits(int64_t ctx) const;
-  size_t group_bytes_k() const { return group_bytes_k_; }
-  size_t group_bytes_v() const { return group_bytes_v_; }
-  // Raw stored bytes of one group (tests): K (which = 0) or V (1).
-  const uint8_t* group_data(int layer, int which, int head, int64_t group) const;
-  const KvCache& exact() const { return exact_; }
-  // K bits of channel c = head * head_dim + i of `layer` (allocated or the
-  // scheme's k_bits).
-  int k_channel_bits(int layer, int c) const { return kbits_[static_cast<size_t>(layer) * E() + static_cast<size_t>(c)]; }
+  // Bytes the cache holds, one layer at its length / all layers.
+  uint64_t layer_bytes(int layer) const;
+  uint64_t bytes() const;
+  // 8 bytes() / (2 E sum_l written(l)); 0 when empty.
+  double bits() const;
+  // Bytes of the object's K/V allocations (records, open rings and pool,
+  // tables): bytes() plus a bounded constant (see above).
+  uint64_t allocated_bytes() const;
+  // K bits of channel quad k (channels 4k..4k+3) of KV head h in `layer`.
+  int k_quad_bits(int layer, int head, int quad) const;
+  // Inspection (tests): complete groups of `layer`, groups read from codes,
+  // and the decoded lo / step (head_dim each) of K (which = 0, in the tile
+  // frame) or V (1) of KV head `head` in group g < complete_groups.
+  int64_t complete_groups(int layer) const;
+  int64_t coded_groups(int layer) const;
+  void group_params(int layer, int64_t g, int which, int head, std::span<float> lo, std::span<float> step) const;
+  // The fixed-point digits the fused kernel uses for K and V (1 or 2).
+  int k_digits() const;
+  int v_digits() const;
+
+  // The calibrated tables as held (per layer: p8's grid or the static ranges
+  // as fp16 pairs per K / V channel, then the allocated K widths, a byte per
+  // quad), and their bytes per layer (counted in layer_bytes).
+  void save_tables(std::vector<uint8_t>& out) const;
+  uint64_t layer_table_bytes() const;
+
+  // Serialisation of the held state (kv_cache.h's container): every layer's
+  // held bytes in a fixed order; load_state reads exactly that back into a
+  // fresh cache of the same scheme, geometry and tables. load_state throws
+  // kvq::Error on any inconsistency and leaves the cache empty.
+  void save_state(std::vector<uint8_t>& out) const;
+  void load_state(std::span<const uint8_t> in, std::span<const int64_t> lengths);
+
+  struct Impl;  // src/grouped_kv.cc
 
  private:
-  void EncodeGroup(int layer, int64_t g);
-  void EncodeToken(int layer, int pos, std::span<const float> k, std::span<const float> v);
-  void Check(int layer, int64_t T, std::span<const float> q, int n_heads) const;
-  // Tokens [t0, t1) as read at length T, decoded to fp32 rows and attended.
-  AttentionPart DecodedPart(int layer, int64_t t0, int64_t t1, int64_t T, std::span<const float> q, int n_heads,
-                            const DecodeAttentionOptions& o) const;
-  size_t E() const { return static_cast<size_t>(n_kv_heads_) * static_cast<size_t>(head_dim_); }
-  // Byte offset of channel c's two 8-code blocks in a K tile.
-  size_t KOff(int layer, int c) const { return koff_[static_cast<size_t>(layer) * E() + static_cast<size_t>(c)]; }
-  // End of the tokens the fused kernel reads (whole groups / tiles).
-  int64_t TileEnd(int64_t T) const;
-  // Static parameters of (layer, K or V, head): lo[hd] then step[hd].
-  const float* StaticParams(int layer, int which, int head) const;
-  // p8 grid of (layer, K or V, head): base[hd] | unit[hd] | ustep[hd].
-  const float* Grid(int layer, int which, int head) const;
+  // Validates the geometry and builds from ranges or saved tables (one of them).
+  GroupedKvCache(const GroupedKvScheme& scheme, int n_layers, int max_seq, int n_kv_heads, int head_dim,
+                 const StaticRanges* ranges, const std::span<const uint8_t>* tables, const RopeConfig& rope);
+  void Build(const StaticRanges* ranges, const std::span<const uint8_t>* tables);
   GroupedKvScheme scheme_;
   int n_layers_, max_seq_, n_kv_heads_, head_dim_;
-  int64_t max_groups_;
-  int G_;                    // tokens per stored group (calibrated: 16)
-  size_t header_bytes_;      // per-group parameters in front of the codes (calibrated: 0)
-  size_t group_bytes_k_, group_bytes_v_;
-  std::vector<float> static_params_;  // calibrated: [layer][K|V][head][lo | step]
-  std::vector<float> grid_;           // p8: [layer][K|V][head][base | unit | ustep]
-  std::vector<uint8_t> kbits_;        // [layer][channel] K code bits
-  std::vector<uint32_t> koff_;        // [layer][channel] byte offset in a K tile (within the head's tile)
-  size_t ktile_bytes_ = 0;            // one head's K tile: 2 sum_i bits_i
-  RopeTable rope_;
-  KvCache exact_;                      // fp16, K after RoPE
-  std::vector<uint8_t> codes_;         // [layer][K heads x groups | V heads x groups]
-  std::vector<float> pending_k_, pending_v_;  // [layer][G][E]: the open group, K before RoPE
-  std::vector<int64_t> written_;
-  // o<N>: [layer][pos][K (before RoPE) | V] N-bit codes (a byte each) on the
-  // previous group's widened range, and [layer][pos][K heads | V heads] 1 =
-  // that unit held in fp16.
-  std::vector<uint8_t> open8_, open_exact_;
-  std::vector<uint8_t> openw_;     // w<W>: the same tokens' 8-bit codes on the same grids
-  std::vector<float> open_grid_;  // [layer][lo: K | V][step: K | V][8-bit step: K | V] of the group being written
-  // The N-bit grids of every channel of `layer` (K then V: 2 E each) for the
-  // tokens of group g >= 1, from group g - 1's parameters.
-  void OpenGrids(int layer, int64_t g, float* lo, float* step, float* step8) const;
-  // Token pos's N-bit codes on those grids (K rotated to pos).
-  void DecodeOpen8(int layer, int64_t pos, int64_t T, const float* lo, const float* step, const float* step8, float* k,
-                   float* v) const;
-  // Whether attention at length T reads token pos from its open codes (o<N>;
-  // its units that fell back from the fp16 rows).
-  bool IsOpen(int64_t pos, int64_t T) const;
+  RopeConfig rope_;
+  std::shared_ptr<const StaticRanges> ranges_;
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace kvq

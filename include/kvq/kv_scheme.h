@@ -14,7 +14,7 @@
 // A row is its header (the f32 scales, when the scheme has any) followed by
 // its payload (codes, or ggml blocks).
 //
-// KvCache layout, per layer and for K and V separately: the headers of all
+// RowKvCache layout, per layer and for K and V separately: the headers of all
 // positions in one array, then the payload cut into `slices` pieces, one per
 // KV head (head-major: one head's codes of consecutive positions are
 // contiguous, so attention streams them), except q8_0/q4_0 with head_dim not
@@ -130,7 +130,7 @@ class KvRowCodec {
 };
 
 // Read-only view of the stored K and V of one layer (the input of the fused
-// attention kernel, attention.h), in KvCache's layout: token t's header at
+// attention kernel, attention.h), in RowKvCache's layout: token t's header at
 // k_header + t * header_bytes; its K payload piece s at
 // k + s * slice_stride + t * slice_bytes when k_tile == 0 (rows), else
 // lane (tile_first + t) % 16 of the K tile at
@@ -165,9 +165,9 @@ struct KvRowsView {
 // scheme and in the layout above: the stored bytes are the only copy
 // (attention reads the codes through view()). Memory is allocated once, at
 // construction, 64-byte aligned.
-class KvCache {
+class RowKvCache {
  public:
-  KvCache(KvScheme scheme, int n_layers, int max_seq, int n_kv_heads, int head_dim);
+  RowKvCache(KvScheme scheme, int n_layers, int max_seq, int n_kv_heads, int head_dim);
 
   KvScheme scheme() const { return codec_.scheme(); }
   const KvRowCodec& codec() const { return codec_; }
@@ -179,6 +179,10 @@ class KvCache {
   // Stores the K and V rows of `layer` at `pos`. Throws kvq::Error on an out
   // of range layer/pos, a wrong row length or a non-finite value.
   void write(int layer, int pos, std::span<const float> k, std::span<const float> v);
+  // Places one token's encoded K and V codec rows (header | payload, as
+  // KvRowCodec::encode writes them) at `pos`: what write() does after
+  // encoding (restoring a saved cache). Throws on a bad layer or pos.
+  void write_rows(int layer, int pos, const uint8_t* k_row, const uint8_t* v_row);
   // The first `tokens` stored rows of `layer`.
   KvRowsView view(int layer, int64_t tokens) const;
   // Decode one stored row from its bytes.

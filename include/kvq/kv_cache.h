@@ -1,0 +1,174 @@
+// One KV cache for every scheme (SPEC §6, §10): a row scheme (kv_scheme.h),
+// a grouped scheme or a preset (grouped_kv.h), picked by name as llama.cpp's
+// -ctk picks a cache type. Whether a scheme stores rows or groups is its
+// family's business (src/schemes/families.h); callers never branch on it.
+//
+//   kvq::KvCache cache("kvq-4.5", n_layers, max_seq, n_kv_heads, head_dim, &ranges);
+//   cache.write(layer, pos, k_after_rope, v);          // positions in order
+//   kvq::decode_attention(q, n_heads, cache, layer, out); // at the layer's length
+//   cache.save("prompt.kvqs");                          // kvq::KvCache::load(...)
+//
+// Saved caches (to_bytes / save) are one container (SPEC §9 framing: magic
+// "KVQS", version, payload size, CRC32C of the payload):
+//
+//   u16  scheme name length, then the canonical name (ASCII)
+//   u32  n_layers, n_kv_heads, head_dim
+//   RoPE f32 theta, u8 scaling, f32 factor, f32 low_freq_factor,
+//        f32 high_freq_factor, u32 original_context
+//   u64  tokens (every layer holds this many)
+//   u8   flags: 1 = model fingerprint, 2 = token-ids digest; then the 32-byte
+//        fields that are present
+//   u64  table bytes, then the scheme's calibrated tables as the cache
+//        holds them (p8 grids, static ranges, allocated K widths; empty for
+//        row schemes)
+//   u64  state bytes, then exactly what the cache holds for those tokens
+//        (row schemes: each layer's K then V codec rows; grouped schemes:
+//        GroupedKvCache::save_state)
+//
+// The header is at most 4 KiB; the tables and the state are bytes(tokens).
+// A saved cache holds 1..2^30 tokens and no capacity: the restoring caller
+// gives its max_seq (KvCacheExpect). Every count is checked against
+// the bytes that must hold it before any allocation (and the capacity
+// against this machine's memory), every stored value is checked as the scheme allows it (codes
+// in range, finite scales and fp16 values, ranges with lo <= hi), and a
+// restored cache attends bitwise as the saved one and accepts further writes
+// as it would.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvq/attention.h"
+#include "kvq/grouped_kv.h"
+#include "kvq/kv_scheme.h"
+#include "kvq/rope.h"
+
+namespace kvq {
+
+namespace detail {
+class KvCacheBackend;  // src/schemes/families.h
+}  // namespace detail
+
+// What a scheme name stands for.
+struct KvSchemeInfo {
+  std::string name;          // canonical: a preset resolves to the scheme it names
+  std::string label;         // what to print: the preset's name, else the canonical name
+  std::string family;        // "rows" or "groups" (for reports; callers need not look)
+  bool needs_ranges = false; // built from calibrated StaticRanges
+};
+
+// Throws kvq::Error naming `arg` and listing the row schemes, the grouped
+// grammar and the presets when the name is unknown.
+KvSchemeInfo describe_kv_scheme(const std::string& name, const char* arg = "kv");
+// Every row scheme, then every preset (what "all" means to kvq eval).
+std::vector<std::string> all_kv_scheme_names();
+
+// Optional identities a saved cache carries.
+struct KvCacheMeta {
+  std::optional<std::array<uint8_t, 32>> model_fingerprint;  // e.g. SHA-256 of the checkpoint and tokenizer
+  std::optional<std::array<uint8_t, 32>> tokens_digest;      // e.g. SHA-256 of the token ids
+};
+
+// A 32-byte identity as 64 lowercase hex digits.
+std::string hex_digest(const std::array<uint8_t, 32>& d);
+
+// What a restore must match (each field checked when set); a mismatch is a
+// kvq::Error naming the field and both values.
+struct KvCacheExpect {
+  std::optional<std::string> scheme;  // a name or preset (compared canonically)
+  std::optional<int> n_layers, n_kv_heads, head_dim;
+  // The restored cache's capacity (>= the saved tokens), as an engine's
+  // context sets it; unset, the saved tokens (a full cache).
+  std::optional<int> max_seq;
+  std::optional<RopeConfig> rope;
+  std::optional<std::array<uint8_t, 32>> model_fingerprint;
+};
+
+class KvCache {
+ public:
+  // Throws kvq::Error on an unknown scheme, a bad geometry for it, or a
+  // scheme that needs calibrated ranges without them (ranges are copied).
+  KvCache(const std::string& scheme, int n_layers, int max_seq, int n_kv_heads, int head_dim,
+          const StaticRanges* ranges = nullptr, const RopeConfig& rope = {});
+  ~KvCache();
+  KvCache(KvCache&&) noexcept;
+  KvCache& operator=(KvCache&&) noexcept;
+  KvCache Copy() const;  // an explicit deep copy
+
+  const KvSchemeInfo& info() const { return info_; }
+  const std::string& scheme() const { return info_.name; }
+  int n_layers() const { return n_layers_; }
+  int max_seq() const { return max_seq_; }
+  int n_kv_heads() const { return n_kv_heads_; }
+  int head_dim() const { return head_dim_; }
+  const RopeConfig& rope() const { return rope_; }
+
+  // Stores token `pos` of `layer`: k after RoPE at pos, v (n_kv_heads *
+  // head_dim floats each). Positions of a layer are written in order; pos =
+  // 0 starts a new sequence (a row scheme also rewrites any earlier
+  // position, dropping the ones after it). Throws kvq::Error on a bad
+  // layer, position, length or a non-finite value.
+  void write(int layer, int pos, std::span<const float> k, std::span<const float> v);
+  int64_t written(int layer) const;
+  // The length every layer has reached (the least of them).
+  int64_t tokens() const;
+  // Token pos of `layer` as attention reads it at the layer's length: K
+  // after RoPE, V. Throws unless 0 <= pos < written(layer).
+  void read(int layer, int64_t pos, std::span<float> k, std::span<float> v) const;
+
+  // Attention of a query at position T - 1 over tokens [0, T) of `layer`,
+  // T = opts.length (-1: written(layer)); row schemes read any T <=
+  // written, grouped ones their current length. q: n_heads * head_dim
+  // floats after RoPE at T - 1; out the same size.
+  void attend(int layer, std::span<const float> q, int n_heads, std::span<float> out,
+              const DecodeAttentionOptions& opts = {}) const;
+  // Reference: every token decoded as attention reads it, softmax in double.
+  void attend_ref(int layer, std::span<const float> q, int n_heads, std::span<float> out,
+                  const DecodeAttentionOptions& opts = {}) const;
+
+  // Bytes the cache holds for its first `tokens` tokens of every layer
+  // (-1: each layer as written; row schemes any tokens <= written, grouped
+  // ones their current length), tables included; bits = 8 bytes / (2
+  // tokens E n_layers).
+  uint64_t bytes(int64_t tokens = -1) const;
+  uint64_t layer_bytes(int layer) const;  // one layer at its length, without the tables
+  double bits(int64_t tokens = -1) const;
+  // The object's K/V allocations: bytes() plus a bounded constant.
+  uint64_t allocated_bytes() const;
+
+  // Row schemes: the stored rows of `layer` for the row kernel and windowed
+  // attention (throws kvq::Error for other schemes).
+  KvRowsView rows(int layer, int64_t tokens) const;
+  // Grouped schemes: the grouped cache (null for row schemes).
+  const GroupedKvCache* grouped() const;
+
+  // Save and restore (layout above). tokens: -1 = tokens(); a row scheme
+  // saves any 1 <= tokens <= written by every layer, a grouped one its
+  // length (every layer at the same length: a streaming store does not keep
+  // what it held at an earlier length).
+  std::vector<uint8_t> to_bytes(int64_t tokens = -1, const KvCacheMeta& meta = {}) const;
+  static KvCache from_bytes(std::span<const uint8_t> bytes, const KvCacheExpect& expect = {},
+                            KvCacheMeta* meta = nullptr);
+  // Written to a fresh temporary file beside `path` and renamed: whole or absent.
+  void save(const std::string& path, int64_t tokens = -1, const KvCacheMeta& meta = {}) const;
+  static KvCache load(const std::string& path, const KvCacheExpect& expect = {}, KvCacheMeta* meta = nullptr);
+
+ private:
+  KvCache() = default;
+  KvSchemeInfo info_;
+  int n_layers_ = 0, max_seq_ = 0, n_kv_heads_ = 0, head_dim_ = 0;
+  RopeConfig rope_;
+  std::unique_ptr<detail::KvCacheBackend> b_;
+};
+
+// decode_attention over any cache: the same as cache.attend.
+void decode_attention(std::span<const float> q, int n_heads, const KvCache& cache, int layer, std::span<float> out,
+                      const DecodeAttentionOptions& opts = {});
+
+}  // namespace kvq

@@ -1,0 +1,23 @@
+// Identities a saved KV cache carries (kvq/kv_cache.h's KvCacheMeta): which
+// model wrote it and which tokens it holds. SHA-256 (OpenSSL).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <span>
+#include <string>
+
+namespace kvq::model {
+
+using Digest = std::array<uint8_t, 32>;
+
+// SHA-256 of the checkpoint's bytes, then the tokenizer's, each prefixed by
+// its length (u64 little-endian): a cache restored on another model, or
+// with another vocabulary, is refused. Throws kvq::Error naming the path
+// that cannot be read.
+Digest model_fingerprint(const std::string& checkpoint_path, const std::string& tokenizer_path);
+
+// SHA-256 of the token ids as int32 little-endian.
+Digest tokens_digest(std::span<const int> tokens);
+
+}  // namespace kvq::model

@@ -1,0 +1,45 @@
+#include "kvq/file.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "kvq/error.h"
+
+namespace kvq {
+
+void write_file_whole(const std::string& path, std::span<const uint8_t> bytes, const char* arg) {
+  struct stat st {};
+  KVQ_CHECK_ARG(!(::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode)), arg, ": '", path, "' is a directory");
+  const size_t slash = path.find_last_of('/');
+  const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash);
+  std::string tmp = (slash == std::string::npos ? std::string() : path.substr(0, slash + 1)) + "." +
+                    path.substr(slash == std::string::npos ? 0 : slash + 1) + ".XXXXXX";
+  const int fd = ::mkstemp(tmp.data());
+  KVQ_CHECK_ARG(fd >= 0, arg, ": cannot create a temporary file in '", dir, "' (", std::strerror(errno), ")");
+  const mode_t mask = ::umask(0);
+  ::umask(mask);
+  (void)::fchmod(fd, 0666 & ~mask);
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int e = errno;
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      Fail(arg, ": write to '", tmp, "' failed (", std::strerror(e), "); '", path, "' is unchanged");
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (::fsync(fd) != 0 || ::close(fd) != 0 || ::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int e = errno;
+    ::unlink(tmp.c_str());
+    Fail(arg, ": cannot write '", path, "' (", std::strerror(e), "); it is unchanged");
+  }
+}
+
+}  // namespace kvq

@@ -1,0 +1,315 @@
+// One KV cache for every scheme (see kvq/kv_cache.h).
+#include "kvq/kv_cache.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "kvq/error.h"
+#include "kvq/file.h"
+#include "src/container.h"
+#include "src/schemes/families.h"
+
+namespace kvq {
+
+namespace {
+
+constexpr char kMagic[4] = {'K', 'V', 'Q', 'S'};
+constexpr uint16_t kVersion = 1;
+constexpr size_t kMaxName = 256;
+constexpr uint64_t kMaxHeader = 4096;
+constexpr int kMaxLayers = 1 << 16;
+constexpr uint64_t kMaxRow = uint64_t{1} << 20;  // n_kv_heads * head_dim
+
+// This machine's physical memory in bytes (what a restore may allocate).
+double PhysicalMemory() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? static_cast<double>(pages) * static_cast<double>(page) : 0x1p40;
+}
+
+const detail::KvCacheFamily& FamilyOf(const KvSchemeInfo& info) {
+  for (const detail::KvCacheFamily& f : detail::kv_cache_families()) {
+    if (info.family == f.name) return f;
+  }
+  KVQ_ASSERT(false);
+  return detail::kv_cache_families().front();
+}
+
+
+}  // namespace
+
+std::string hex_digest(const std::array<uint8_t, 32>& d) {
+  static const char* x = "0123456789abcdef";
+  std::string s;
+  for (uint8_t b : d) s.push_back(x[b >> 4]), s.push_back(x[b & 15]);
+  return s;
+}
+
+KvSchemeInfo describe_kv_scheme(const std::string& name, const char* arg) {
+  KvSchemeInfo info;
+  for (const detail::KvCacheFamily& f : detail::kv_cache_families()) {
+    if (f.describe(name, arg, info)) return info;
+  }
+  std::string all;
+  for (const detail::KvCacheFamily& f : detail::kv_cache_families()) all.append(all.empty() ? "" : "; ").append(f.grammar());
+  Fail(arg, ": unknown KV scheme '", name, "'; expected one of: ", all);
+}
+
+std::vector<std::string> all_kv_scheme_names() {
+  std::vector<std::string> names;
+  for (const detail::KvCacheFamily& f : detail::kv_cache_families()) f.list(names);
+  return names;
+}
+
+KvCache::KvCache(const std::string& scheme, int n_layers, int max_seq, int n_kv_heads, int head_dim,
+                 const StaticRanges* ranges, const RopeConfig& rope)
+    : info_(describe_kv_scheme(scheme, "scheme")),
+      n_layers_(n_layers),
+      max_seq_(max_seq),
+      n_kv_heads_(n_kv_heads),
+      head_dim_(head_dim),
+      rope_(rope.canonical()) {
+  KVQ_CHECK_ARG(n_layers >= 1 && max_seq >= 1 && n_kv_heads >= 1 && head_dim >= 1, "cache: expected n_layers, ",
+                "max_seq, n_kv_heads and head_dim >= 1, got ", n_layers, ", ", max_seq, ", ", n_kv_heads, ", ", head_dim);
+  rope.validate("rope");
+  b_ = FamilyOf(info_).make(info_, {n_layers, max_seq, n_kv_heads, head_dim, rope_}, ranges);
+}
+
+KvCache::~KvCache() = default;
+KvCache::KvCache(KvCache&&) noexcept = default;
+KvCache& KvCache::operator=(KvCache&&) noexcept = default;
+
+KvCache KvCache::Copy() const {
+  KvCache c;
+  c.info_ = info_;
+  c.n_layers_ = n_layers_, c.max_seq_ = max_seq_, c.n_kv_heads_ = n_kv_heads_, c.head_dim_ = head_dim_;
+  c.rope_ = rope_;
+  c.b_ = b_->copy();
+  return c;
+}
+
+void KvCache::write(int layer, int pos, std::span<const float> k, std::span<const float> v) { b_->write(layer, pos, k, v); }
+int64_t KvCache::written(int layer) const { return b_->written(layer); }
+
+int64_t KvCache::tokens() const {
+  int64_t t = b_->written(0);
+  for (int l = 1; l < n_layers_; ++l) t = std::min(t, b_->written(l));
+  return t;
+}
+
+void KvCache::read(int layer, int64_t pos, std::span<float> k, std::span<float> v) const {
+  const size_t E = static_cast<size_t>(n_kv_heads_) * static_cast<size_t>(head_dim_);
+  KVQ_CHECK_ARG(k.size() == E && v.size() == E, "k, v: expected ", E, " values each, got ", k.size(), " and ", v.size());
+  b_->read(layer, pos, k, v);
+}
+
+void KvCache::attend(int layer, std::span<const float> q, int n_heads, std::span<float> out,
+                     const DecodeAttentionOptions& opts) const {
+  const int64_t T = opts.length < 0 ? b_->written(layer) : opts.length;
+  KVQ_CHECK_ARG(T >= 1, "layer ", layer, ": no tokens to attend to");
+  b_->attend(layer, T, q, n_heads, out, opts);
+}
+
+void KvCache::attend_ref(int layer, std::span<const float> q, int n_heads, std::span<float> out,
+                         const DecodeAttentionOptions& opts) const {
+  const int64_t T = opts.length < 0 ? b_->written(layer) : opts.length;
+  KVQ_CHECK_ARG(T >= 1, "layer ", layer, ": no tokens to attend to");
+  b_->attend_ref(layer, T, q, n_heads, out, opts);
+}
+
+uint64_t KvCache::bytes(int64_t tokens) const {
+  uint64_t total = 0;
+  for (int l = 0; l < n_layers_; ++l) total += b_->layer_bytes(l, tokens < 0 ? b_->written(l) : tokens);
+  return total;
+}
+
+uint64_t KvCache::layer_bytes(int layer) const { return b_->layer_bytes(layer, b_->written(layer)); }
+
+double KvCache::bits(int64_t tokens) const {
+  double T = 0;
+  for (int l = 0; l < n_layers_; ++l) T += static_cast<double>(tokens < 0 ? b_->written(l) : tokens);
+  const double elements = 2.0 * T * n_kv_heads_ * head_dim_;
+  return elements > 0 ? 8.0 * static_cast<double>(bytes(tokens)) / elements : 0.0;
+}
+
+uint64_t KvCache::allocated_bytes() const { return b_->allocated_bytes(); }
+KvRowsView KvCache::rows(int layer, int64_t tokens) const { return b_->rows(layer, tokens); }
+const GroupedKvCache* KvCache::grouped() const { return b_->grouped(); }
+
+void decode_attention(std::span<const float> q, int n_heads, const KvCache& cache, int layer, std::span<float> out,
+                      const DecodeAttentionOptions& opts) {
+  cache.attend(layer, q, n_heads, out, opts);
+}
+
+// ---- save and restore --------------------------------------------------------------
+
+std::vector<uint8_t> KvCache::to_bytes(int64_t tokens, const KvCacheMeta& meta) const {
+  const int64_t T = tokens < 0 ? this->tokens() : tokens;
+  KVQ_CHECK_ARG(T >= 1 && T <= this->tokens(), "tokens: expected 1..", this->tokens(),
+                " (the tokens every layer holds), got ", tokens);
+  detail::ByteWriter w;
+  w.put<uint16_t>(static_cast<uint16_t>(info_.name.size()));
+  w.put_array(std::span<const char>(info_.name.data(), info_.name.size()));
+  for (int x : {n_layers_, n_kv_heads_, head_dim_}) w.put<uint32_t>(static_cast<uint32_t>(x));
+  w.put<float>(rope_.theta);
+  w.put<uint8_t>(static_cast<uint8_t>(rope_.scaling));
+  w.put<float>(rope_.factor);
+  w.put<float>(rope_.low_freq_factor);
+  w.put<float>(rope_.high_freq_factor);
+  w.put<uint32_t>(static_cast<uint32_t>(rope_.original_context));
+  w.put<uint64_t>(static_cast<uint64_t>(T));
+  w.put<uint8_t>(static_cast<uint8_t>((meta.model_fingerprint ? 1 : 0) | (meta.tokens_digest ? 2 : 0)));
+  if (meta.model_fingerprint) w.put_array(std::span<const uint8_t>(*meta.model_fingerprint));
+  if (meta.tokens_digest) w.put_array(std::span<const uint8_t>(*meta.tokens_digest));
+  std::vector<uint8_t> tables, state;
+  b_->save_tables(tables);
+  b_->save_state(T, state);
+  w.put<uint64_t>(tables.size());
+  w.put_array(std::span<const uint8_t>(tables));
+  w.put<uint64_t>(state.size());
+  w.put_array(std::span<const uint8_t>(state));
+  return detail::WrapContainer(kMagic, kVersion, w.bytes());
+}
+
+KvCache KvCache::from_bytes(std::span<const uint8_t> bytes, const KvCacheExpect& expect, KvCacheMeta* meta) {
+  const char* what = "saved KV cache";
+  const std::span<const uint8_t> payload = detail::OpenContainer(bytes, kMagic, kVersion, what);
+  detail::ByteReader r(payload, what);
+  const uint16_t name_len = r.get<uint16_t>();
+  if (name_len == 0 || name_len > kMaxName) r.corrupt("a scheme name of " + std::to_string(name_len) + " bytes");
+  const std::vector<char> name_bytes = r.get_array<char>(name_len);
+  const std::string name(name_bytes.begin(), name_bytes.end());
+  uint32_t geo[3];  // n_layers, n_kv_heads, head_dim
+  for (uint32_t& x : geo) x = r.get<uint32_t>();
+  for (uint32_t x : geo) {
+    if (x == 0 || x > (1u << 30)) r.corrupt("a cache dimension of " + std::to_string(x));
+  }
+  RopeConfig rope;
+  rope.theta = r.get<float>();
+  const uint8_t scaling = r.get<uint8_t>();
+  if (scaling > 2) r.corrupt("an unknown RoPE scaling " + std::to_string(scaling));
+  rope.scaling = static_cast<RopeConfig::Scaling>(scaling);
+  rope.factor = r.get<float>();
+  rope.low_freq_factor = r.get<float>();
+  rope.high_freq_factor = r.get<float>();
+  const uint32_t original_context = r.get<uint32_t>();
+  if (original_context > (1u << 30)) r.corrupt("a RoPE original context of " + std::to_string(original_context));
+  rope.original_context = static_cast<int>(original_context);
+  rope.validate("saved KV cache: RoPE");
+  if (!(rope.canonical() == rope)) r.corrupt("RoPE fields its scaling does not read, not at their defaults");
+  const uint64_t T = r.get<uint64_t>();
+  if (T == 0 || T > (uint64_t{1} << 30)) r.corrupt(std::to_string(T) + " tokens (expected 1..2^30)");
+  const uint8_t flags = r.get<uint8_t>();
+  if (flags > 3) r.corrupt("unknown flags " + std::to_string(flags));
+  KvCacheMeta m;
+  if (flags & 1) {
+    std::array<uint8_t, 32> f;
+    const std::vector<uint8_t> b = r.get_array<uint8_t>(32);
+    std::copy(b.begin(), b.end(), f.begin());
+    m.model_fingerprint = f;
+  }
+  if (flags & 2) {
+    std::array<uint8_t, 32> f;
+    const std::vector<uint8_t> b = r.get_array<uint8_t>(32);
+    std::copy(b.begin(), b.end(), f.begin());
+    m.tokens_digest = f;
+  }
+  if (payload.size() - r.remaining() > kMaxHeader) r.corrupt("a header past 4 KiB");
+  const KvSchemeInfo info = describe_kv_scheme(name, "saved KV cache: scheme");
+  if (info.name != name) r.corrupt("the scheme name '" + name + "', not in its canonical form '" + info.name + "'");
+  const int L = static_cast<int>(geo[0]), H = static_cast<int>(geo[1]), hd = static_cast<int>(geo[2]);
+  if (L > kMaxLayers || static_cast<uint64_t>(H) * static_cast<uint64_t>(hd) > kMaxRow) {
+    r.corrupt("a geometry of " + std::to_string(L) + " layers x " + std::to_string(H) + " heads x " +
+              std::to_string(hd) + " (at most " + std::to_string(kMaxLayers) + " layers and " +
+              std::to_string(kMaxRow) + " values a row)");
+  }
+  // What the caller's model must match.
+  if (expect.scheme) {
+    const KvSchemeInfo want = describe_kv_scheme(*expect.scheme, "expected scheme");
+    KVQ_CHECK_ARG(want.name == info.name, "saved KV cache: the scheme is ", info.label, " (", info.name,
+                  "), expected ", want.label, " (", want.name, ")");
+  }
+  const auto same = [&](const std::optional<int>& e, int got, const char* field) {
+    KVQ_CHECK_ARG(!e || *e == got, "saved KV cache: ", field, " is ", got, ", the model has ", e ? *e : 0);
+  };
+  same(expect.n_layers, L, "n_layers");
+  same(expect.n_kv_heads, H, "n_kv_heads");
+  same(expect.head_dim, hd, "head_dim");
+  if (expect.rope) {
+    KVQ_CHECK_ARG(expect.rope->canonical() == rope, "saved KV cache: RoPE is ", rope.describe(), ", the model's is ",
+                  expect.rope->describe());
+  }
+  if (expect.model_fingerprint) {
+    KVQ_CHECK_ARG(m.model_fingerprint, "saved KV cache: no model fingerprint; expected one of ",
+                  hex_digest(*expect.model_fingerprint).substr(0, 16), "...");
+    KVQ_CHECK_ARG(*m.model_fingerprint == *expect.model_fingerprint, "saved KV cache: model fingerprint ",
+                  hex_digest(*m.model_fingerprint).substr(0, 16), "... does not match the model's ",
+                  hex_digest(*expect.model_fingerprint).substr(0, 16), "... (saved with another model)");
+  }
+  // The capacity is the caller's, as an engine's context is; unset, the
+  // tokens held (a saved cache is its tokens, not a capacity).
+  const int max_seq = expect.max_seq ? *expect.max_seq : static_cast<int>(T);
+  KVQ_CHECK_ARG(max_seq >= 1 && static_cast<uint64_t>(max_seq) >= T, "saved KV cache: ", T,
+                " tokens do not fit max_seq ", max_seq);
+  const detail::KvCacheFamily& family = FamilyOf(info);
+  const detail::KvCacheGeometry g{L, max_seq, H, hd, rope};
+  // Nothing is allocated before the bytes are known to hold T tokens of
+  // this geometry, and the capacity fits this machine.
+  const double least = static_cast<double>(L) * family.least_layer_bytes(info, g, static_cast<int64_t>(T));
+  if (least > static_cast<double>(r.remaining())) {
+    r.corrupt(std::to_string(T) + " tokens of " + std::to_string(L) + " x " + std::to_string(H) + " x " +
+              std::to_string(hd) + " " + info.name + " (at least " + std::to_string(static_cast<uint64_t>(least)) +
+              " bytes) in " + std::to_string(r.remaining()) + " bytes");
+  }
+  const double capacity = family.capacity_bytes(info, g);
+  KVQ_CHECK_ARG(capacity <= PhysicalMemory(), "saved KV cache: a capacity of ", max_seq, " positions takes ",
+                static_cast<uint64_t>(capacity), " bytes, more than this machine's ",
+                static_cast<uint64_t>(PhysicalMemory()), " bytes of memory; pass a smaller max_seq");
+  const uint64_t table_bytes = r.get<uint64_t>();
+  if (table_bytes > r.remaining()) r.corrupt("tables of " + std::to_string(table_bytes) + " bytes past the end");
+  const std::vector<uint8_t> tables = r.get_array<uint8_t>(table_bytes);
+  const uint64_t state_bytes = r.get<uint64_t>();
+  if (state_bytes != r.remaining()) {
+    r.corrupt("a state of " + std::to_string(state_bytes) + " bytes where " + std::to_string(r.remaining()) +
+              " remain");
+  }
+  const std::vector<uint8_t> state = r.get_array<uint8_t>(state_bytes);
+  r.expect_end();
+  KvCache c;
+  c.info_ = info;
+  c.n_layers_ = L, c.max_seq_ = max_seq, c.n_kv_heads_ = H, c.head_dim_ = hd;
+  c.rope_ = rope;
+  c.b_ = family.restore(info, g, tables);
+  c.b_->load_state(state, static_cast<int64_t>(T));
+  KVQ_CHECK_ARG(c.bytes(static_cast<int64_t>(T)) == table_bytes + state_bytes, "saved KV cache: ",
+                table_bytes + state_bytes, " bytes held where the scheme counts ", c.bytes(static_cast<int64_t>(T)));
+  if (meta) *meta = m;
+  return c;
+}
+
+void KvCache::save(const std::string& path, int64_t tokens, const KvCacheMeta& meta) const {
+  write_file_whole(path, to_bytes(tokens, meta), "path");
+}
+
+KvCache KvCache::load(const std::string& path, const KvCacheExpect& expect, KvCacheMeta* meta) {
+  struct stat st {};
+  KVQ_CHECK_ARG(::stat(path.c_str(), &st) == 0, "path '", path, "': cannot open (", std::strerror(errno), ")");
+  KVQ_CHECK_ARG(S_ISREG(st.st_mode), "path '", path, "': not a regular file");
+  KVQ_CHECK_ARG(static_cast<uint64_t>(st.st_size) <= (uint64_t{1} << 40), "path '", path, "': ", st.st_size,
+                " bytes is past the 1 TiB a saved cache may hold");
+  std::ifstream f(path, std::ios::binary);
+  KVQ_CHECK_ARG(f.good(), "path '", path, "': cannot open");
+  std::vector<uint8_t> bytes(static_cast<size_t>(st.st_size));
+  f.read(reinterpret_cast<char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  KVQ_CHECK_ARG(f.gcount() == static_cast<std::streamsize>(bytes.size()), "path '", path, "': short read");
+  return from_bytes(bytes, expect, meta);
+}
+
+}  // namespace kvq

@@ -1,0 +1,74 @@
+// Internal: the KV cache families behind kvq::KvCache (kv_cache.h). A family
+// owns a set of scheme names (rows: the ten row schemes; groups: the grouped
+// grammar and its presets) and makes the backend that stores them. One
+// table lists the families (families.cc); KvCache walks it and never asks
+// which family a scheme belongs to.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvq/kv_cache.h"
+
+namespace kvq::detail {
+
+struct KvCacheGeometry {
+  int n_layers = 0, max_seq = 0, n_kv_heads = 0, head_dim = 0;
+  RopeConfig rope;
+};
+
+// One cache's storage. Lengths: row backends read any T <= written(layer),
+// grouped ones their current length (they throw kvq::Error otherwise).
+class KvCacheBackend {
+ public:
+  virtual ~KvCacheBackend() = default;
+  virtual std::unique_ptr<KvCacheBackend> copy() const = 0;
+  virtual void write(int layer, int pos, std::span<const float> k, std::span<const float> v) = 0;
+  virtual int64_t written(int layer) const = 0;
+  virtual void read(int layer, int64_t pos, std::span<float> k, std::span<float> v) const = 0;
+  virtual void attend(int layer, int64_t T, std::span<const float> q, int n_heads, std::span<float> out,
+                      const DecodeAttentionOptions& o) const = 0;
+  virtual void attend_ref(int layer, int64_t T, std::span<const float> q, int n_heads, std::span<float> out,
+                          const DecodeAttentionOptions& o) const = 0;
+  // Bytes of the layer's first T tokens, its share of the tables included.
+  virtual uint64_t layer_bytes(int layer, int64_t T) const = 0;
+  virtual uint64_t allocated_bytes() const = 0;
+  virtual KvRowsView rows(int layer, int64_t T) const;  // default: kvq::Error
+  virtual const GroupedKvCache* grouped() const { return nullptr; }
+  // The calibrated tables as held (saved before the state), and the state
+  // of every layer's first T tokens; load_state fills a fresh backend made
+  // by the family's restore() from those tables.
+  virtual void save_tables(std::vector<uint8_t>& out) const = 0;
+  virtual void save_state(int64_t T, std::vector<uint8_t>& out) const = 0;
+  virtual void load_state(std::span<const uint8_t> state, int64_t T) = 0;
+};
+
+struct KvCacheFamily {
+  const char* name;     // "rows", "groups"
+  std::string (*grammar)();  // what the family's names look like (unknown-name errors)
+  // Fills `info` and returns true when the family owns `name`; a malformed
+  // name of the family is a kvq::Error naming `arg`.
+  bool (*describe)(const std::string& name, const char* arg, KvSchemeInfo& info);
+  std::unique_ptr<KvCacheBackend> (*make)(const KvSchemeInfo& info, const KvCacheGeometry& g,
+                                          const StaticRanges* ranges);
+  // A fresh backend from saved tables (validated; kvq::Error on any bad value).
+  std::unique_ptr<KvCacheBackend> (*restore)(const KvSchemeInfo& info, const KvCacheGeometry& g,
+                                             std::span<const uint8_t> tables);
+  void (*list)(std::vector<std::string>& names);  // the names "all" stands for
+  // What a restore checks before it allocates anything: the fewest bytes
+  // (tables and state) one layer of T tokens can take, and what a backend
+  // of the geometry allocates up front, whatever it is then written.
+  double (*least_layer_bytes)(const KvSchemeInfo& info, const KvCacheGeometry& g, int64_t T);
+  double (*capacity_bytes)(const KvSchemeInfo& info, const KvCacheGeometry& g);
+};
+
+const std::vector<KvCacheFamily>& kv_cache_families();
+
+// The families, each in its own file.
+const KvCacheFamily& RowFamily();      // row_cache.cc
+const KvCacheFamily& GroupedFamily();  // grouped_cache.cc
+
+}  // namespace kvq::detail

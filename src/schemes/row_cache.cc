@@ -1,0 +1,169 @@
+// The row family of kvq::KvCache: the ten row schemes (kv_scheme.h) in a
+// RowKvCache, read by the fused row kernel (attention.h). A saved state is
+// every layer's K codec rows, then its V codec rows.
+#include <cmath>
+#include <cstring>
+
+#include "kvq/error.h"
+#include "src/schemes/families.h"
+
+namespace kvq::detail {
+namespace {
+
+class RowBackend final : public KvCacheBackend {
+ public:
+  RowBackend(KvScheme s, const KvCacheGeometry& g)
+      : c_(s, g.n_layers, g.max_seq, g.n_kv_heads, g.head_dim), T_(static_cast<size_t>(g.n_layers), 0) {}
+
+  std::unique_ptr<KvCacheBackend> copy() const override {
+    auto b = std::make_unique<RowBackend>(c_.scheme(), KvCacheGeometry{c_.n_layers(), c_.max_seq(), c_.n_kv_heads(),
+                                                                        c_.head_dim(), {}});
+    std::vector<uint8_t> k(c_.codec().row_bytes()), v(k.size());
+    for (int l = 0; l < c_.n_layers(); ++l) {
+      const KvRowsView rv = c_.view(l, T_[static_cast<size_t>(l)]);
+      for (int64_t t = 0; t < rv.tokens; ++t) {
+        rv.gather_row(0, t, k.data());
+        rv.gather_row(1, t, v.data());
+        b->c_.write_rows(l, static_cast<int>(t), k.data(), v.data());
+      }
+      b->T_[static_cast<size_t>(l)] = T_[static_cast<size_t>(l)];
+    }
+    return b;
+  }
+  void write(int layer, int pos, std::span<const float> k, std::span<const float> v) override {
+    const int64_t w = written(layer);
+    KVQ_CHECK_ARG(pos >= 0 && pos <= w, "pos: a layer is written in order: expected 0..", w,
+                  " (a position written before is rewritten, the ones after it dropped), got ", pos);
+    c_.write(layer, pos, k, v);
+    T_[static_cast<size_t>(layer)] = pos + 1;
+  }
+  int64_t written(int layer) const override {
+    KVQ_CHECK_ARG(layer >= 0 && layer < c_.n_layers(), "layer: expected 0..", c_.n_layers() - 1, ", got ", layer);
+    return T_[static_cast<size_t>(layer)];
+  }
+  void read(int layer, int64_t pos, std::span<float> k, std::span<float> v) const override {
+    const int64_t w = written(layer);
+    KVQ_CHECK_ARG(pos >= 0 && pos < w, "read: expected 0 <= pos < ", w, " (tokens written), got ", pos);
+    c_.read_k(layer, static_cast<int>(pos), k);
+    c_.read_v(layer, static_cast<int>(pos), v);
+  }
+  void attend(int layer, int64_t T, std::span<const float> q, int n_heads, std::span<float> out,
+              const DecodeAttentionOptions& o) const override {
+    decode_attention(q, n_heads, rows(layer, T), out, o);
+  }
+  void attend_ref(int layer, int64_t T, std::span<const float> q, int n_heads, std::span<float> out,
+                  const DecodeAttentionOptions& o) const override {
+    decode_attention_ref(q, n_heads, rows(layer, T), out, o);
+  }
+  uint64_t layer_bytes(int layer, int64_t T) const override {
+    Check(layer, T);
+    return 2 * c_.codec().row_bytes() * static_cast<uint64_t>(T);
+  }
+  uint64_t allocated_bytes() const override {
+    const KvRowsView v = c_.view(0, 0);
+    return 2 * static_cast<uint64_t>(c_.n_layers()) * (static_cast<uint64_t>(v.k - v.k_header) +
+                                                       static_cast<uint64_t>(v.slices) * v.slice_stride);
+  }
+  KvRowsView rows(int layer, int64_t T) const override {
+    Check(layer, T);
+    return c_.view(layer, T);
+  }
+  void save_tables(std::vector<uint8_t>&) const override {}
+  void save_state(int64_t T, std::vector<uint8_t>& out) const override {
+    const size_t rb = c_.codec().row_bytes();
+    for (int l = 0; l < c_.n_layers(); ++l) {
+      const KvRowsView v = rows(l, T);
+      for (int which = 0; which < 2; ++which) {
+        for (int64_t t = 0; t < T; ++t) {
+          const size_t at = out.size();
+          out.resize(at + rb);
+          v.gather_row(which, t, out.data() + at);
+        }
+      }
+    }
+  }
+  void load_state(std::span<const uint8_t> state, int64_t T) override {
+    const size_t rb = c_.codec().row_bytes(), L = static_cast<size_t>(c_.n_layers());
+    KVQ_CHECK_ARG(T >= 0 && T <= c_.max_seq(), "cache state: ", T, " tokens do not fit max_seq ", c_.max_seq());
+    KVQ_CHECK_ARG(state.size() == L * 2 * static_cast<size_t>(T) * rb, "cache state: expected ",
+                  L * 2 * static_cast<size_t>(T) * rb, " bytes of rows, got ", state.size());
+    std::vector<float> x(static_cast<size_t>(c_.codec().row_len()));
+    for (size_t l = 0; l < L; ++l) {
+      const uint8_t* k = state.data() + l * 2 * static_cast<size_t>(T) * rb;
+      const uint8_t* v = k + static_cast<size_t>(T) * rb;
+      for (int64_t t = 0; t < T; ++t) {
+        for (const uint8_t* row : {k + static_cast<size_t>(t) * rb, v + static_cast<size_t>(t) * rb}) {
+          c_.codec().decode(row, x.data());  // a row the codec cannot have written (NaN, Inf) is refused
+          for (float f : x) {
+            if (!std::isfinite(f)) Fail("cache state: layer ", l, " token ", t, " decodes to a non-finite value");
+          }
+        }
+        c_.write_rows(static_cast<int>(l), static_cast<int>(t), k + static_cast<size_t>(t) * rb,
+                      v + static_cast<size_t>(t) * rb);
+      }
+      T_[l] = T;
+    }
+  }
+
+ private:
+  void Check(int layer, int64_t T) const {
+    const int64_t w = written(layer);
+    KVQ_CHECK_ARG(T >= 0 && T <= w, "tokens: expected 0..", w, " (tokens written to layer ", layer, "), got ", T);
+  }
+  RowKvCache c_;
+  std::vector<int64_t> T_;  // tokens written per layer
+};
+
+bool Describe(const std::string& name, const char* /*arg*/, KvSchemeInfo& info) {
+  for (KvScheme s : all_kv_schemes()) {
+    if (name == kv_scheme_name(s)) {
+      info.name = info.label = name;
+      info.family = "rows";
+      info.needs_ranges = false;
+      return true;
+    }
+  }
+  return false;
+}
+
+KvScheme Scheme(const KvSchemeInfo& info) { return parse_kv_scheme(info.name, "scheme"); }
+
+std::unique_ptr<KvCacheBackend> Make(const KvSchemeInfo& info, const KvCacheGeometry& g, const StaticRanges*) {
+  return std::make_unique<RowBackend>(Scheme(info), g);
+}
+
+std::unique_ptr<KvCacheBackend> Restore(const KvSchemeInfo& info, const KvCacheGeometry& g,
+                                        std::span<const uint8_t> tables) {
+  KVQ_CHECK_ARG(tables.empty(), "cache tables: a row scheme has none, got ", tables.size(), " bytes");
+  return Make(info, g, nullptr);
+}
+
+void List(std::vector<std::string>& names) {
+  for (KvScheme s : all_kv_schemes()) names.emplace_back(kv_scheme_name(s));
+}
+
+std::string Grammar() {
+  std::string g = "row schemes ";
+  for (KvScheme s : all_kv_schemes()) g.append(s == KvScheme::Fp32 ? "" : ", ").append(kv_scheme_name(s));
+  return g;
+}
+
+// Every token's K and V codec rows, exactly.
+double LeastLayerBytes(const KvSchemeInfo& info, const KvCacheGeometry& g, int64_t T) {
+  const KvRowCodec codec(Scheme(info), g.n_kv_heads * g.head_dim, g.head_dim);
+  return 2.0 * static_cast<double>(codec.row_bytes()) * static_cast<double>(T);
+}
+
+// RowKvCache holds every position up to max_seq from the start.
+double CapacityBytes(const KvSchemeInfo& info, const KvCacheGeometry& g) {
+  return static_cast<double>(g.n_layers) * LeastLayerBytes(info, g, g.max_seq);
+}
+
+}  // namespace
+
+const KvCacheFamily& RowFamily() {
+  static const KvCacheFamily f = {"rows", Grammar, Describe, Make, Restore, List, LeastLayerBytes, CapacityBytes};
+  return f;
+}
+
+}  // namespace kvq::detail
