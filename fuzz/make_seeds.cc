@@ -13,6 +13,7 @@
 
 #include "kvq/affine.h"
 #include "kvq/cluster_outliers.h"
+#include "kvq/kv_cache.h"
 #include "kvq/sorted_profile.h"
 #include "src/container.h"
 
@@ -96,7 +97,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const fs::path root = argv[1];
-  for (const char* d : {"kvqp", "kvqc", "checkpoint", "tokenizer"}) fs::create_directories(root / d);
+  for (const char* d : {"kvqp", "kvqc", "kvqs", "checkpoint", "tokenizer"}) fs::create_directories(root / d);
 
   // KVQP: every tail path, both families, a few widths.
   kvq::SortedProfileOptions o;
@@ -131,6 +132,36 @@ int main(int argc, char** argv) {
   kvq::QuantizedClusterOutliers empty;
   empty.n_head = 1, empty.d_head = 1;
   WriteContainer(root / "kvqc", "empty", kvq::serialize(empty));
+
+  // KVQS: saved caches of every family and the store's states (sinks only,
+  // an open group, completed groups, fallbacks), with and without the
+  // identities.
+  {
+    const int L = 2, H = 2, hd = 32, E = H * hd;
+    std::vector<std::vector<float>> ks(L), vs(L);
+    for (int l = 0; l < L; ++l) ks[l] = Values(64 * E, 20 + l), vs[l] = Values(64 * E, 30 + l);
+    kvq::StaticRanges ranges = kvq::StaticRanges::from_samples(ks, vs, H, hd);
+    for (size_t c = 0; c < ranges.k_lo.size(); ++c) ranges.k_weight.push_back(1.0f + static_cast<float>(c % 5));
+    const std::vector<float> k = Values(120 * E, 41), v = Values(120 * E, 42);
+    kvq::KvCacheMeta meta;
+    meta.model_fingerprint = std::array<uint8_t, 32>{1, 2, 3};
+    meta.tokens_digest = std::array<uint8_t, 32>{4, 5, 6};
+    int n = 0;
+    for (const char* scheme : {"fp16", "int8", "q4_0", "q8_0", "fp8-e4m3", "kvq-6.5", "kvq-4.5", "kvq-3.5", "kvq-2.5",
+                               "k3v3g32o8x3r4", "k4v4g16", "k4v3c"}) {
+      for (int T : {1, 21, 70, 120}) {
+        kvq::KvCache c(scheme, L, 128, H, hd, &ranges);
+        for (int t = 0; t < T; ++t) {
+          for (int l = 0; l < L; ++l) {
+            c.write(l, t, std::span(k).subspan(static_cast<size_t>(t) * E, E),
+                    std::span(v).subspan(static_cast<size_t>(t) * E, E));
+          }
+        }
+        WriteContainer(root / "kvqs", std::string(scheme) + "_" + std::to_string(T),
+                       c.to_bytes(-1, n++ % 2 ? meta : kvq::KvCacheMeta{}));
+      }
+    }
+  }
 
   // Checkpoints: small consistent ones (shared and separate classifier).
   Write(root / "checkpoint" / "tiny", Checkpoint(8, 16, 1, 2, 1, 300, 8));
