@@ -259,7 +259,7 @@ void SoftmaxStep(const Call& c, size_t qh, Work& w) {
   for (size_t t = 0; t < G; t += N) vm = hn::Max(vm, hn::LoadU(d, s + t));
   const float mg = hn::GetLane(hn::MaxOfLanes(d, vm));
   const float mn = std::max(w.m[qh], mg);
-  const float alpha = std::exp(w.m[qh] - mn);  // 0 when m was -inf
+  const float alpha = mg <= w.m[qh] ? 1.0f : std::exp(w.m[qh] - mn);  // 0 when m was -inf
   w.m[qh] = mn;
   const float pmax = std::exp(mg - mn);
   const int maxp = kMaxP[c.v_digits];
@@ -616,8 +616,6 @@ void AttendImpl(const Call& c) {
     }
     const RecordLayout& L = c.layout;
     for (size_t j = 0; j < G / kTile; ++j) {
-      // The next tile's codes (the last tile: the first heads' V codes).
-      PrefetchRange(rec + L.tile(j, 0) + H * L.ktile, H * L.ktile);
       TileRotation(c, g * static_cast<int64_t>(G / kTile) + static_cast<int64_t>(j), w);
 #if HWY_TARGET == HWY_AVX3_DL
       if (vnni) {
@@ -631,6 +629,10 @@ void AttendImpl(const Call& c) {
       }
       for (size_t h = 0; h < H; ++h) {
         const uint8_t* tile = rec + c.layout.tile(j, h);
+        // The next tile's codes of this head, a head at a time (a burst of
+        // prefetches fills the miss buffers and stalls); after the last
+        // tile, the V codes that follow.
+        PrefetchRange(tile + H * L.ktile, L.ktile);
 #if HWY_TARGET == HWY_AVX3_DL
         if (vnni) {
           if (c.k_digits == 1) {

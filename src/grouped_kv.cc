@@ -2,10 +2,13 @@
 #include "kvq/grouped_kv.h"
 
 #include <omp.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <new>
 #include <limits>
 #include <tuple>
 
@@ -379,6 +382,90 @@ namespace {
 
 constexpr int kQuad = 4;  // channels per K operand lane
 
+// A layer's group records, back to back in chunks: a thread's share of the
+// groups is one run of memory that the hardware prefetchers follow (a heap
+// block a record scattered them: cold reads took 1.6x as long). Chunks
+// double from one record up to kChunkBytes, so what is allocated grows with
+// the records, at most one chunk ahead of them (the pages not yet taken are
+// not touched); a record is zero when taken (fresh pages).
+class RecordStore {
+ public:
+  static constexpr size_t kChunkBytes = size_t{256} << 10;
+  void init(size_t rec_bytes) { rec_ = rec_bytes; }
+  uint8_t* add() {
+    if (left_ == 0) {
+      if (used_ < chunks_.size()) {  // a chunk an earlier sequence filled (reset)
+        next_ = chunks_[used_].p, left_ = chunks_[used_].bytes / rec_;
+      } else {
+        const size_t n = std::clamp<size_t>(ptr_.size(), 1, std::max<size_t>(1, kChunkBytes / rec_));
+        const size_t bytes = (n * rec_ + kPage - 1) / kPage * kPage;
+        // Pages of their own (mmap): what is resident is what was taken,
+        // and a dropped cache returns them (heap chunks between other
+        // allocations are neither).
+        void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED) throw std::bad_alloc();
+        chunks_.push_back({static_cast<uint8_t*>(p), bytes});
+        allocated_ += bytes;
+        next_ = static_cast<uint8_t*>(p), left_ = bytes / rec_;
+      }
+      ++used_;
+    }
+    uint8_t* r = next_;
+    // A fresh mapping's pages are zero; a reused slot is zeroed.
+    if (used_ <= reused_) std::memset(r, 0, rec_);
+    next_ += rec_, --left_;
+    ptr_.push_back(r);
+    return r;
+  }
+  // A new sequence: the records are dropped, their chunks kept for the
+  // next ones (as an engine keeps its cache's memory; no page is faulted in
+  // again). allocated() still counts them.
+  void reset() {
+    ptr_.clear();
+    reused_ = used_, used_ = 0, left_ = 0, next_ = nullptr;
+  }
+  size_t size() const { return ptr_.size(); }
+  uint8_t* operator[](size_t i) const { return ptr_[i]; }
+  uint8_t* back() const { return ptr_.back(); }
+  const uint8_t* const* data() const { return ptr_.data(); }
+  void clear() {
+    for (const Chunk& c : chunks_) ::munmap(c.p, c.bytes);
+    chunks_.clear(), ptr_.clear(), ptr_.shrink_to_fit();
+    left_ = 0, next_ = nullptr, allocated_ = 0, used_ = reused_ = 0;
+  }
+  RecordStore() = default;
+  RecordStore(const RecordStore&) = delete;
+  RecordStore& operator=(const RecordStore&) = delete;
+  RecordStore(RecordStore&& o) noexcept { *this = std::move(o); }
+  RecordStore& operator=(RecordStore&& o) noexcept {
+    if (this != &o) {
+      clear();
+      chunks_ = std::move(o.chunks_), ptr_ = std::move(o.ptr_);
+      rec_ = o.rec_, left_ = o.left_, next_ = o.next_, allocated_ = o.allocated_;
+      used_ = o.used_, reused_ = o.reused_;
+      o.chunks_.clear(), o.ptr_.clear(), o.left_ = 0, o.next_ = nullptr, o.allocated_ = 0;
+      o.used_ = o.reused_ = 0;
+    }
+    return *this;
+  }
+  ~RecordStore() { clear(); }
+  uint64_t allocated() const { return allocated_ + ptr_.capacity() * sizeof(void*) + chunks_.capacity() * sizeof(void*); }
+
+ private:
+  static constexpr size_t kPage = 4096;
+  struct Chunk {
+    uint8_t* p;
+    size_t bytes;
+  };
+  std::vector<Chunk> chunks_;
+  std::vector<uint8_t*> ptr_;
+  size_t rec_ = 0, left_ = 0;
+  size_t used_ = 0;    // chunks taken from, this sequence
+  size_t reused_ = 0;  // chunks an earlier sequence wrote (zeroed as they are taken again)
+  uint8_t* next_ = nullptr;
+  uint64_t allocated_ = 0;
+};
+
 // fp16 units (a token's K or V of one KV head, head_dim halves) held for
 // open tokens: the first group's and those outside their grid. Keys
 // (pos * 2H + unit) are added in increasing order and dropped from the
@@ -390,7 +477,7 @@ class Fp16Pool {
     key_.push_back(key);
     const size_t at = data_.size();
     data_.resize(at + hd_);
-    for (size_t i = 0; i < hd_; ++i) data_[at + i] = f32_to_f16_ref(x[i]);
+    f32_to_f16({x, hd_}, {data_.data() + at, hd_});
   }
   void add_halves(int64_t key, const uint16_t* h) {
     key_.push_back(key);
@@ -463,8 +550,7 @@ struct GroupedKvCache::Impl {
 
   struct Layer {
     int64_t T = 0;
-    std::vector<std::unique_ptr<uint8_t[]>> recs;  // complete groups (calibrated: started tiles)
-    std::vector<const uint8_t*> rec_ptr;           // the same, for the kernel
+    RecordStore recs;                              // complete groups (calibrated: started tiles)
     int64_t n_coded = 0;                           // records with their codes (dynamic)
     std::vector<uint16_t> sink;                    // S x [K (after RoPE) | V] fp16
     std::vector<uint16_t> f16;                     // fp16 ring: slot x [K (tile frame) | V]
@@ -495,13 +581,7 @@ struct GroupedKvCache::Impl {
   int levels_k_max = 0;
 
   // ---- records ----
-  uint8_t* NewRecord(Layer& ly) {
-    ly.recs.emplace_back(new uint8_t[rec_bytes]);
-    uint8_t* r = ly.recs.back().get();
-    std::memset(r, 0, rec_bytes);
-    ly.rec_ptr.push_back(r);
-    return r;
-  }
+  uint8_t* NewRecord(Layer& ly) { return ly.recs.add(); }
   // Channel c's parameters in a record (decoded): lo, step.
   void RecordParams(int l, const uint8_t* rec, size_t which, size_t h, float* lo, float* st) const {
     if (params == grouped::Params::kStatic) {
@@ -744,6 +824,7 @@ void GroupedKvCache::Build(const StaticRanges* ranges, const std::span<const uin
   m.layers.resize(static_cast<size_t>(n_layers));
   for (Impl::Layer& ly : m.layers) {
     ly.pool = Fp16Pool(hd);
+    ly.recs.init(m.rec_bytes);
     ly.sink.resize(static_cast<size_t>(std::min(s.sinks, max_seq)) * 2 * E);
     ly.f16.resize(m.xslots * 2 * E);
     ly.ncodes.resize(m.cap * m.nslot);
@@ -786,7 +867,7 @@ void GroupedKvCache::group_params(int layer, int64_t g, int which, int head, std
   KVQ_CHECK_ARG(g >= 0 && g < complete_groups(layer) && (which == 0 || which == 1) && head >= 0 &&
                     head < n_kv_heads_ && lo.size() == static_cast<size_t>(head_dim_) && step.size() == lo.size(),
                 "group_params: group, K/V, head or span size out of range");
-  impl_->RecordParams(layer, impl_->layers[static_cast<size_t>(layer)].rec_ptr[static_cast<size_t>(g)],
+  impl_->RecordParams(layer, impl_->layers[static_cast<size_t>(layer)].recs[static_cast<size_t>(g)],
                       static_cast<size_t>(which), static_cast<size_t>(head), lo.data(), step.data());
 }
 
@@ -1003,8 +1084,8 @@ void GroupedKvCache::write(int layer, int pos, std::span<const float> k, std::sp
                       std::fabs(v[i]) <= kF16Max,
                   "k, v: expected finite values within the fp16 range (|x| <= 65504) at element ", i);
   }
-  if (pos == 0 && ly.T > 0) {  // a new sequence: drop everything held
-    ly.recs.clear(), ly.rec_ptr.clear(), ly.recs.shrink_to_fit(), ly.rec_ptr.shrink_to_fit();
+  if (pos == 0 && ly.T > 0) {  // a new sequence: drop everything held (the record chunks are reused)
+    ly.recs.reset();
     ly.n_coded = 0;
     ly.pool.clear();
     ly.grids.clear();
@@ -1030,7 +1111,7 @@ void GroupedKvCache::write(int layer, int pos, std::span<const float> k, std::sp
 
   if (m.calibrated) {  // every token coded on arrival with the static ranges; the last R also in fp16
     if (u % G == 0) m.NewRecord(ly);
-    uint8_t* rec = ly.recs.back().get();
+    uint8_t* rec = ly.recs.back();
     for (size_t which = 0; which < 2; ++which) {
       for (size_t h = 0; h < H; ++h) {
         const float* sp = m.Stat(layer, which, h);
@@ -1056,7 +1137,7 @@ void GroupedKvCache::write(int layer, int pos, std::span<const float> k, std::sp
     // Group g's grid (from g - 1's range), made at its first token.
     if (ly.grids.empty() || ly.grids.back().group != g) {
       ly.grids.emplace_back();
-      MakeOpenGrid(m, layer, ly.rec_ptr[static_cast<size_t>(g - 1)], g, ly.grids.back());
+      MakeOpenGrid(m, layer, ly.recs[static_cast<size_t>(g - 1)], g, ly.grids.back());
     }
     OpenFromHalves(m, ly, pos, ly.grids.back(), x.data());
   }
@@ -1068,7 +1149,7 @@ void GroupedKvCache::write(int layer, int pos, std::span<const float> k, std::sp
   }
   const int64_t coded = (scheme_.coded_end(ly.T) - S) / G;
   while (ly.n_coded < coded) {
-    EncodeGroup(m, scheme_, layer, ly.n_coded, ly.recs[static_cast<size_t>(ly.n_coded)].get(), /*codes=*/true);
+    EncodeGroup(m, scheme_, layer, ly.n_coded, ly.recs[static_cast<size_t>(ly.n_coded)], /*codes=*/true);
     ++ly.n_coded;
     const int64_t end = S + ly.n_coded * G;  // the open store lets the group's tokens go
     ly.pool.drop_before(end * static_cast<int64_t>(2 * H));
@@ -1091,7 +1172,7 @@ void HeldToken(const GroupedKvCache::Impl& m, const GroupedKvScheme& s, int l, i
     return;
   }
   if (m.calibrated || pos < s.coded_end(T)) {
-    const uint8_t* rec = ly.rec_ptr[static_cast<size_t>(u / m.G)];
+    const uint8_t* rec = ly.recs[static_cast<size_t>(u / m.G)];
     std::vector<float> lo(hd), st(hd);
     for (size_t which = 0; which < 2; ++which) {
       for (size_t h = 0; h < static_cast<size_t>(m.H); ++h) {
@@ -1186,7 +1267,7 @@ namespace {
 // whole tiles), q already scaled.
 grouped::Call KernelCall(const GroupedKvCache::Impl& m, int l, const float* qs, int n_heads) {
   grouped::Call c;
-  c.groups = m.layers[static_cast<size_t>(l)].rec_ptr.data();
+  c.groups = m.layers[static_cast<size_t>(l)].recs.data();
   c.layout = m.lay;
   c.n_kv_heads = m.H, c.head_dim = m.hd, c.n_heads = n_heads, c.group = m.G, c.v_bits = m.vbits;
   c.params = m.params;
@@ -1271,32 +1352,37 @@ void GroupedKvCache::attend(int layer, std::span<const float> q, int n_heads, st
   DecodeAttentionOptions o;
   o.scale = scale;
   o.threads = 1;
-  // Each thread takes a share of the coded groups and of the tokens read
-  // decoded (the open tokens, a calibrated cache's partial tile); thread 0
-  // the sinks too. Parts merge by log-sum-exp.
+  // The coded groups in chunks (a few per thread, taken as threads come
+  // free: one slow core does not hold the call), then the tokens read
+  // decoded (the open tokens, a calibrated cache's partial tile) in a
+  // share per thread, then the sinks. Parts merge by log-sum-exp.
   const int64_t n_open = T - ke;
   int nt = threads > 0 ? threads : omp_get_max_threads();
   if (n_groups * 16 + n_open < 256) nt = 1;  // short: not worth a thread team
-  std::vector<AttentionPart> parts(2 * static_cast<size_t>(nt) + 1);
-  const auto work = [&](int i) {
-    if (i == 0 && S > 0) parts.back() = decode_attention_part(q, n_heads, SinkRows(m, ly, S), o);
-    const int64_t g0 = n_groups * i / nt, g1 = n_groups * (i + 1) / nt;
-    if (g1 > g0) {
-      AttentionPart& p = parts[2 * static_cast<size_t>(i)];
+  const int64_t chunks = nt == 1 ? std::min<int64_t>(n_groups, 1) : std::min<int64_t>(n_groups, 4 * nt);
+  const int64_t opens = n_open > 0 ? nt : 0, items = chunks + opens + (S > 0 ? 1 : 0);
+  std::vector<AttentionPart> parts(static_cast<size_t>(items));
+  const auto work = [&](int64_t i) {
+    AttentionPart& p = parts[static_cast<size_t>(i)];
+    if (i < chunks) {
       p.log_mass.resize(static_cast<size_t>(n_heads));
       p.value.resize(nv);
       grouped::Call ci = c;
-      ci.g0 = g0, ci.g1 = g1, ci.log_mass = p.log_mass.data(), ci.value = p.value.data();
+      ci.g0 = n_groups * i / chunks, ci.g1 = n_groups * (i + 1) / chunks;
+      ci.log_mass = p.log_mass.data(), ci.value = p.value.data();
       grouped::Attend(ci);
+    } else if (i < chunks + opens) {
+      const int64_t j = i - chunks, t0 = ke + n_open * j / opens, t1 = ke + n_open * (j + 1) / opens;
+      if (t1 > t0) p = DecodedPart(m, scheme_, layer, t0, t1, q, n_heads, o);
+    } else {
+      p = decode_attention_part(q, n_heads, SinkRows(m, ly, S), o);
     }
-    const int64_t t0 = ke + n_open * i / nt, t1 = ke + n_open * (i + 1) / nt;
-    if (t1 > t0) parts[2 * static_cast<size_t>(i) + 1] = DecodedPart(m, scheme_, layer, t0, t1, q, n_heads, o);
   };
   if (nt == 1) {
-    work(0);
+    for (int64_t i = 0; i < items; ++i) work(i);
   } else {
-#pragma omp parallel for num_threads(nt) schedule(static, 1)
-    for (int i = 0; i < nt; ++i) work(i);
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
+    for (int64_t i = 0; i < items; ++i) work(i);
   }
   std::vector<AttentionPart> used;
   for (AttentionPart& p : parts) {
@@ -1379,7 +1465,7 @@ uint64_t GroupedKvCache::allocated_bytes() const {
   uint64_t b = m.qbits.capacity() + 4 * m.qoff.capacity() + 4 * (m.grid.capacity() + m.stat.capacity()) +
                2 * m.table16.capacity() + 4 * (m.tcos.capacity() + m.tsin.capacity());
   for (const Impl::Layer& ly : m.layers) {
-    b += ly.recs.size() * m.rec_bytes + ly.recs.capacity() * sizeof(void*) + ly.rec_ptr.capacity() * sizeof(void*);
+    b += ly.recs.allocated();
     b += 2 * (ly.sink.capacity() + ly.f16.capacity()) + ly.ncodes.capacity() + ly.flags.capacity() + ly.w8.capacity();
     b += ly.pool.allocated();
     for (const OpenGrid& og : ly.grids) b += 4 * (og.lo.capacity() + og.st.capacity() + og.st8.capacity());
@@ -1445,7 +1531,7 @@ void GroupedKvCache::save_state(std::vector<uint8_t>& out) const {
     PutHalves(out, ly.sink.data() + static_cast<size_t>(m.S) * E, ns * E);
     if (T <= m.S) continue;
     if (m.calibrated) {
-      for (const auto& r : ly.recs) PutBytes(out, r.get(), m.rec_bytes);
+      for (size_t g = 0; g < ly.recs.size(); ++g) PutBytes(out, ly.recs[g], m.rec_bytes);
       for (int64_t t = std::max<int64_t>(m.S, T - m.R); t < T; ++t) {
         PutHalves(out, ly.f16.data() + static_cast<size_t>(t % m.R) * 2 * E, 2 * E);
       }
@@ -1453,7 +1539,7 @@ void GroupedKvCache::save_state(std::vector<uint8_t>& out) const {
     }
     for (size_t g = 0; g < ly.recs.size(); ++g) {  // parameters from completion, codes from the hand-over
       const bool coded = static_cast<int64_t>(g) < ly.n_coded;
-      PutBytes(out, ly.recs[g].get(), coded ? m.rec_bytes : m.lay.codes());
+      PutBytes(out, ly.recs[g], coded ? m.rec_bytes : m.lay.codes());
     }
     const int64_t o0 = std::max<int64_t>(m.S, scheme_.coded_end(T)), w0 = scheme_.wide_start(T);
     std::vector<float> x(2 * E);
@@ -1497,7 +1583,7 @@ void GroupedKvCache::load_state(std::span<const uint8_t> in, std::span<const int
   try {
     for (int l = 0; l < n_layers_; ++l) {
       Impl::Layer& ly = m.layers[static_cast<size_t>(l)];
-      ly.recs.clear(), ly.rec_ptr.clear(), ly.n_coded = 0, ly.pool.clear(), ly.grids.clear();
+      ly.recs.clear(), ly.n_coded = 0, ly.pool.clear(), ly.grids.clear();
       const int64_t T = lengths[static_cast<size_t>(l)];
       ly.T = T;
       const size_t ns = static_cast<size_t>(std::min<int64_t>(m.S, T));
@@ -1543,7 +1629,7 @@ void GroupedKvCache::load_state(std::span<const uint8_t> in, std::span<const int
         const size_t slot = static_cast<size_t>(t) % std::max<size_t>(m.cap, 1);
         if (m.open_coded && g >= 1 && (ly.grids.empty() || ly.grids.back().group != g)) {
           ly.grids.emplace_back();
-          MakeOpenGrid(m, l, ly.rec_ptr[static_cast<size_t>(g - 1)], g, ly.grids.back());
+          MakeOpenGrid(m, l, ly.recs[static_cast<size_t>(g - 1)], g, ly.grids.back());
         }
         if (!m.open_coded) {
           rd.halves(ly.f16.data() + slot * 2 * E, 2 * E, "an open token");
@@ -1592,7 +1678,7 @@ void GroupedKvCache::load_state(std::span<const uint8_t> in, std::span<const int
     if (rd.pos != in.size()) Fail("cache state: ", in.size() - rd.pos, " bytes past the end of the last layer");
   } catch (...) {
     for (Impl::Layer& ly : m.layers) {
-      ly.T = 0, ly.recs.clear(), ly.rec_ptr.clear(), ly.n_coded = 0, ly.pool.clear(), ly.grids.clear();
+      ly.T = 0, ly.recs.clear(), ly.n_coded = 0, ly.pool.clear(), ly.grids.clear();
     }
     throw;
   }

@@ -646,7 +646,8 @@ TEST(GroupedKv, FusedKernelMatchesTheReferenceWithinItsBoundOnEveryTarget) {
 
 // What the object holds is what it counts: its allocations equal bytes()
 // plus a bounded constant (the open rings at capacity, float expansions of
-// the tables, the tile rotations), at every length, for every preset.
+// the tables, the tile rotations, and the records' chunk not yet filled:
+// at most 256 KiB a layer), at every length, for every preset.
 TEST(GroupedKv, AllocationsAreTheCountedBytesPlusAConstant) {
   const int H = 4, hd = 64, E = H * hd, N = 2000;
   for (const auto& [preset, g] : grouped_kv_presets()) {
@@ -659,8 +660,9 @@ TEST(GroupedKv, AllocationsAreTheCountedBytesPlusAConstant) {
     // every tile start (hd floats), the record pointers.
     const uint64_t ring = static_cast<uint64_t>(g.group + g.recent) * (2 * E * (8 + 16 + 8) / 8 + 1) +
                           static_cast<uint64_t>(g.exact_recent + g.wide_recent) * 2 * E * 3;
+    const uint64_t chunk = 256 * 1024;
     const uint64_t constant = ring + 24 * static_cast<uint64_t>(E) + 4 * static_cast<uint64_t>(hd) * (N / 16 + 2) +
-                              64 * 1024;
+                              64 * 1024 + chunk;
     for (int t = 0; t < N; ++t) {
       std::vector<float> k(E), v(E);
       for (int i = 0; i < E; ++i) k[static_cast<size_t>(i)] = static_cast<float>(rng.Gaussian()), v[static_cast<size_t>(i)] = static_cast<float>(rng.Gaussian());
@@ -669,8 +671,8 @@ TEST(GroupedKv, AllocationsAreTheCountedBytesPlusAConstant) {
       EXPECT_GE(c.allocated_bytes(), c.bytes()) << t;
       EXPECT_LE(c.allocated_bytes(), c.bytes() + constant) << t;
     }
-    // At 2000 tokens the constant is a few percent of what is held.
-    EXPECT_LE(static_cast<double>(c.allocated_bytes()), 1.25 * static_cast<double>(c.bytes()));
+    // At 2000 tokens the rest of the constant is a few percent of what is held.
+    EXPECT_LE(static_cast<double>(c.allocated_bytes()), 1.25 * static_cast<double>(c.bytes()) + chunk);
   }
 }
 

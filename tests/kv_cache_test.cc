@@ -160,6 +160,33 @@ TEST(KvCache, SavedCachesRestoreBitwiseAndContinue) {
   }
 }
 
+// A new sequence (pos 0) in a used cache holds exactly what a fresh cache
+// holds for it (a grouped cache reuses its record chunks: no stale byte
+// survives), and the reused memory is counted.
+TEST(KvCache, ANewSequenceHoldsWhatAFreshCacheHolds) {
+  const StaticRanges r = Ranges(21);
+  const Rows rows = MakeRows(300, 22), other = MakeRows(120, 23);
+  for (const std::string& name : Schemes()) {
+    SCOPED_TRACE(name);
+    KvCache used(name, kL, 300, kH, kD, &r), fresh(name, kL, 300, kH, kD, &r);
+    for (int t = 0; t < 300; ++t) {
+      for (int l = 0; l < kL; ++l) used.write(l, t, rows.k[static_cast<size_t>(t)], rows.v[static_cast<size_t>(t)]);
+    }
+    for (int t = 0; t < 120; ++t) {
+      for (int l = 0; l < kL; ++l) {
+        used.write(l, t, other.k[static_cast<size_t>(t)], other.v[static_cast<size_t>(t)]);
+        fresh.write(l, t, other.k[static_cast<size_t>(t)], other.v[static_cast<size_t>(t)]);
+      }
+    }
+    EXPECT_EQ(used.to_bytes(), fresh.to_bytes());
+    EXPECT_GE(used.allocated_bytes(), fresh.allocated_bytes());
+    std::vector<float> q(4 * kD, 0.2f), a(q.size()), b(q.size());
+    used.attend(1, q, 4, a);
+    fresh.attend(1, q, 4, b);
+    EXPECT_EQ(a, b);
+  }
+}
+
 TEST(KvCache, RowSchemesSaveAnyEarlierLengthGroupedTheirOwn) {
   const Rows rows = MakeRows(60, 6);
   KvCache c("q8_0", kL, 64, kH, kD), g("k4v3g16r4", kL, 64, kH, kD);
