@@ -19,10 +19,11 @@
 // call warm for MHA (32/32), GQA 4 (32/8) and GQA 8 (32/4), head_dim 64 and
 // 128, T 4096 and 16384, 1 and 2 threads.
 //
-// BM_cache_write/<scheme>: the amortised cost of appending one token (every
+// BM_grouped_write/<scheme>: the amortised cost of appending one token (every
 // KV head of a layer, K after RoPE and V, hand-overs included) to a cache
 // that grows from 0 to 4096 tokens; memcpy of the token's fp32 bytes is the
-// bound. README compares it with BM_decode_attention/<scheme>/4096.
+// bound, fp16 and q4_0 the row caches to compare with. README compares it
+// with BM_decode_attention/<scheme>/4096.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -236,7 +237,7 @@ const int kRegistered = [] {
   std::vector<std::string> writes = {"memcpy", "fp16", "q4_0"};
   writes.insert(writes.end(), presets.begin(), presets.end());
   for (const std::string& s : writes) {
-    benchmark::RegisterBenchmark(("BM_cache_write/" + s).c_str(), Write, s)->Unit(benchmark::kMicrosecond);
+    benchmark::RegisterBenchmark(("BM_grouped_write/" + s).c_str(), Write, s)->Unit(benchmark::kMicrosecond);
   }
   return 0;
 }();

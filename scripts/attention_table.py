@@ -6,8 +6,13 @@
       --benchmark_report_aggregates_only=true --benchmark_format=json >attn.json
   /usr/bin/python3 scripts/attention_table.py attn.json
 
-Medians of the repetitions; ratios are against the fp32 / fp16 rows of the
-same file (warm rows against warm fp32/fp16, cold rows against cold).
+Medians of the repetitions; ratios are against the fp32 / fp16 / q4_0 rows
+of the same file (warm rows against warm, cold rows against cold). With
+BM_attention_geometry rows (--benchmark_filter=attention_geometry) it also
+prints one line per geometry: fp32, fp16 and q4_0 in µs, and every other
+scheme in µs with its ratio to q4_0. With BM_grouped_write rows it prints
+each scheme's cost of writing a token next to its decode step at T = 4096
+(BM_decode_attention/<scheme>/4096 of the same file).
 """
 import json
 import re
@@ -19,7 +24,7 @@ TS = [1024, 4096, 16384, 65536]
 
 
 def load(path):
-    rows = {}
+    rows, geo, writes = {}, {}, {}
     try:
         benchmarks = json.load(open(path))["benchmarks"]
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -27,19 +32,76 @@ def load(path):
     for b in benchmarks:
         if b.get("aggregate_name", "median") != "median":
             continue
+        name = b.get("run_name") or re.sub("_" + re.escape(b.get("aggregate_name", "")) + "$", "", b["name"])
+        w = re.fullmatch(r"BM_grouped_write/([^/]+)", name)
+        if w and b.get("time_unit", "us") == "us":
+            writes[w.group(1)] = b
+            continue
+        g = re.match(r"BM_attention_geometry/([^/]+)/q(\d+)kv(\d+)/hd(\d+)/(\d+)/t(\d+)", b["name"])
+        if g and b.get("time_unit", "us") == "us":
+            geo.setdefault(tuple(int(x) for x in g.groups()[1:]), {})[g.group(1)] = b
+            continue
         m = re.match(r"BM_decode_attention(_cold)?(_int8q)?/([^/]+)/(\d+)", b["name"])
         if not m or b.get("time_unit", "us") != "us":
             continue
         rows[(bool(m.group(1)), bool(m.group(2)), m.group(3), int(m.group(4)))] = b
-    return rows
+    return rows, geo, writes
 
 
 def main():
     if len(sys.argv) != 2:
         sys.exit("usage: attention_table.py KVQ_BENCH_JSON")
-    rows = load(sys.argv[1])
-    if not rows:
+    rows, geo, writes = load(sys.argv[1])
+    if not rows and not geo and not writes:
         sys.exit("no BM_decode_attention medians in " + sys.argv[1])
+    if writes:
+        write_table(writes, rows)
+    elif rows:
+        decode_tables(rows)
+    if geo:
+        if rows:
+            print()
+        geometry_table(geo)
+
+
+def write_table(writes, rows):
+    order = ["memcpy"] + [s for s in ORDER if s in writes] + sorted(set(writes) - set(ORDER) - {"memcpy"}, reverse=True)
+    print("| scheme | write µs / token (one layer) | decode step µs at T=4096 (same run) | write ÷ decode |")
+    print("|---|---|---|---|")
+    for s in order:
+        if s not in writes:
+            continue
+        w = writes[s]["real_time"]
+        d = rows.get((False, False, s, 4096))
+        share = f"{100 * w / d['real_time']:.1f}%" if d else "–"
+        print(f"| {s} | {w:.2f} | {fmt(d['real_time']) if d else '–'} | {share} |")
+
+
+def ratio(a, b):
+    return f"{a / b:.2f}" if a and b else "–"
+
+
+def fmt(x):
+    return f"{x:.0f}" if x else "–"
+
+
+def geometry_table(geo):
+    found = {s for g in geo.values() for s in g}
+    bounds = [s for s in ("fp32", "fp16", "q4_0") if s in found]
+    others = [s for s in ORDER if s in found and s not in bounds] + sorted(found - set(ORDER))
+    print("| query / KV heads | head_dim | T | threads | " + " | ".join(f"{s} µs" for s in bounds)
+          + "".join(f" | {s} µs (× q4_0)" for s in others) + " |")
+    print("|---|---|---|---|" + "---|" * (len(bounds) + len(others)))
+    for key in sorted(geo, key=lambda k: (-k[1], k[0], -k[2], k[3], k[4])):
+        qh, kv, hd, T, t = key
+        g = geo[key]
+        time = {s: g[s]["real_time"] for s in g}
+        cells = [fmt(time.get(s)) for s in bounds]
+        cells += [f"{fmt(time.get(s))} ({ratio(time.get(s), time.get('q4_0'))})" for s in others]
+        print(f"| {qh}/{kv} | {hd} | {T} | {t} | " + " | ".join(cells) + " |")
+
+
+def decode_tables(rows):
 
     found = {k[2] for k in rows}
     schemes = [s for s in ORDER if s in found] + sorted(found - set(ORDER))
@@ -48,15 +110,9 @@ def main():
         b = rows.get((cold, iq, s, t))
         return b["real_time"] if b else None
 
-    def ratio(a, b):
-        return f"{a / b:.2f}" if a and b else "–"
-
-    def fmt(x):
-        return f"{x:.0f}" if x else "–"
-
     print("| scheme | bits | T=1024 µs | T=4096 µs | T=16384 µs | T=65536 µs | GB/s @16384 | GMAC/s @16384 "
-          "| × fp32 @16384 | × fp16 @16384 | × fp32 @65536 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| × fp32 @16384 | × fp16 @16384 | × q4_0 @16384 | × fp32 @65536 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for s in schemes:
         for iq in (False, True):
             if (False, iq, s, 16384) not in rows:
@@ -68,21 +124,26 @@ def main():
                   + f" | {b['bytes_per_second'] / 1e9:.1f} | {b['MAC/s'] / 1e9:.0f}"
                   + f" | {ratio(t[2], time(False, False, 'fp32', 16384))}"
                   + f" | {ratio(t[2], time(False, False, 'fp16', 16384))}"
+                  + f" | {ratio(t[2], time(False, False, 'q4_0', 16384))}"
                   + f" | {ratio(t[3], time(False, False, 'fp32', 65536))} |")
 
     if any(k[0] for k in rows):
         print()
-        print("| scheme | layers | cold T=16384 µs | GB/s | × fp32 cold | × fp16 cold | warm µs (same run) | cold / warm |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| scheme | layers | cold T=16384 µs | GB/s | × fp32 cold | × fp16 cold | × q4_0 cold "
+              "| GB/s ÷ fp32's | warm µs (same run) | cold / warm |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for s in schemes:
             for iq in (False, True):
                 b = rows.get((True, iq, s, 16384))
                 if not b:
                     continue
                 c, w = b["real_time"], time(False, iq, s, 16384)
+                f32 = rows.get((True, False, "fp32", 16384))
+                bw = ratio(b["bytes_per_second"], f32["bytes_per_second"] if f32 else None)
                 print(f"| {s}{' (int8_query)' if iq else ''} | {b['layers']:g} | {c:.0f} "
                       f"| {b['bytes_per_second'] / 1e9:.1f} | {ratio(c, time(True, False, 'fp32', 16384))} "
-                      f"| {ratio(c, time(True, False, 'fp16', 16384))} | {fmt(w)} | {ratio(c, w)} |")
+                      f"| {ratio(c, time(True, False, 'fp16', 16384))} | {ratio(c, time(True, False, 'q4_0', 16384))} "
+                      f"| {bw} | {fmt(w)} | {ratio(c, w)} |")
 
 
 if __name__ == "__main__":

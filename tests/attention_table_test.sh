@@ -26,11 +26,38 @@ row() {  # name, aggregate, real_time, bits, layers
 } >"$T/in.json"
 /usr/bin/python3 "$TABLE" "$T/in.json" >"$T/out" 2>"$T/err"; rc=$?
 check "runs" '[ $rc -eq 0 ]'
-check "warm q4_0: 0.25x fp32, 0.50x fp16 (medians, not means)" 'grep -q "^| q4_0 | 4.5 | – | – | 1000 | – | 20.0 | 50 | 0.25 | 0.50 | – |$" "$T/out"'
+check "warm q4_0: 0.25x fp32, 0.50x fp16 (medians, not means)" 'grep -q "^| q4_0 | 4.5 | – | – | 1000 | – | 20.0 | 50 | 0.25 | 0.50 | 1.00 | – |$" "$T/out"'
 check "a scheme the script does not list is printed, after the listed ones" 'grep -q "^| fp8-e4m3-scaled | 9 | – | – | 3000 |.*| 0.75 | 1.50 |" "$T/out" && [ "$(grep -n "^| fp8-e4m3-scaled " "$T/out" | cut -d: -f1)" -gt "$(grep -n "^| q4_0 (int8_query) " "$T/out" | cut -d: -f1)" ]'
 check "int8_query row" 'grep -q "^| q4_0 (int8_query) | 4.5 | – | – | 800 |.*| 0.20 | 0.40 |" "$T/out"'
-check "cold q4_0 against cold fp32 / fp16" 'grep -q "^| q4_0 | 32 | 1500 | 20.0 | 0.25 | 0.50 | 1000 | 1.50 |$" "$T/out"'
-check "cold fp32 row" 'grep -q "^| fp32 | 7 | 6000 | 20.0 | 1.00 | 2.00 | 4000 | 1.50 |$" "$T/out"'
+check "cold q4_0 against cold fp32 / fp16 / q4_0" 'grep -q "^| q4_0 | 32 | 1500 | 20.0 | 0.25 | 0.50 | 1.00 | 1.00 | 1000 | 1.50 |$" "$T/out"'
+check "cold fp32 row" 'grep -q "^| fp32 | 7 | 6000 | 20.0 | 1.00 | 2.00 | 4.00 | 1.00 | 4000 | 1.50 |$" "$T/out"'
+# Geometry rows: one line per geometry, the presets against q4_0 of the same geometry.
+{
+  echo '{"benchmarks": ['
+  row BM_attention_geometry/fp32/q32kv8/hd128/4096/t2/real_time median 800 32 1; echo ,
+  row BM_attention_geometry/fp16/q32kv8/hd128/4096/t2/real_time median 500 16 1; echo ,
+  row BM_attention_geometry/q4_0/q32kv8/hd128/4096/t2/real_time median 200 4.5 1; echo ,
+  row BM_attention_geometry/kvq-4.5/q32kv8/hd128/4096/t2/real_time median 180 3.8 1; echo ,
+  row BM_attention_geometry/kvq-4.5/q32kv8/hd128/4096/t2/real_time mean 999 3.8 1; echo ,
+  row BM_attention_geometry/q4_0/q32kv32/hd64/16384/t1/real_time median 1000 4.5 1; echo ,
+  row BM_attention_geometry/kvq-4.5/q32kv32/hd64/16384/t1/real_time median 1300 3.8 1
+  echo ']}'
+} >"$T/geo.json"
+/usr/bin/python3 "$TABLE" "$T/geo.json" >"$T/out" 2>"$T/err"; rc=$?
+check "geometry only: runs" '[ $rc -eq 0 ]'
+check "geometry row with every bound and the preset against q4_0" 'grep -q "^| 32/8 | 128 | 4096 | 2 | 800 | 500 | 200 | 180 (0.90) |$" "$T/out"'
+check "geometry row without fp32 / fp16" 'grep -q "^| 32/32 | 64 | 16384 | 1 | – | – | 1000 | 1300 (1.30) |$" "$T/out"'
+# Write rows: the cost of a token against the same scheme's decode step at 4096.
+{
+  echo '{"benchmarks": ['
+  row BM_grouped_write/memcpy median 0.4 0 0; echo ,
+  row BM_grouped_write/kvq-4.5 median 15 0 0; echo ,
+  row BM_grouped_write/kvq-4.5 mean 99 0 0; echo ,
+  row BM_decode_attention/kvq-4.5/4096/real_time median 400 3.8 1
+  echo ']}'
+} >"$T/w.json"
+/usr/bin/python3 "$TABLE" "$T/w.json" >"$T/out" 2>"$T/err"; rc=$?
+check "write rows: a share of the decode step" '[ $rc -eq 0 ] && grep -q "^| kvq-4.5 | 15.00 | 400 | 3.8% |$" "$T/out" && grep -q "^| memcpy | 0.40 | – | – |$" "$T/out"'
 echo '{"benchmarks": []}' >"$T/empty.json"
 /usr/bin/python3 "$TABLE" "$T/empty.json" >/dev/null 2>"$T/err"; rc=$?
 check "no rows: exit 1 with a message" '[ $rc -eq 1 ] && grep -q "no BM_decode_attention medians" "$T/err"'

@@ -48,7 +48,8 @@ from ._kvq import Error, Estimator, GaussianEstimator, LaplaceEstimator
 
 __all__ = [
     "AffineQuantized", "ClusterBank", "DEFAULT_KS_MAX", "Error", "Estimator", "GaussianEstimator",
-    "KvCache", "LaplaceEstimator", "QuantizedClusterOutliers", "SortedProfileEncoding", "decode_attention",
+    "KvCache", "LaplaceEstimator", "QuantizedClusterOutliers", "SortedProfileEncoding", "all_kv_scheme_names",
+    "decode_attention",
     "dequantize_cluster_outliers", "dequantize_kv_cache", "fit_sorted_profile", "grouped_kv_presets", "kv_scheme_info",
     "kv_schemes",
     "quantization_error_per_token", "static_ranges_from_samples", "quantize_cluster_outliers", "quantize_kv_cache", "spearman",
@@ -316,6 +317,11 @@ def _f32(x, arg):
     elif dt != "float32":
         a = a.astype(_np.float32)
     return _contiguous(a), as_torch
+
+
+def all_kv_scheme_names():
+    """Every row scheme, then every preset: the names `kvq eval --kv all` runs."""
+    return list(_kvq.all_kv_scheme_names())
 
 
 def kv_schemes(n_kv_heads=8, head_dim=128):

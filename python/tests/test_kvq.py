@@ -518,6 +518,8 @@ def test_one_cache_type_takes_grouped_names_and_matches_numpy(scheme):
     with pytest.raises(kvq.Error, match="current length"):
         kvq.decode_attention(q, c, 0, N - 1)
     assert set(kvq.grouped_kv_presets()) == {"kvq-6.5", "kvq-4.5", "kvq-3.5", "kvq-2.5"}
+    names = kvq.all_kv_scheme_names()
+    assert names[:len(kvq.kv_schemes())] == list(kvq.kv_schemes()) and names[-4:] == list(kvq.grouped_kv_presets())
 
 
 @pytest.mark.parametrize("scheme", ["fp16", "q4_0", "int8-head", "k3v2g16r5s2", "k2v2g16p8mo4w4r3", "kvq-4.5",
@@ -601,3 +603,16 @@ def test_grouped_cache_calibrated_and_allocated_need_ranges_and_errors():
                        (lambda: kvq.static_ranges_from_samples(ks, [], H, hd), "layers")]:
         with pytest.raises(kvq.Error, match=match):
             bad()
+
+
+def test_resident_memory_is_the_bytes_reported():
+    """A filled cache's resident set growth is bytes() within 5% + 1 MiB (scripts/resident_memory.py,
+    a fresh interpreter per scheme): every preset, and the row caches as the reference."""
+    import subprocess
+    import sys
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "resident_memory.py")
+    p = subprocess.run([sys.executable, script, "--check", "--layers", "2", "--tokens", "8192", "--heads", "8",
+                        "kvq-6.5", "kvq-4.5", "kvq-3.5", "kvq-2.5", "k3v3g32o8x3r4", "fp16", "q4_0"],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.count("| kvq-") == 4
