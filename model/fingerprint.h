@@ -7,9 +7,11 @@
 #include <span>
 #include <string>
 
+#include "kvq/sha256.h"
+
 namespace kvq::model {
 
-using Digest = std::array<uint8_t, 32>;
+using Digest = kvq::Digest;
 
 // SHA-256 of the checkpoint's bytes, then the tokenizer's, each prefixed by
 // its length (u64 little-endian): a cache restored on another model, or

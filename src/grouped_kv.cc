@@ -1520,27 +1520,40 @@ struct StateReader {
 
 }  // namespace
 
-void GroupedKvCache::save_state(std::vector<uint8_t>& out) const {
+// Records that never change once the cache holds T tokens: the coded groups
+// (dynamic) or the full tiles (calibrated).
+int64_t GroupedKvCache::final_records(int64_t T) const {
+  const int64_t S = scheme_.sinks;
+  if (T <= S) return 0;
+  return scheme_.calibrated ? (T - S) / 16 : (scheme_.coded_end(T) - S) / scheme_.group;
+}
+
+// One layer's held bytes as save_state writes them, from token `from` on:
+// the sinks in [from, T), the final records made since `from` and the rest
+// (the records still changing and the open tokens; in a range, after its
+// u64 size).
+void GroupedKvCache::SaveLayer(int l, int64_t from, bool range, std::vector<uint8_t>& out) const {
   const Impl& m = *impl_;
   const size_t E = m.E, hd = static_cast<size_t>(m.hd), H2 = 2 * static_cast<size_t>(m.H);
-  for (int l = 0; l < n_layers_; ++l) {
-    const Impl::Layer& ly = m.layers[static_cast<size_t>(l)];
-    const int64_t T = ly.T;
-    const size_t ns = static_cast<size_t>(std::min<int64_t>(m.S, T));
-    PutHalves(out, ly.sink.data(), ns * E);
-    PutHalves(out, ly.sink.data() + static_cast<size_t>(m.S) * E, ns * E);
-    if (T <= m.S) continue;
-    if (m.calibrated) {
-      for (size_t g = 0; g < ly.recs.size(); ++g) PutBytes(out, ly.recs[g], m.rec_bytes);
-      for (int64_t t = std::max<int64_t>(m.S, T - m.R); t < T; ++t) {
-        PutHalves(out, ly.f16.data() + static_cast<size_t>(t % m.R) * 2 * E, 2 * E);
-      }
-      continue;
+  const Impl::Layer& ly = m.layers[static_cast<size_t>(l)];
+  const int64_t T = ly.T;
+  const size_t s0 = static_cast<size_t>(std::min<int64_t>(m.S, from)), s1 = static_cast<size_t>(std::min<int64_t>(m.S, T));
+  PutHalves(out, ly.sink.data() + s0 * E, (s1 - s0) * E);
+  PutHalves(out, ly.sink.data() + (static_cast<size_t>(m.S) + s0) * E, (s1 - s0) * E);
+  const size_t f0 = static_cast<size_t>(final_records(from)), f1 = static_cast<size_t>(final_records(T));
+  KVQ_ASSERT(f1 <= ly.recs.size() && (m.calibrated || static_cast<int64_t>(f1) == ly.n_coded));
+  for (size_t g = f0; g < f1; ++g) PutBytes(out, ly.recs[g], m.rec_bytes);
+  size_t size_at = out.size();
+  if (range) out.resize(out.size() + 8);
+  const size_t tail_at = out.size();
+  if (T > m.S && m.calibrated) {
+    for (size_t g = f1; g < ly.recs.size(); ++g) PutBytes(out, ly.recs[g], m.rec_bytes);
+    for (int64_t t = std::max<int64_t>(m.S, T - m.R); t < T; ++t) {
+      PutHalves(out, ly.f16.data() + static_cast<size_t>(t % m.R) * 2 * E, 2 * E);
     }
-    for (size_t g = 0; g < ly.recs.size(); ++g) {  // parameters from completion, codes from the hand-over
-      const bool coded = static_cast<int64_t>(g) < ly.n_coded;
-      PutBytes(out, ly.recs[g], coded ? m.rec_bytes : m.lay.codes());
-    }
+  } else if (T > m.S) {
+    // parameters from completion, codes from the hand-over
+    for (size_t g = f1; g < ly.recs.size(); ++g) PutBytes(out, ly.recs[g], m.lay.codes());
     const int64_t o0 = std::max<int64_t>(m.S, scheme_.coded_end(T)), w0 = scheme_.wide_start(T);
     std::vector<float> x(2 * E);
     std::vector<uint16_t> h16(2 * E);
@@ -1569,6 +1582,63 @@ void GroupedKvCache::save_state(std::vector<uint8_t>& out) const {
       }
     }
   }
+  if (range) {
+    const uint64_t tail = out.size() - tail_at;
+    std::memcpy(out.data() + size_at, &tail, 8);
+  }
+}
+
+void GroupedKvCache::save_state(std::vector<uint8_t>& out) const {
+  for (int l = 0; l < n_layers_; ++l) SaveLayer(l, 0, /*range=*/false, out);
+}
+
+void GroupedKvCache::save_range_state(int64_t from, std::vector<uint8_t>& out) const {
+  for (int l = 0; l < n_layers_; ++l) {
+    const int64_t T = written(l);
+    KVQ_CHECK_ARG(from >= 0 && from < T, "range: expected a first token in 0..", T - 1, " (layer ", l, " holds ", T,
+                  " tokens), got ", from);
+  }
+  for (int l = 0; l < n_layers_; ++l) SaveLayer(l, from, /*range=*/true, out);
+}
+
+void GroupedKvCache::load_range_states(std::span<const std::span<const uint8_t>> parts,
+                                       std::span<const int64_t> ends) {
+  KVQ_CHECK_ARG(!parts.empty() && parts.size() == ends.size(), "ranges: expected as many ends as states (>= 1), got ",
+                ends.size(), " and ", parts.size());
+  const Impl& m = *impl_;
+  const size_t L = static_cast<size_t>(n_layers_), E = m.E;
+  std::vector<std::vector<uint8_t>> sk(L), sv(L), recs(L), tail(L);
+  int64_t begin = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const int64_t end = ends[i];
+    KVQ_CHECK_ARG(end > begin && end <= max_seq_, "ranges: range ", i, " ends at ", end, ", expected ", begin + 1,
+                  "..", max_seq_);
+    StateReader rd{parts[i]};
+    const size_t ns = static_cast<size_t>(std::min<int64_t>(m.S, end) - std::min<int64_t>(m.S, begin));
+    const size_t nf = static_cast<size_t>(final_records(end) - final_records(begin));
+    for (size_t l = 0; l < L; ++l) {
+      PutBytes(sk[l], rd.take(2 * ns * E), 2 * ns * E);
+      PutBytes(sv[l], rd.take(2 * ns * E), 2 * ns * E);
+      KVQ_CHECK_ARG(nf <= (parts[i].size() - rd.pos) / std::max<size_t>(m.rec_bytes, 1), "cache state: range ", i,
+                    " is truncated (", nf, " records of ", m.rec_bytes, " bytes)");
+      PutBytes(recs[l], rd.take(nf * m.rec_bytes), nf * m.rec_bytes);
+      uint64_t n;
+      std::memcpy(&n, rd.take(8), 8);
+      KVQ_CHECK_ARG(n <= parts[i].size() - rd.pos, "cache state: range ", i, " layer ", l, ": ", n,
+                    " bytes of open state past the end");
+      const uint8_t* p = rd.take(static_cast<size_t>(n));
+      tail[l].assign(p, p + n);
+    }
+    KVQ_CHECK_ARG(rd.pos == parts[i].size(), "cache state: range ", i, " has ", parts[i].size() - rd.pos,
+                  " bytes past its last layer");
+    begin = end;
+  }
+  std::vector<uint8_t> whole;
+  for (size_t l = 0; l < L; ++l) {
+    for (const auto* v : {&sk[l], &sv[l], &recs[l], &tail[l]}) whole.insert(whole.end(), v->begin(), v->end());
+  }
+  const std::vector<int64_t> lengths(L, begin);
+  load_state(whole, lengths);
 }
 
 void GroupedKvCache::load_state(std::span<const uint8_t> in, std::span<const int64_t> lengths) {

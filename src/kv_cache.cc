@@ -43,7 +43,57 @@ const detail::KvCacheFamily& FamilyOf(const KvSchemeInfo& info) {
 }
 
 
+// The fields KVQS and KVQR open with: scheme name, geometry, RoPE.
+struct SavedHeader {
+  std::string name;
+  uint32_t geo[3];  // n_layers, n_kv_heads, head_dim
+  RopeConfig rope;
+};
+
+SavedHeader GetHeader(detail::ByteReader& r) {
+  SavedHeader h;
+  const uint16_t name_len = r.get<uint16_t>();
+  if (name_len == 0 || name_len > kMaxName) r.corrupt("a scheme name of " + std::to_string(name_len) + " bytes");
+  const std::vector<char> name_bytes = r.get_array<char>(name_len);
+  h.name.assign(name_bytes.begin(), name_bytes.end());
+  for (uint32_t& x : h.geo) x = r.get<uint32_t>();
+  for (uint32_t x : h.geo) {
+    if (x == 0 || x > (1u << 30)) r.corrupt("a cache dimension of " + std::to_string(x));
+  }
+  if (h.geo[0] > kMaxLayers || static_cast<uint64_t>(h.geo[1]) * h.geo[2] > kMaxRow) {
+    r.corrupt("a geometry of " + std::to_string(h.geo[0]) + " layers x " + std::to_string(h.geo[1]) + " heads x " +
+              std::to_string(h.geo[2]) + " (at most " + std::to_string(kMaxLayers) + " layers and " +
+              std::to_string(kMaxRow) + " values a row)");
+  }
+  RopeConfig& rope = h.rope;
+  rope.theta = r.get<float>();
+  const uint8_t scaling = r.get<uint8_t>();
+  if (scaling > 2) r.corrupt("an unknown RoPE scaling " + std::to_string(scaling));
+  rope.scaling = static_cast<RopeConfig::Scaling>(scaling);
+  rope.factor = r.get<float>();
+  rope.low_freq_factor = r.get<float>();
+  rope.high_freq_factor = r.get<float>();
+  const uint32_t original_context = r.get<uint32_t>();
+  if (original_context > (1u << 30)) r.corrupt("a RoPE original context of " + std::to_string(original_context));
+  rope.original_context = static_cast<int>(original_context);
+  rope.validate("saved KV cache: RoPE");
+  if (!(rope.canonical() == rope)) r.corrupt("RoPE fields its scaling does not read, not at their defaults");
+  return h;
+}
+
 }  // namespace
+
+void KvCache::PutHeader(detail::ByteWriter& w) const {
+  w.put<uint16_t>(static_cast<uint16_t>(info_.name.size()));
+  w.put_array(std::span<const char>(info_.name.data(), info_.name.size()));
+  for (int x : {n_layers_, n_kv_heads_, head_dim_}) w.put<uint32_t>(static_cast<uint32_t>(x));
+  w.put<float>(rope_.theta);
+  w.put<uint8_t>(static_cast<uint8_t>(rope_.scaling));
+  w.put<float>(rope_.factor);
+  w.put<float>(rope_.low_freq_factor);
+  w.put<float>(rope_.high_freq_factor);
+  w.put<uint32_t>(static_cast<uint32_t>(rope_.original_context));
+}
 
 std::string hex_digest(const std::array<uint8_t, 32>& d) {
   static const char* x = "0123456789abcdef";
@@ -155,15 +205,7 @@ std::vector<uint8_t> KvCache::to_bytes(int64_t tokens, const KvCacheMeta& meta) 
   KVQ_CHECK_ARG(T >= 1 && T <= this->tokens(), "tokens: expected 1..", this->tokens(),
                 " (the tokens every layer holds), got ", tokens);
   detail::ByteWriter w;
-  w.put<uint16_t>(static_cast<uint16_t>(info_.name.size()));
-  w.put_array(std::span<const char>(info_.name.data(), info_.name.size()));
-  for (int x : {n_layers_, n_kv_heads_, head_dim_}) w.put<uint32_t>(static_cast<uint32_t>(x));
-  w.put<float>(rope_.theta);
-  w.put<uint8_t>(static_cast<uint8_t>(rope_.scaling));
-  w.put<float>(rope_.factor);
-  w.put<float>(rope_.low_freq_factor);
-  w.put<float>(rope_.high_freq_factor);
-  w.put<uint32_t>(static_cast<uint32_t>(rope_.original_context));
+  PutHeader(w);
   w.put<uint64_t>(static_cast<uint64_t>(T));
   w.put<uint8_t>(static_cast<uint8_t>((meta.model_fingerprint ? 1 : 0) | (meta.tokens_digest ? 2 : 0)));
   if (meta.model_fingerprint) w.put_array(std::span<const uint8_t>(*meta.model_fingerprint));
@@ -182,28 +224,10 @@ KvCache KvCache::from_bytes(std::span<const uint8_t> bytes, const KvCacheExpect&
   const char* what = "saved KV cache";
   const std::span<const uint8_t> payload = detail::OpenContainer(bytes, kMagic, kVersion, what);
   detail::ByteReader r(payload, what);
-  const uint16_t name_len = r.get<uint16_t>();
-  if (name_len == 0 || name_len > kMaxName) r.corrupt("a scheme name of " + std::to_string(name_len) + " bytes");
-  const std::vector<char> name_bytes = r.get_array<char>(name_len);
-  const std::string name(name_bytes.begin(), name_bytes.end());
-  uint32_t geo[3];  // n_layers, n_kv_heads, head_dim
-  for (uint32_t& x : geo) x = r.get<uint32_t>();
-  for (uint32_t x : geo) {
-    if (x == 0 || x > (1u << 30)) r.corrupt("a cache dimension of " + std::to_string(x));
-  }
-  RopeConfig rope;
-  rope.theta = r.get<float>();
-  const uint8_t scaling = r.get<uint8_t>();
-  if (scaling > 2) r.corrupt("an unknown RoPE scaling " + std::to_string(scaling));
-  rope.scaling = static_cast<RopeConfig::Scaling>(scaling);
-  rope.factor = r.get<float>();
-  rope.low_freq_factor = r.get<float>();
-  rope.high_freq_factor = r.get<float>();
-  const uint32_t original_context = r.get<uint32_t>();
-  if (original_context > (1u << 30)) r.corrupt("a RoPE original context of " + std::to_string(original_context));
-  rope.original_context = static_cast<int>(original_context);
-  rope.validate("saved KV cache: RoPE");
-  if (!(rope.canonical() == rope)) r.corrupt("RoPE fields its scaling does not read, not at their defaults");
+  const SavedHeader hd_ = GetHeader(r);
+  const std::string& name = hd_.name;
+  const uint32_t* geo = hd_.geo;
+  const RopeConfig& rope = hd_.rope;
   const uint64_t T = r.get<uint64_t>();
   if (T == 0 || T > (uint64_t{1} << 30)) r.corrupt(std::to_string(T) + " tokens (expected 1..2^30)");
   const uint8_t flags = r.get<uint8_t>();
@@ -225,11 +249,6 @@ KvCache KvCache::from_bytes(std::span<const uint8_t> bytes, const KvCacheExpect&
   const KvSchemeInfo info = describe_kv_scheme(name, "saved KV cache: scheme");
   if (info.name != name) r.corrupt("the scheme name '" + name + "', not in its canonical form '" + info.name + "'");
   const int L = static_cast<int>(geo[0]), H = static_cast<int>(geo[1]), hd = static_cast<int>(geo[2]);
-  if (L > kMaxLayers || static_cast<uint64_t>(H) * static_cast<uint64_t>(hd) > kMaxRow) {
-    r.corrupt("a geometry of " + std::to_string(L) + " layers x " + std::to_string(H) + " heads x " +
-              std::to_string(hd) + " (at most " + std::to_string(kMaxLayers) + " layers and " +
-              std::to_string(kMaxRow) + " values a row)");
-  }
   // What the caller's model must match.
   if (expect.scheme) {
     const KvSchemeInfo want = describe_kv_scheme(*expect.scheme, "expected scheme");
@@ -310,6 +329,95 @@ KvCache KvCache::load(const std::string& path, const KvCacheExpect& expect, KvCa
   f.read(reinterpret_cast<char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
   KVQ_CHECK_ARG(f.gcount() == static_cast<std::streamsize>(bytes.size()), "path '", path, "': short read");
   return from_bytes(bytes, expect, meta);
+}
+
+// ---- token ranges (the prefix store's chunks) ------------------------------------
+
+namespace {
+constexpr char kRangeMagic[4] = {'K', 'V', 'Q', 'R'};
+constexpr uint16_t kRangeVersion = 1;
+}  // namespace
+
+std::vector<uint8_t> KvCache::tables() const {
+  std::vector<uint8_t> t;
+  b_->save_tables(t);
+  return t;
+}
+
+std::vector<uint8_t> KvCache::range_to_bytes(int64_t begin, int64_t end, const std::array<uint8_t, 32>& id) const {
+  const int64_t T = end < 0 ? tokens() : end;
+  KVQ_CHECK_ARG(T >= 1 && T <= tokens(), "end: expected 1..", tokens(), " (the tokens every layer holds), got ", end);
+  KVQ_CHECK_ARG(begin >= 0 && begin < T, "begin: expected 0..", T - 1, " (the range ends at ", T, "), got ", begin);
+  detail::ByteWriter w;
+  PutHeader(w);
+  w.put<uint64_t>(static_cast<uint64_t>(begin));
+  w.put<uint64_t>(static_cast<uint64_t>(T));
+  w.put_array(std::span<const uint8_t>(id));
+  std::vector<uint8_t> t, state;
+  if (begin == 0) b_->save_tables(t);
+  b_->save_range(begin, T, state);
+  w.put<uint64_t>(t.size());
+  w.put_array(std::span<const uint8_t>(t));
+  w.put<uint64_t>(state.size());
+  w.put_array(std::span<const uint8_t>(state));
+  return detail::WrapContainer(kRangeMagic, kRangeVersion, w.bytes());
+}
+
+std::span<const uint8_t> KvCache::CheckRange(std::span<const uint8_t> bytes, int64_t begin, int64_t end,
+                                             const std::array<uint8_t, 32>& id,
+                                             const std::vector<uint8_t>& tables) const {
+  const char* what = "KV cache range";
+  const std::span<const uint8_t> payload = detail::OpenContainer(bytes, kRangeMagic, kRangeVersion, what);
+  detail::ByteReader r(payload, what);
+  const SavedHeader h = GetHeader(r);
+  KVQ_CHECK_ARG(h.name == info_.name && static_cast<int>(h.geo[0]) == n_layers_ &&
+                    static_cast<int>(h.geo[1]) == n_kv_heads_ && static_cast<int>(h.geo[2]) == head_dim_ &&
+                    h.rope == rope_,
+                "KV cache range: holds ", h.name, " ", h.geo[0], "x", h.geo[1], "x", h.geo[2], " ", h.rope.describe(),
+                ", this cache is ", info_.name, " ", n_layers_, "x", n_kv_heads_, "x", head_dim_, " ", rope_.describe());
+  const uint64_t b = r.get<uint64_t>(), e = r.get<uint64_t>();
+  std::array<uint8_t, 32> got_id;
+  const std::vector<uint8_t> idb = r.get_array<uint8_t>(32);
+  std::copy(idb.begin(), idb.end(), got_id.begin());
+  KVQ_CHECK_ARG(got_id == id, "KV cache range: its key is ", hex_digest(got_id).substr(0, 16), "..., expected ",
+                hex_digest(id).substr(0, 16), "... (an entry stored under another key)");
+  KVQ_CHECK_ARG(b == static_cast<uint64_t>(begin) && e == static_cast<uint64_t>(end), "KV cache range: holds tokens [",
+                b, ", ", e, "), expected [", begin, ", ", end, ")");
+  const uint64_t table_bytes = r.get<uint64_t>();
+  const uint64_t want_tables = begin == 0 ? tables.size() : 0;
+  KVQ_CHECK_ARG(table_bytes == want_tables, "KV cache range: ", table_bytes, " bytes of tables, expected ", want_tables);
+  const std::vector<uint8_t> t = r.get_array<uint8_t>(table_bytes);
+  KVQ_CHECK_ARG(std::equal(t.begin(), t.end(), tables.begin()), "KV cache range: tables other than this cache's");
+  const uint64_t state_bytes = r.get<uint64_t>();
+  if (state_bytes != r.remaining()) {
+    r.corrupt("a state of " + std::to_string(state_bytes) + " bytes where " + std::to_string(r.remaining()) + " remain");
+  }
+  return payload.subspan(payload.size() - r.remaining());
+}
+
+void KvCache::check_range(std::span<const uint8_t> bytes, int64_t begin, int64_t end,
+                          const std::array<uint8_t, 32>& id) const {
+  (void)CheckRange(bytes, begin, end, id, tables());
+}
+
+void KvCache::restore_ranges(std::span<const std::span<const uint8_t>> chunks, std::span<const int64_t> ends,
+                             std::span<const std::array<uint8_t, 32>> ids) {
+  KVQ_CHECK_ARG(!chunks.empty() && chunks.size() == ends.size() && chunks.size() == ids.size(),
+                "chunks: expected as many ends and ids as chunks (>= 1), got ", chunks.size(), ", ", ends.size(), " and ",
+                ids.size());
+  KVQ_CHECK_ARG(ends.back() <= max_seq_, "chunks: ", ends.back(), " tokens do not fit max_seq ", max_seq_);
+  const std::vector<uint8_t> t = tables();
+  std::vector<std::span<const uint8_t>> states;
+  int64_t begin = 0;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    KVQ_CHECK_ARG(ends[i] > begin, "ends: expected increasing token counts, got ", ends[i], " after ", begin);
+    states.push_back(CheckRange(chunks[i], begin, ends[i], ids[i], t));
+    begin = ends[i];
+  }
+  std::unique_ptr<detail::KvCacheBackend> b =
+      FamilyOf(info_).restore(info_, {n_layers_, max_seq_, n_kv_heads_, head_dim_, rope_}, t);
+  b->load_ranges(states, ends);
+  b_ = std::move(b);  // only now: a refused chunk leaves the cache as it was
 }
 
 }  // namespace kvq

@@ -303,6 +303,20 @@ class GroupedKvCache {
   // kvq::Error on any inconsistency and leaves the cache empty.
   void save_state(std::vector<uint8_t>& out) const;
   void load_state(std::span<const uint8_t> in, std::span<const int64_t> lengths);
+  // A token range [from, T) at the current length T (the prefix store's
+  // chunks): per layer the sinks and final records (coded groups, full
+  // calibrated tiles) made since a cache of `from` tokens, then a u64 size
+  // and what a cache of T tokens holds besides (the records still changing,
+  // the open tokens). load_range_states rebuilds a cache of ends.back()
+  // tokens from the ranges [0, ends[0]), [ends[0], ends[1]), ... saved by
+  // caches of the same scheme, tables and token prefix: the sinks and final
+  // records of every range and the rest from the last one, exactly the state
+  // save_state gives at that length (then load_state's checks). Every layer
+  // must hold T tokens, from in 0..T-1.
+  void save_range_state(int64_t from, std::vector<uint8_t>& out) const;
+  void load_range_states(std::span<const std::span<const uint8_t>> parts, std::span<const int64_t> ends);
+  // Records that never change once a layer holds T tokens.
+  int64_t final_records(int64_t T) const;
 
   struct Impl;  // src/grouped_kv.cc
 
@@ -311,6 +325,7 @@ class GroupedKvCache {
   GroupedKvCache(const GroupedKvScheme& scheme, int n_layers, int max_seq, int n_kv_heads, int head_dim,
                  const StaticRanges* ranges, const std::span<const uint8_t>* tables, const RopeConfig& rope);
   void Build(const StaticRanges* ranges, const std::span<const uint8_t>* tables);
+  void SaveLayer(int l, int64_t from, bool range, std::vector<uint8_t>& out) const;
   GroupedKvScheme scheme_;
   int n_layers_, max_seq_, n_kv_heads_, head_dim_;
   RopeConfig rope_;

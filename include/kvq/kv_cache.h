@@ -53,6 +53,7 @@ namespace kvq {
 
 namespace detail {
 class KvCacheBackend;  // src/schemes/families.h
+class ByteWriter;      // src/container.h
 }  // namespace detail
 
 // What a scheme name stands for.
@@ -159,8 +160,40 @@ class KvCache {
   void save(const std::string& path, int64_t tokens = -1, const KvCacheMeta& meta = {}) const;
   static KvCache load(const std::string& path, const KvCacheExpect& expect = {}, KvCacheMeta* meta = nullptr);
 
+  // Token ranges: the prefix store's chunks (store/prefix_store.h). A range
+  // is one container (magic "KVQR", version 1) whose payload is
+  //   the KVQS header's scheme name, geometry and RoPE (above)
+  //   u64  begin, u64 end: it holds tokens [begin, end) of a cache of `end`
+  //   32 bytes  its id (the store's key: an entry found under another key is
+  //        foreign and refused)
+  //   u64  table bytes, then the tables (the first range only; else 0)
+  //   u64  state bytes, then the range's state: per layer what a cache of
+  //        `end` tokens holds that one of `begin` did not (row schemes: the
+  //        K then V rows of the range; grouped schemes:
+  //        GroupedKvCache::save_range_state: the new sinks and final
+  //        records, then what is still open at `end`).
+  // Ranges of one token sequence, saved as the cache reached each end,
+  // restore exactly the cache an uninterrupted run has at the last end.
+  // range_to_bytes saves [begin, end) (end -1: tokens(); a row scheme any
+  // end <= tokens(), a grouped one its length, every layer at it).
+  std::vector<uint8_t> range_to_bytes(int64_t begin, int64_t end, const std::array<uint8_t, 32>& id) const;
+  // Throws kvq::Error unless `bytes` is an intact range of this cache's
+  // scheme, geometry, RoPE and tables holding [begin, end) under `id`.
+  void check_range(std::span<const uint8_t> bytes, int64_t begin, int64_t end, const std::array<uint8_t, 32>& id) const;
+  // Replaces what the cache holds with tokens [0, ends.back()) from the
+  // ranges [0, ends[0]), [ends[0], ends[1]), ... (ids: their keys). Every
+  // range is checked as check_range does and its state as a restore checks
+  // it; on any error a kvq::Error, and the cache is as it was.
+  void restore_ranges(std::span<const std::span<const uint8_t>> chunks, std::span<const int64_t> ends,
+                      std::span<const std::array<uint8_t, 32>> ids);
+  // The calibrated tables as saved (empty for schemes without any).
+  std::vector<uint8_t> tables() const;
+
  private:
   KvCache() = default;
+  void PutHeader(detail::ByteWriter& w) const;
+  std::span<const uint8_t> CheckRange(std::span<const uint8_t> bytes, int64_t begin, int64_t end,
+                                      const std::array<uint8_t, 32>& id, const std::vector<uint8_t>& tables) const;
   KvSchemeInfo info_;
   int n_layers_ = 0, max_seq_ = 0, n_kv_heads_ = 0, head_dim_ = 0;
   RopeConfig rope_;

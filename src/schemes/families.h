@@ -44,6 +44,12 @@ class KvCacheBackend {
   virtual void save_tables(std::vector<uint8_t>& out) const = 0;
   virtual void save_state(int64_t T, std::vector<uint8_t>& out) const = 0;
   virtual void load_state(std::span<const uint8_t> state, int64_t T) = 0;
+  // A token range [from, to) (the prefix store's chunks; grouped backends
+  // only at their current length to), and a fresh backend filled from the
+  // ranges [0, ends[0]), [ends[0], ends[1]), ... exactly as load_state would
+  // be from the whole state at ends.back().
+  virtual void save_range(int64_t from, int64_t to, std::vector<uint8_t>& out) const = 0;
+  virtual void load_ranges(std::span<const std::span<const uint8_t>> parts, std::span<const int64_t> ends) = 0;
 };
 
 struct KvCacheFamily {

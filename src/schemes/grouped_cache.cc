@@ -40,6 +40,13 @@ class GroupedBackend final : public KvCacheBackend {
     const std::vector<int64_t> lengths(static_cast<size_t>(c_.n_layers()), T);
     c_.load_state(state, lengths);
   }
+  void save_range(int64_t from, int64_t to, std::vector<uint8_t>& out) const override {
+    for (int l = 0; l < c_.n_layers(); ++l) Check(l, to);
+    c_.save_range_state(from, out);
+  }
+  void load_ranges(std::span<const std::span<const uint8_t>> parts, std::span<const int64_t> ends) override {
+    c_.load_range_states(parts, ends);
+  }
 
  private:
   void Check(int layer, int64_t T) const {

@@ -69,18 +69,48 @@ class RowBackend final : public KvCacheBackend {
     return c_.view(layer, T);
   }
   void save_tables(std::vector<uint8_t>&) const override {}
-  void save_state(int64_t T, std::vector<uint8_t>& out) const override {
+  void save_state(int64_t T, std::vector<uint8_t>& out) const override { save_range(0, T, out); }
+  // Every layer's K rows [from, to), then its V rows.
+  void save_range(int64_t from, int64_t to, std::vector<uint8_t>& out) const override {
     const size_t rb = c_.codec().row_bytes();
+    KVQ_CHECK_ARG(from >= 0 && from <= to, "range: expected 0 <= from <= to, got ", from, " and ", to);
     for (int l = 0; l < c_.n_layers(); ++l) {
-      const KvRowsView v = rows(l, T);
+      const KvRowsView v = rows(l, to);
       for (int which = 0; which < 2; ++which) {
-        for (int64_t t = 0; t < T; ++t) {
+        for (int64_t t = from; t < to; ++t) {
           const size_t at = out.size();
           out.resize(at + rb);
           v.gather_row(which, t, out.data() + at);
         }
       }
     }
+  }
+  // The ranges' rows put back in whole-state order, then load_state.
+  void load_ranges(std::span<const std::span<const uint8_t>> parts, std::span<const int64_t> ends) override {
+    KVQ_CHECK_ARG(!parts.empty() && parts.size() == ends.size(), "ranges: expected as many ends as states (>= 1)");
+    const size_t rb = c_.codec().row_bytes(), L = static_cast<size_t>(c_.n_layers());
+    int64_t begin = 0;
+    for (size_t i = 0; i < parts.size(); ++i) {
+      KVQ_CHECK_ARG(ends[i] > begin && ends[i] <= c_.max_seq(), "ranges: range ", i, " ends at ", ends[i],
+                    ", expected ", begin + 1, "..", c_.max_seq());
+      KVQ_CHECK_ARG(parts[i].size() == L * 2 * static_cast<size_t>(ends[i] - begin) * rb, "cache state: range ", i,
+                    " holds ", parts[i].size(), " bytes, expected ", L * 2 * static_cast<size_t>(ends[i] - begin) * rb);
+      begin = ends[i];
+    }
+    std::vector<uint8_t> whole;
+    whole.reserve(L * 2 * static_cast<size_t>(begin) * rb);
+    for (size_t l = 0; l < L; ++l) {
+      for (size_t which = 0; which < 2; ++which) {
+        int64_t b = 0;
+        for (size_t i = 0; i < parts.size(); ++i) {
+          const size_t n = static_cast<size_t>(ends[i] - b) * rb;
+          const uint8_t* p = parts[i].data() + (l * 2 + which) * n;
+          whole.insert(whole.end(), p, p + n);
+          b = ends[i];
+        }
+      }
+    }
+    load_state(whole, begin);
   }
   void load_state(std::span<const uint8_t> state, int64_t T) override {
     const size_t rb = c_.codec().row_bytes(), L = static_cast<size_t>(c_.n_layers());

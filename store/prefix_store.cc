@@ -1,0 +1,191 @@
+#include "store/prefix_store.h"
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+
+#include "kvq/error.h"
+#include "store/backends.h"
+
+namespace kvq::store {
+namespace {
+
+double Since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+std::string default_store_dir() {
+  const char* xdg = std::getenv("XDG_CACHE_HOME");
+  if (xdg && *xdg) return std::string(xdg) + "/kvq/prefix";
+  const char* home = std::getenv("HOME");
+  KVQ_CHECK_ARG(home && *home, "prompt cache: no directory given and neither XDG_CACHE_HOME nor HOME is set");
+  return std::string(home) + "/.cache/kvq/prefix";
+}
+
+std::unique_ptr<StoreBackend> open_backend(const std::string& url, const StoreOptions& o) {
+  KVQ_CHECK_ARG(o.chunk_tokens >= 1 && o.chunk_tokens <= (1 << 20), "chunk_tokens: expected 1..2^20, got ",
+                o.chunk_tokens);
+  KVQ_CHECK_ARG(o.timeout_ms >= 1 && o.timeout_ms <= 60000, "timeout_ms: expected 1..60000, got ", o.timeout_ms);
+  KVQ_CHECK_ARG(o.ttl_seconds >= 0, "ttl_seconds: expected >= 0, got ", o.ttl_seconds);
+  WarnFn warn = o.warn ? o.warn : [](const std::string& s) { std::fprintf(stderr, "kvq prefix store: %s\n", s.c_str()); };
+  if (url.rfind("memory:", 0) == 0) return open_memory_store(url.substr(7));
+  if (url.rfind("redis://", 0) == 0) return open_redis_store(url, o, warn);
+  KVQ_CHECK_ARG(url.find("://") == std::string::npos, "prompt cache: unsupported URL '", url,
+                "' (expected a directory, redis://host:port[/db] or memory:)");
+  return open_dir_store(url.empty() ? default_store_dir() : url, o.max_bytes, warn);
+}
+
+int chunk_tokens_for(const KvCache& cache, int requested) {
+  KVQ_CHECK_ARG(requested >= 1 && requested <= (1 << 20), "chunk_tokens: expected 1..2^20, got ", requested);
+  const GroupedKvCache* g = cache.grouped();
+  const int unit = g ? g->scheme().group : 1;
+  return (requested + unit - 1) / unit * unit;
+}
+
+std::vector<Key> chunk_keys(const KvCache& cache, std::span<const int> tokens, int chunk_tokens,
+                            const std::optional<Key>& model) {
+  const int C = chunk_tokens_for(cache, chunk_tokens);
+  // Everything the chain starts from, hashed once.
+  Sha256 th;
+  const std::vector<uint8_t> tables = cache.tables();
+  th.update(tables.data(), tables.size());
+  const Digest tables_digest = th.final();
+  std::vector<uint8_t> head;
+  auto put = [&](const void* p, size_t n) {
+    head.insert(head.end(), static_cast<const uint8_t*>(p), static_cast<const uint8_t*>(p) + n);
+  };
+  put("kvq-prefix-1", 12);
+  const Key zero{};
+  put(model ? model->data() : zero.data(), 32);
+  const std::string& name = cache.scheme();
+  const uint16_t nl = static_cast<uint16_t>(name.size());
+  put(&nl, 2);
+  put(name.data(), name.size());
+  for (int x : {cache.n_layers(), cache.n_kv_heads(), cache.head_dim()}) {
+    const uint32_t u = static_cast<uint32_t>(x);
+    put(&u, 4);
+  }
+  const RopeConfig& r = cache.rope();
+  const uint8_t sc = static_cast<uint8_t>(r.scaling);
+  const uint32_t oc = static_cast<uint32_t>(r.original_context);
+  put(&r.theta, 4), put(&sc, 1), put(&r.factor, 4), put(&r.low_freq_factor, 4), put(&r.high_freq_factor, 4), put(&oc, 4);
+  put(tables_digest.data(), 32);
+  const uint32_t uc = static_cast<uint32_t>(C);
+  put(&uc, 4);
+  std::vector<Key> keys;
+  Key prev{};
+  for (size_t i = 0; (i + 1) * static_cast<size_t>(C) <= tokens.size(); ++i) {
+    Sha256 h;
+    h.update(head.data(), head.size());
+    h.update(prev.data(), prev.size());
+    for (size_t t = i * C; t < (i + 1) * C; ++t) {
+      KVQ_CHECK_ARG(tokens[t] >= 0, "tokens: expected ids >= 0, got ", tokens[t], " at ", t);
+      h.u32(static_cast<uint32_t>(tokens[t]));
+    }
+    prev = h.final();
+    keys.push_back(prev);
+  }
+  return keys;
+}
+
+PrefixStore::PrefixStore(const std::string& url, StoreOptions o) : o_(std::move(o)), b_(open_backend(url, o_)) {}
+
+void PrefixStore::Warn(const std::string& s) const {
+  if (o_.warn) {
+    o_.warn(s);
+  } else {
+    std::fprintf(stderr, "kvq prefix store: %s\n", s.c_str());
+  }
+}
+
+int64_t PrefixStore::longest_prefix(std::span<const int> tokens, KvCache& cache, int64_t limit,
+                                    LookupReport* report) {
+  LookupReport rep;
+  const auto t0 = std::chrono::steady_clock::now();
+  const int C = chunk_tokens(cache);
+  const size_t n = limit < 0 ? tokens.size() : std::min<size_t>(tokens.size(), static_cast<size_t>(limit));
+  std::vector<Key> keys = chunk_keys(cache, tokens.first(n), C, o_.model);
+  if (keys.size() * static_cast<size_t>(C) > static_cast<size_t>(cache.max_seq())) {
+    keys.resize(static_cast<size_t>(cache.max_seq() / C));
+  }
+  std::vector<std::vector<uint8_t>> values;
+  if (!keys.empty() && b_->alive()) {
+    const std::vector<bool> have = b_->contains(keys);
+    size_t run = 0;
+    while (run < keys.size() && run < have.size() && have[run]) ++run;
+    keys.resize(run);
+    auto got = run ? b_->get(keys) : std::vector<std::optional<std::vector<uint8_t>>>{};
+    for (size_t i = 0; i < got.size() && got[i]; ++i) {
+      const int64_t begin = static_cast<int64_t>(i) * C, end = begin + C;
+      try {
+        cache.check_range(*got[i], begin, end, keys[i]);
+      } catch (const Error& e) {
+        Warn("chunk " + std::to_string(i) + " (tokens " + std::to_string(begin) + ".." + std::to_string(end) +
+             ", key " + key_hex(keys[i]).substr(0, 16) + "...) in " + b_->describe() + " is unusable: " + e.what() +
+             "; recomputing it");
+        bad_.insert(keys[i]);
+        ++rep.bad;
+        break;
+      }
+      rep.bytes += got[i]->size();
+      values.push_back(std::move(*got[i]));
+    }
+  }
+  rep.lookup_s = Since(t0);
+  if (!values.empty()) {
+    const auto t1 = std::chrono::steady_clock::now();
+    std::vector<std::span<const uint8_t>> spans(values.begin(), values.end());
+    std::vector<int64_t> ends;
+    for (size_t i = 0; i < values.size(); ++i) ends.push_back(static_cast<int64_t>(i + 1) * C);
+    try {
+      cache.restore_ranges(spans, ends, std::span(keys).first(values.size()));
+      rep.tokens = ends.back();
+      rep.chunks = static_cast<int>(values.size());
+    } catch (const Error& e) {
+      // Each chunk passed its own checks; the states together did not (a
+      // crafted entry): nothing is restored, every chunk is recomputed.
+      Warn(std::string("chunks 0..") + std::to_string(values.size() - 1) + " in " + b_->describe() +
+           " do not restore: " + e.what() + "; recomputing them");
+      for (size_t i = 0; i < values.size(); ++i) bad_.insert(keys[i]);
+      rep.bad += static_cast<int>(values.size());
+    }
+    rep.restore_s = Since(t1);
+  }
+  if (report) *report = rep;
+  return rep.tokens;
+}
+
+int PrefixStore::put(std::span<const int> tokens, const KvCache& cache, uint64_t* bytes) {
+  const int C = chunk_tokens(cache);
+  const int64_t T = cache.tokens();
+  KVQ_CHECK_ARG(static_cast<int64_t>(tokens.size()) >= T, "tokens: the cache holds ", T, " tokens, got ", tokens.size(),
+                " ids");
+  if (bytes) *bytes = 0;
+  if (!b_->alive() || T < C) return 0;
+  const std::vector<Key> keys = chunk_keys(cache, tokens.first(static_cast<size_t>(T)), C, o_.model);
+  // A grouped cache gives only the range ending at its length.
+  size_t first = 0;
+  if (cache.grouped()) {
+    if (T % C != 0) return 0;
+    first = keys.size() - 1;
+  }
+  const std::vector<Key> want(keys.begin() + static_cast<std::ptrdiff_t>(first), keys.end());
+  const std::vector<bool> have = b_->contains(want);
+  int written = 0;
+  for (size_t j = 0; j < want.size(); ++j) {
+    if (j < have.size() && have[j] && !bad_.count(want[j])) continue;
+    const size_t i = first + j;
+    const std::vector<uint8_t> v =
+        cache.range_to_bytes(static_cast<int64_t>(i) * C, static_cast<int64_t>(i + 1) * C, want[j]);
+    b_->put(want[j], v);
+    if (!b_->alive()) break;
+    bad_.erase(want[j]);
+    if (bytes) *bytes += v.size();
+    ++written;
+  }
+  return written;
+}
+
+}  // namespace kvq::store

@@ -1,0 +1,128 @@
+// A compressed prefix store for KV caches (the layer above kvq/kv_cache.h):
+// the prompt's tokens cut into chunks of C tokens, each chunk's K/V of every
+// layer kept in the scheme's stored form (a KVQR range, kv_cache.h) under a
+// chained key, in a local directory, in Redis, or in process memory.
+//
+//   kvq::store::PrefixStore store("redis://127.0.0.1:6379", {.model = fingerprint});
+//   int64_t n = store.longest_prefix(tokens, cache);   // restores [0, n) into cache
+//   ... compute tokens n.. ; at every multiple of C: store.put(tokens, cache);
+//
+// Keys (vLLM's and LMCache's chained scheme): chunk i of a token sequence
+// has the key
+//   K_i = SHA-256("kvq-prefix-1" | model fingerprint (32 bytes, zeros when
+//         none) | u16 length + canonical scheme name | u32 n_layers,
+//         n_kv_heads, head_dim | RoPE | SHA-256 of the cache's calibrated
+//         tables | u32 C | K_{i-1} (32 zero bytes for i = 0) | the chunk's C
+//         token ids as u32 little-endian)
+// so equal keys mean an equal prefix under the same model, scheme, tables
+// and chunking. C is the requested chunk size rounded up to a multiple of
+// the scheme's group (a grouped scheme's G, 1 for row schemes).
+//
+// Values: the KVQR range of tokens [iC, (i+1)C) saved when the cache held
+// (i+1)C tokens, carrying K_i; chunk 0 carries the tables. Restoring chunks
+// 0..k-1 gives the cache an uninterrupted run has at kC tokens, bit for bit
+// (KvCache::restore_ranges). A value that fails any check (CRC, scheme,
+// geometry, tables, range, key) is a miss with one warning line; put then
+// overwrites it.
+//
+// Backends (open_backend): a directory (one file per chunk, temp file +
+// rename, LRU size cap), Redis through hiredis (key prefix, TTL, AUTH,
+// 1 s timeouts), or memory. A backend never throws once open: a failing one
+// warns once and behaves as an empty store from then on.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvq/kv_cache.h"
+#include "kvq/sha256.h"
+
+namespace kvq::store {
+
+using Key = Digest;
+
+struct StoreOptions {
+  int chunk_tokens = 256;        // rounded up to a multiple of the scheme's group
+  uint64_t max_bytes = 0;        // directory: size cap, least recently used evicted first (0: none)
+  int ttl_seconds = 0;           // Redis: expiry of each entry (0: none)
+  std::string key_prefix = "kvq:prefix:";  // Redis: prepended to the hex key
+  int timeout_ms = 1000;         // Redis: connect and per-command timeout (1..60000)
+  std::optional<Key> model;      // the model's fingerprint (model/fingerprint.h)
+  // Where warnings go (one line each, no trailing newline); default stderr.
+  std::function<void(const std::string&)> warn;
+};
+
+// Key-value storage of chunks. Batched calls take the keys in order.
+class StoreBackend {
+ public:
+  virtual ~StoreBackend() = default;
+  // What to print: the path or the URL with any password as ***.
+  virtual std::string describe() const = 0;
+  // False once the backend gave up (an unreachable or dying server).
+  virtual bool alive() const { return true; }
+  virtual std::vector<bool> contains(std::span<const Key> keys) = 0;
+  virtual std::vector<std::optional<std::vector<uint8_t>>> get(std::span<const Key> keys) = 0;
+  virtual void put(const Key& key, std::span<const uint8_t> value) = 0;
+};
+
+// url: "memory:" or "memory:NAME" (a map shared by the process's stores of
+// that name), "redis://[user:password@]host[:port][/db]" (password also from
+// KVQ_REDIS_PASSWORD), a directory path, or "" for the default directory
+// ($XDG_CACHE_HOME/kvq/prefix, else ~/.cache/kvq/prefix). Throws kvq::Error
+// on a malformed URL or option; a server that cannot be reached is a
+// warning and an empty store.
+std::unique_ptr<StoreBackend> open_backend(const std::string& url, const StoreOptions& o);
+std::string default_store_dir();
+
+// The chunk size a cache of this scheme uses for a requested one.
+int chunk_tokens_for(const KvCache& cache, int requested);
+
+// Keys of the full chunks of `tokens` (chunk size C = chunk_tokens_for).
+std::vector<Key> chunk_keys(const KvCache& cache, std::span<const int> tokens, int chunk_tokens,
+                            const std::optional<Key>& model);
+
+struct LookupReport {
+  int64_t tokens = 0;        // restored
+  int chunks = 0;            // restored
+  int bad = 0;               // entries found unusable (warned, to be overwritten)
+  double lookup_s = 0;       // keys, contains, get, checks
+  double restore_s = 0;      // KvCache::restore_ranges
+  uint64_t bytes = 0;        // value bytes read
+};
+
+class PrefixStore {
+ public:
+  explicit PrefixStore(const std::string& url, StoreOptions o = {});
+  const StoreOptions& options() const { return o_; }
+  StoreBackend& backend() { return *b_; }
+  int chunk_tokens(const KvCache& cache) const { return chunk_tokens_for(cache, o_.chunk_tokens); }
+
+  // Restores into `cache` the longest run of stored chunks that are full
+  // chunks of tokens[0, limit) (limit -1: all of them) and returns the
+  // tokens restored (0: the cache is untouched). The cache must be of the
+  // scheme and tables the chunks were stored with (else they are misses)
+  // with max_seq >= the tokens restored.
+  int64_t longest_prefix(std::span<const int> tokens, KvCache& cache, int64_t limit = -1,
+                         LookupReport* report = nullptr);
+  // Stores the full chunks of tokens[0, cache.tokens()) that the store does
+  // not hold (or held unusable): a row cache any of them, a grouped cache
+  // the one ending at its current length (call put as each chunk fills, as
+  // kvq generate does). tokens: the ids the cache was computed from (at
+  // least cache.tokens()). Returns the chunks written.
+  int put(std::span<const int> tokens, const KvCache& cache, uint64_t* bytes = nullptr);
+
+ private:
+  void Warn(const std::string& s) const;
+  StoreOptions o_;
+  std::unique_ptr<StoreBackend> b_;
+  std::set<Key> bad_;  // found unusable: put overwrites them
+};
+
+}  // namespace kvq::store

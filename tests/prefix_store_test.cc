@@ -1,0 +1,685 @@
+// The prefix store (store/prefix_store.h): token ranges restore exactly for
+// every scheme; chained keys; the memory, directory and Redis backends; and
+// every fault the issue names: corrupted, truncated and foreign entries,
+// a full disk, a size cap, two writers at once, a refused, silent, dying or
+// password-protected Redis (a real redis-server on 127.0.0.1, started here).
+#include "store/prefix_store.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include "tests/kv_cache_util.h"
+#include "tests/test_util.h"
+
+namespace kvq::store {
+namespace {
+
+namespace fs = std::filesystem;
+using test::kE;
+using test::kL;
+using test::kH;
+using test::kD;
+
+struct Filled {
+  KvCache cache;
+  std::vector<std::vector<uint8_t>> ranges;  // [iC, (i+1)C) saved as the cache reached (i+1)C
+  std::vector<std::vector<uint8_t>> whole;   // to_bytes at (i+1)C
+  std::vector<Key> ids;
+};
+
+Key Id(int i) {
+  Key k{};
+  k[0] = static_cast<uint8_t>(i + 1);
+  return k;
+}
+
+Filled Fill(const std::string& scheme, const StaticRanges& r, const test::Rows& rows, int C, int chunks) {
+  Filled f{KvCache(scheme, kL, 4096, kH, kD, &r), {}, {}, {}};
+  for (int t = 0; t < C * chunks; ++t) {
+    for (int l = 0; l < kL; ++l) f.cache.write(l, t, rows.k[static_cast<size_t>(t)], rows.v[static_cast<size_t>(t)]);
+    if ((t + 1) % C == 0) {
+      const int i = (t + 1) / C - 1;
+      f.ids.push_back(Id(i));
+      f.ranges.push_back(f.cache.range_to_bytes(static_cast<int64_t>(i) * C, -1, f.ids.back()));
+      f.whole.push_back(f.cache.to_bytes());
+    }
+  }
+  return f;
+}
+
+std::vector<float> Attend(const KvCache& c, int layer, uint64_t seed) {
+  test::Rng rng(seed);
+  std::vector<float> q(2 * kE), out(2 * kE);
+  for (float& x : q) x = static_cast<float>(rng.Gaussian());
+  c.attend(layer, q, 2 * kH, out);
+  return out;
+}
+
+TEST(PrefixRanges, RestoreExactlyAndContinueForEveryScheme) {
+  const StaticRanges r = test::Ranges(3);
+  const test::Rows rows = test::MakeRows(700, 5);
+  for (const std::string& s : test::Schemes()) {
+    SCOPED_TRACE(s);
+    KvCache probe(s, kL, 4096, kH, kD, &r);
+    const int C = chunk_tokens_for(probe, 40);
+    ASSERT_LE(3 * C, 700);
+    const Filled f = Fill(s, r, rows, C, 3);
+    // Chunks 0 and 1 restore the cache of 2C tokens, bit for bit.
+    KvCache b(s, kL, 4096, kH, kD, &r);
+    const std::vector<std::span<const uint8_t>> two = {f.ranges[0], f.ranges[1]};
+    const std::vector<int64_t> ends = {C, 2 * C};
+    b.restore_ranges(two, ends, std::span(f.ids).first(2));
+    EXPECT_EQ(b.tokens(), 2 * C);
+    EXPECT_TRUE(b.to_bytes() == f.whole[1]);
+    // ... and continued, equal the uninterrupted cache at 3C.
+    for (int t = 2 * C; t < 3 * C; ++t) {
+      for (int l = 0; l < kL; ++l) b.write(l, t, rows.k[static_cast<size_t>(t)], rows.v[static_cast<size_t>(t)]);
+    }
+    EXPECT_TRUE(b.to_bytes() == f.whole[2]);
+    EXPECT_EQ(Attend(b, 1, 7), Attend(f.cache, 1, 7));
+    // One chunk alone.
+    KvCache one(s, kL, 4096, kH, kD, &r);
+    const std::vector<std::span<const uint8_t>> first = {f.ranges[0]};
+    one.restore_ranges(first, std::span(ends).first(1), std::span(f.ids).first(1));
+    EXPECT_TRUE(one.to_bytes() == f.whole[0]);
+  }
+}
+
+TEST(PrefixRanges, RowSchemesSaveAnyRangeOfWhatTheyHold) {
+  const test::Rows rows = test::MakeRows(100, 2);
+  KvCache a("q8_0", kL, 256, kH, kD);
+  for (int t = 0; t < 100; ++t) {
+    for (int l = 0; l < kL; ++l) a.write(l, t, rows.k[static_cast<size_t>(t)], rows.v[static_cast<size_t>(t)]);
+  }
+  const std::vector<uint8_t> r0 = a.range_to_bytes(0, 32, Id(0)), r1 = a.range_to_bytes(32, 64, Id(1));
+  KvCache b("q8_0", kL, 256, kH, kD);
+  const std::vector<std::span<const uint8_t>> parts = {r0, r1};
+  const std::vector<int64_t> ends = {32, 64};
+  const std::vector<Key> ids = {Id(0), Id(1)};
+  b.restore_ranges(parts, ends, ids);
+  EXPECT_TRUE(b.to_bytes() == a.to_bytes(64));
+  // A grouped cache gives only the range ending at its length.
+  const StaticRanges r = test::Ranges(1);
+  KvCache g("kvq-4.5", kL, 256, kH, kD, &r);
+  for (int t = 0; t < 100; ++t) {
+    for (int l = 0; l < kL; ++l) g.write(l, t, rows.k[static_cast<size_t>(t)], rows.v[static_cast<size_t>(t)]);
+  }
+  EXPECT_NE(test::ErrorOf([&] { (void)g.range_to_bytes(0, 64, Id(0)); }).find("current length"), std::string::npos);
+}
+
+TEST(PrefixRanges, RefusedChunksLeaveTheCacheAsItWas) {
+  const StaticRanges r = test::Ranges(3);
+  const test::Rows rows = test::MakeRows(300, 5);
+  const Filled f = Fill("kvq-2.5", r, rows, 96, 2);
+  const Filled other = Fill("kvq-4.5", r, rows, 96, 2);
+  KvCache b("kvq-2.5", kL, 4096, kH, kD, &r);
+  for (int t = 0; t < 10; ++t) {
+    for (int l = 0; l < kL; ++l) b.write(l, t, rows.k[static_cast<size_t>(t)], rows.v[static_cast<size_t>(t)]);
+  }
+  const std::vector<uint8_t> before = b.to_bytes();
+  const std::vector<int64_t> ends = {96, 192};
+  auto refuse = [&](std::vector<uint8_t> c0, std::vector<uint8_t> c1, std::vector<Key> ids, const char* want) {
+    SCOPED_TRACE(want);
+    const std::vector<std::span<const uint8_t>> parts = {c0, c1};
+    const std::string e = test::ErrorOf([&] { b.restore_ranges(parts, ends, ids); });
+    EXPECT_NE(e.find(want), std::string::npos) << e;
+    EXPECT_TRUE(b.to_bytes() == before);
+  };
+  const std::vector<Key> ids = {f.ids[0], f.ids[1]};
+  std::vector<uint8_t> flipped = f.ranges[1];
+  flipped[flipped.size() / 2] ^= 0x10;
+  refuse(f.ranges[0], flipped, ids, "CRC");
+  refuse(f.ranges[0], std::vector<uint8_t>(f.ranges[1].begin(), f.ranges[1].end() - 7), ids, "truncated");
+  refuse(f.ranges[0], f.ranges[1], {f.ids[0], Id(9)}, "another key");
+  refuse(f.ranges[1], f.ranges[0], ids, "another key");
+  // A range under its own key but in the wrong place.
+  KvCache early("kvq-2.5", kL, 4096, kH, kD, &r);
+  const std::vector<std::span<const uint8_t>> swapped = {f.ranges[1]};
+  const std::vector<int64_t> end0 = {96};
+  const std::vector<Key> id1 = {f.ids[1]};
+  EXPECT_NE(test::ErrorOf([&] { early.restore_ranges(swapped, end0, id1); }).find("holds tokens"), std::string::npos);
+  refuse(other.ranges[0], other.ranges[1], ids, "this cache is");
+  // Another cache's tables (other calibrated ranges) are refused too.
+  const StaticRanges r2 = test::Ranges(4);
+  KvCache c("kvq-2.5", kL, 4096, kH, kD, &r2);
+  const std::vector<std::span<const uint8_t>> parts = {f.ranges[0], f.ranges[1]};
+  EXPECT_NE(test::ErrorOf([&] { c.restore_ranges(parts, ends, ids); }).find("tables"), std::string::npos);
+  EXPECT_EQ(c.tokens(), 0);
+}
+
+TEST(PrefixKeys, ChainedOverModelSchemeTablesAndTokens) {
+  const StaticRanges r = test::Ranges(3), r2 = test::Ranges(4);
+  KvCache a("kvq-4.5", kL, 4096, kH, kD, &r), a2("kvq-4.5", kL, 4096, kH, kD, &r2), q("q8_0", kL, 4096, kH, kD);
+  EXPECT_EQ(chunk_tokens_for(a, 256), 256);
+  EXPECT_EQ(chunk_tokens_for(KvCache("kvq-2.5", kL, 4096, kH, kD, &r), 256), 288);  // groups of 96
+  EXPECT_EQ(chunk_tokens_for(q, 100), 100);
+  std::vector<int> t(200);
+  for (int i = 0; i < 200; ++i) t[static_cast<size_t>(i)] = i * 7 % 31;
+  const std::vector<Key> k = chunk_keys(a, t, 64, std::nullopt);
+  ASSERT_EQ(k.size(), 3u);  // full chunks only
+  EXPECT_EQ(chunk_keys(a, std::span(t).first(130), 64, std::nullopt), std::vector<Key>(k.begin(), k.begin() + 2));
+  std::vector<int> t2 = t;
+  t2[70] += 1;  // chunk 1 differs: it and every later key change, chunk 0 does not
+  const std::vector<Key> k2 = chunk_keys(a, t2, 64, std::nullopt);
+  EXPECT_EQ(k2[0], k[0]);
+  EXPECT_NE(k2[1], k[1]);
+  EXPECT_NE(k2[2], k[2]);
+  Key model{};
+  model[3] = 1;
+  EXPECT_NE(chunk_keys(a, t, 64, model)[0], k[0]);
+  EXPECT_NE(chunk_keys(a2, t, 64, std::nullopt)[0], k[0]);  // other tables
+  EXPECT_NE(chunk_keys(q, t, 64, std::nullopt)[0], k[0]);   // other scheme
+  EXPECT_EQ(chunk_keys(a, t, 40, std::nullopt)[0], k[0]);   // rounded up to the same chunk
+  EXPECT_NE(chunk_keys(q, t, 32, std::nullopt)[0], chunk_keys(q, t, 64, std::nullopt)[0]);  // other chunking
+  std::vector<int> neg = t;
+  neg[3] = -1;
+  EXPECT_NE(test::ErrorOf([&] { (void)chunk_keys(a, neg, 64, std::nullopt); }).find("ids >= 0"), std::string::npos);
+}
+
+// ---- PrefixStore over a backend ------------------------------------------------
+
+struct Warnings {
+  std::vector<std::string> lines;
+  StoreOptions Options(int chunk = 64) {
+    StoreOptions o;
+    o.chunk_tokens = chunk;
+    o.warn = [this](const std::string& s) { lines.push_back(s); };
+    return o;
+  }
+};
+
+std::vector<int> Tokens(int n, int salt = 0) {
+  std::vector<int> t(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) t[static_cast<size_t>(i)] = (i * 13 + salt) % 97;
+  return t;
+}
+
+// Writes tokens [from, to) of `rows` and puts each chunk as it fills.
+void FillAndPut(PrefixStore& s, KvCache& c, const test::Rows& rows, std::span<const int> tokens, int from, int to) {
+  for (int t = from; t < to; ++t) {
+    for (int l = 0; l < kL; ++l) c.write(l, t, rows.k[static_cast<size_t>(t)], rows.v[static_cast<size_t>(t)]);
+    s.put(tokens, c);
+  }
+}
+
+// The store's whole contract on one backend: misses, hits, a diverging
+// prompt, a corrupted, a truncated and a foreign entry (each one warning,
+// recomputed, overwritten).
+void ExerciseStore(const std::string& url, const std::string& scheme, Warnings& w) {
+  SCOPED_TRACE(url + " " + scheme);
+  w.lines.clear();
+  const StaticRanges r = test::Ranges(3);
+  const test::Rows rows = test::MakeRows(700, 5);
+  PrefixStore s(url, w.Options(64));
+  KvCache ref(scheme, kL, 4096, kH, kD, &r);
+  const int C = s.chunk_tokens(ref);
+  const std::vector<int> tok = Tokens(3 * C + 5);
+  KvCache cold(scheme, kL, 4096, kH, kD, &r);
+  EXPECT_EQ(s.longest_prefix(tok, cold), 0);
+  FillAndPut(s, cold, rows, tok, 0, 3 * C + 5);
+  const std::vector<Key> keys = chunk_keys(cold, tok, C, std::nullopt);
+  EXPECT_EQ(s.backend().contains(keys), std::vector<bool>(3, true));
+  // Warm: all three chunks; limit keeps one token to evaluate.
+  KvCache warm(scheme, kL, 4096, kH, kD, &r);
+  LookupReport rep;
+  EXPECT_EQ(s.longest_prefix(tok, warm, 3 * C, &rep), 3 * C);
+  EXPECT_EQ(rep.chunks, 3);
+  EXPECT_GT(rep.bytes, 0u);
+  KvCache at3(scheme, kL, 4096, kH, kD, &r);
+  for (int t = 0; t < 3 * C; ++t) {
+    for (int l = 0; l < kL; ++l) at3.write(l, t, rows.k[static_cast<size_t>(t)], rows.v[static_cast<size_t>(t)]);
+  }
+  EXPECT_TRUE(warm.to_bytes() == at3.to_bytes());
+  EXPECT_EQ(s.longest_prefix(tok, warm, 3 * C - 1), 2 * C);
+  // A prompt that leaves the stored one in chunk 1 reuses chunk 0.
+  std::vector<int> other = tok;
+  other[static_cast<size_t>(C) + 3] += 1;
+  KvCache o(scheme, kL, 4096, kH, kD, &r);
+  EXPECT_EQ(s.longest_prefix(other, o), C);
+  EXPECT_TRUE(w.lines.empty());
+  // Garbage, a truncated value and another chunk's value, each under chunk 1's key.
+  const std::vector<uint8_t> good = *s.backend().get(std::span(keys).subspan(1, 1))[0];
+  const std::vector<uint8_t> chunk2 = *s.backend().get(std::span(keys).subspan(2, 1))[0];
+  const std::vector<std::pair<std::vector<uint8_t>, const char*>> bad = {
+      {std::vector<uint8_t>(100, 0x5A), "magic"},
+      {std::vector<uint8_t>(good.begin(), good.begin() + static_cast<std::ptrdiff_t>(good.size() / 2)), "truncated"},
+      {chunk2, "another key"}};
+  for (const auto& [value, why] : bad) {
+    SCOPED_TRACE(why);
+    s.backend().put(keys[1], value);
+    w.lines.clear();
+    KvCache m(scheme, kL, 4096, kH, kD, &r);
+    EXPECT_EQ(s.longest_prefix(tok, m), C);  // chunk 0 only
+    ASSERT_EQ(w.lines.size(), 1u);
+    EXPECT_NE(w.lines[0].find("chunk 1"), std::string::npos) << w.lines[0];
+    EXPECT_NE(w.lines[0].find(why), std::string::npos) << w.lines[0];
+    // Recomputed and overwritten by the next fill.
+    FillAndPut(s, m, rows, tok, C, 3 * C);
+    KvCache again(scheme, kL, 4096, kH, kD, &r);
+    EXPECT_EQ(s.longest_prefix(tok, again), 3 * C);
+    EXPECT_TRUE(again.to_bytes() == at3.to_bytes());
+  }
+  // Another scheme's cache finds nothing (its keys differ).
+  KvCache q("q4_0", kL, 4096, kH, kD);
+  EXPECT_EQ(s.longest_prefix(tok, q), 0);
+}
+
+TEST(PrefixStore, MemoryBackendForRowsAndGroups) {
+  Warnings w;
+  for (const char* s : {"q8_0", "kvq-4.5", "kvq-2.5", "k4v4g16r5s3"}) ExerciseStore(std::string("memory:") + s, s, w);
+}
+
+fs::path TempDir(const std::string& tag) {
+  const fs::path d = fs::temp_directory_path() / ("kvq_prefix_" + tag + "_" + std::to_string(::getpid()));
+  fs::remove_all(d);
+  return d;
+}
+
+int CountFiles(const fs::path& d, bool temps) {
+  int n = 0;
+  for (const auto& e : fs::directory_iterator(d)) {
+    const std::string name = e.path().filename();
+    n += temps ? name[0] == '.' : name.ends_with(".kvqr");
+  }
+  return n;
+}
+
+TEST(PrefixStore, DirectoryBackend) {
+  Warnings w;
+  const fs::path d = TempDir("dir");
+  for (const char* s : {"q8_0", "kvq-4.5"}) ExerciseStore((d / s).string(), s, w);
+  EXPECT_EQ(CountFiles(d / "kvq-4.5", true), 0);  // no temporary file left
+  fs::remove_all(d);
+}
+
+TEST(PrefixStore, DirectorySizeCapEvictsTheLeastRecentlyUsed) {
+  Warnings w;
+  const fs::path d = TempDir("cap");
+  const StaticRanges r = test::Ranges(3);
+  const test::Rows rows = test::MakeRows(700, 5);
+  uint64_t chunk_bytes = 0;
+  {
+    PrefixStore probe((d / "probe").string(), w.Options(64));
+    KvCache c("kvq-4.5", kL, 4096, kH, kD, &r);
+    const std::vector<int> t = Tokens(64);
+    for (int i = 0; i < 64; ++i) {
+      for (int l = 0; l < kL; ++l) c.write(l, i, rows.k[static_cast<size_t>(i)], rows.v[static_cast<size_t>(i)]);
+    }
+    probe.put(t, c, &chunk_bytes);
+  }
+  ASSERT_GT(chunk_bytes, 0u);
+  StoreOptions o = w.Options(64);
+  o.max_bytes = chunk_bytes * 5 / 2;  // room for two chunk-0 entries of about that size
+  PrefixStore s((d / "s").string(), o);
+  // Four prompts, one chunk each; the first is read again before the last is put.
+  std::vector<std::vector<int>> prompts;
+  for (int p = 0; p < 4; ++p) prompts.push_back(Tokens(64, p + 1));
+  auto put = [&](int p) {
+    KvCache c("kvq-4.5", kL, 4096, kH, kD, &r);
+    FillAndPut(s, c, rows, prompts[static_cast<size_t>(p)], 0, 64);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // distinct mtimes
+  };
+  put(0), put(1);
+  KvCache c0("kvq-4.5", kL, 4096, kH, kD, &r);
+  EXPECT_EQ(s.longest_prefix(prompts[0], c0), 64);  // 0 is now more recent than 1
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  put(2);
+  EXPECT_LE(CountFiles(d / "s", false), 2);
+  auto has = [&](int p) {
+    KvCache c("kvq-4.5", kL, 4096, kH, kD, &r);
+    return s.longest_prefix(prompts[static_cast<size_t>(p)], c) == 64;
+  };
+  EXPECT_FALSE(has(1));  // the least recently used went first
+  EXPECT_TRUE(has(2));
+  EXPECT_TRUE(has(0));
+  fs::remove_all(d);
+}
+
+TEST(PrefixStore, AFullDiskLeavesNoPartialFile) {
+  const fs::path d = TempDir("full");
+  fs::create_directories(d);
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {  // a file size limit: writes past 4 KiB fail as on a full disk
+    ::signal(SIGXFSZ, SIG_IGN);
+    const struct rlimit lim = {4096, 4096};
+    ::setrlimit(RLIMIT_FSIZE, &lim);
+    int warned = 0;
+    StoreOptions o;
+    o.chunk_tokens = 64;
+    o.warn = [&](const std::string& s) { warned += s.find("cannot store") != std::string::npos; };
+    PrefixStore s(d.string(), o);
+    const StaticRanges r = test::Ranges(3);
+    const test::Rows rows = test::MakeRows(64, 5);
+    KvCache c("q8_0", kL, 4096, kH, kD);
+    FillAndPut(s, c, rows, Tokens(64), 0, 64);
+    std::_Exit(warned == 1 ? 0 : 3);
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "expected one 'cannot store' warning";
+  EXPECT_EQ(CountFiles(d, false) + CountFiles(d, true), 0);
+  fs::remove_all(d);
+}
+
+TEST(PrefixStore, TwoProcessesFillingOneDirectoryLoseNothing) {
+  const fs::path d = TempDir("two");
+  const StaticRanges r = test::Ranges(3);
+  const test::Rows rows = test::MakeRows(700, 5);
+  // Both fill the same six prompts (three chunks each), in opposite orders.
+  std::vector<pid_t> pids;
+  for (int who = 0; who < 2; ++who) {
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      StoreOptions o;
+      o.chunk_tokens = 64;
+      PrefixStore s(d.string(), o);
+      for (int i = 0; i < 6; ++i) {
+        const int p = who == 0 ? i : 5 - i;
+        KvCache c("kvq-4.5", kL, 4096, kH, kD, &r);
+        FillAndPut(s, c, rows, Tokens(192, p), 0, 192);
+      }
+      std::_Exit(0);
+    }
+    pids.push_back(pid);
+  }
+  for (pid_t p : pids) {
+    int status = 0;
+    ::waitpid(p, &status, 0);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  }
+  Warnings w;
+  PrefixStore s(d.string(), w.Options(64));
+  for (int p = 0; p < 6; ++p) {
+    KvCache c("kvq-4.5", kL, 4096, kH, kD, &r), ref("kvq-4.5", kL, 4096, kH, kD, &r);
+    EXPECT_EQ(s.longest_prefix(Tokens(192, p), c), 192);
+    for (int t = 0; t < 192; ++t) {
+      for (int l = 0; l < kL; ++l) ref.write(l, t, rows.k[static_cast<size_t>(t)], rows.v[static_cast<size_t>(t)]);
+    }
+    EXPECT_TRUE(c.to_bytes() == ref.to_bytes());
+  }
+  EXPECT_TRUE(w.lines.empty());
+  EXPECT_EQ(CountFiles(d, true), 0);
+  fs::remove_all(d);
+}
+
+TEST(PrefixStore, BadUrlsAndOptionsAreErrors) {
+  StoreOptions o;
+  EXPECT_NE(test::ErrorOf([&] { PrefixStore("http://x", o); }).find("unsupported URL"), std::string::npos);
+  EXPECT_NE(test::ErrorOf([&] { PrefixStore("redis://host:99999", o); }).find("port"), std::string::npos);
+  EXPECT_NE(test::ErrorOf([&] { PrefixStore("redis://:6379", o); }).find("no host"), std::string::npos);
+  EXPECT_NE(test::ErrorOf([&] { PrefixStore("redis://h/x", o); }).find("database"), std::string::npos);
+  o.chunk_tokens = 0;
+  EXPECT_NE(test::ErrorOf([&] { PrefixStore("memory:", o); }).find("chunk_tokens"), std::string::npos);
+}
+
+// ---- Redis ----------------------------------------------------------------------
+
+bool HaveRedis() { return std::system("command -v redis-server >/dev/null 2>&1") == 0; }
+
+bool Required() {
+  const char* req = std::getenv("KVQ_REQUIRE_DATA");
+  const char* ci = std::getenv("CI");
+  return (req && std::string(req) == "1") || (ci && std::string(ci) == "true");
+}
+
+#define KVQ_NEED_REDIS()                                                                              \
+  do {                                                                                                \
+    if (!HaveRedis()) {                                                                               \
+      if (Required()) FAIL() << "redis-server is not installed (scripts/install_deps.sh installs it)"; \
+      GTEST_SKIP() << "redis-server is not installed (scripts/install_deps.sh installs it)";          \
+    }                                                                                                 \
+  } while (0)
+
+int FreePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t n = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &n);
+  const int port = ntohs(a.sin_port);
+  ::close(fd);
+  return port;
+}
+
+bool CanConnect(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  const bool ok = ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+  ::close(fd);
+  return ok;
+}
+
+// redis-server on 127.0.0.1 at a free port, no persistence; killed at the end.
+class RedisServer {
+ public:
+  explicit RedisServer(std::vector<std::string> extra = {}) : port_(FreePort()) {
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      std::vector<std::string> args = {"redis-server", "--port", std::to_string(port_), "--bind", "127.0.0.1",
+                                       "--save", "", "--appendonly", "no", "--logfile", "/dev/null"};
+      args.insert(args.end(), extra.begin(), extra.end());
+      std::vector<char*> argv;
+      for (std::string& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      ::execvp("redis-server", argv.data());
+      std::_Exit(127);
+    }
+    for (int i = 0; i < 200 && !CanConnect(port_); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  ~RedisServer() { Kill(); }
+  void Kill() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+      pid_ = -1;
+    }
+  }
+  int port() const { return port_; }
+  std::string url() const { return "redis://127.0.0.1:" + std::to_string(port_); }
+  bool up() const { return CanConnect(port_); }
+
+ private:
+  int port_;
+  pid_t pid_ = -1;
+};
+
+TEST(PrefixStoreRedis, RoundTripsAndRefusesBadEntries) {
+  KVQ_NEED_REDIS();
+  RedisServer srv;
+  ASSERT_TRUE(srv.up());
+  Warnings w;
+  for (const char* s : {"q8_0", "kvq-2.5"}) ExerciseStore(srv.url() + "/3", s, w);
+  // Key prefix and expiry as configured.
+  StoreOptions o = w.Options(64);
+  o.key_prefix = "test:";
+  o.ttl_seconds = 100;
+  PrefixStore s(srv.url(), o);
+  KvCache c("q8_0", kL, 4096, kH, kD);
+  const test::Rows rows = test::MakeRows(64, 1);
+  FillAndPut(s, c, rows, Tokens(64), 0, 64);
+  const std::string key = "test:" + hex_digest(chunk_keys(c, Tokens(64), 64, std::nullopt)[0]);
+  FILE* p = ::popen(("redis-cli -p " + std::to_string(srv.port()) + " TTL " + key).c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  char buf[64] = {0};
+  ASSERT_NE(std::fgets(buf, sizeof buf, p), nullptr);
+  ::pclose(p);
+  const int ttl = std::atoi(buf);
+  EXPECT_GT(ttl, 90);
+  EXPECT_LE(ttl, 100);
+}
+
+TEST(PrefixStoreRedis, ARefusedConnectionIsAWarningAndAnEmptyStore) {
+  Warnings w;
+  const int port = FreePort();  // nothing listens there
+  const auto t0 = std::chrono::steady_clock::now();
+  PrefixStore s("redis://127.0.0.1:" + std::to_string(port), w.Options(64));
+  EXPECT_FALSE(s.backend().alive());
+  ASSERT_EQ(w.lines.size(), 1u);
+  EXPECT_NE(w.lines[0].find("cannot connect"), std::string::npos) << w.lines[0];
+  EXPECT_NE(w.lines[0].find("continuing without the store"), std::string::npos);
+  KvCache c("q8_0", kL, 4096, kH, kD);
+  FillAndPut(s, c, test::MakeRows(70, 1), Tokens(70), 0, 70);
+  EXPECT_EQ(s.longest_prefix(Tokens(70), c), 0);
+  EXPECT_EQ(w.lines.size(), 1u);  // once
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 3.0);
+}
+
+// A fake server on a free port: accepts, reads a request, then does what
+// `reply` says (nothing: a silent server; or writes bytes and closes).
+class FakeServer {
+ public:
+  explicit FakeServer(std::string reply, bool close_after) : reply_(std::move(reply)), close_(close_after) {
+    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ::bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a);
+    socklen_t n = sizeof a;
+    ::getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &n);
+    port_ = ntohs(a.sin_port);
+    ::listen(fd_, 4);
+    th_ = std::thread([this] {
+      const int c = ::accept(fd_, nullptr, nullptr);
+      if (c < 0) return;
+      char buf[4096];
+      (void)::read(c, buf, sizeof buf);
+      if (!reply_.empty()) (void)::write(c, reply_.data(), reply_.size());
+      if (close_) {
+        ::close(c);
+      } else {
+        while (!stop_) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        ::close(c);
+      }
+    });
+  }
+  ~FakeServer() {
+    stop_ = true;
+    ::shutdown(fd_, SHUT_RDWR);
+    ::close(fd_);
+    th_.join();
+  }
+  int port() const { return port_; }
+
+ private:
+  std::string reply_;
+  bool close_;
+  int fd_, port_;
+  std::atomic<bool> stop_{false};
+  std::thread th_;
+};
+
+TEST(PrefixStoreRedis, ASilentServerTimesOutWithinASecond) {
+  Warnings w;
+  FakeServer fake("", /*close_after=*/false);
+  StoreOptions o = w.Options(64);
+  PrefixStore s("redis://127.0.0.1:" + std::to_string(fake.port()), o);
+  KvCache c("q8_0", kL, 4096, kH, kD);
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(s.longest_prefix(Tokens(70), c), 0);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(secs, 2.0);
+  ASSERT_EQ(w.lines.size(), 1u);
+  EXPECT_NE(w.lines[0].find("no reply within the timeout"), std::string::npos) << w.lines[0];
+  EXPECT_FALSE(s.backend().alive());
+}
+
+TEST(PrefixStoreRedis, AConnectionDroppedMidTransferIsAMiss) {
+  Warnings w;
+  // EXISTS says yes, then GET's reply announces 10^6 bytes and the server hangs up after 3.
+  FakeServer fake(":1\r\n$1000000\r\nabc", /*close_after=*/true);
+  PrefixStore s("redis://127.0.0.1:" + std::to_string(fake.port()), w.Options(64));
+  KvCache c("q8_0", kL, 4096, kH, kD);
+  EXPECT_EQ(s.longest_prefix(Tokens(70), c), 0);
+  ASSERT_EQ(w.lines.size(), 1u);
+  EXPECT_NE(w.lines[0].find("connection lost"), std::string::npos) << w.lines[0];
+  EXPECT_EQ(c.tokens(), 0);
+}
+
+TEST(PrefixStoreRedis, AServerKilledMidRunIsAWarningAndTheRunGoesOn) {
+  KVQ_NEED_REDIS();
+  RedisServer srv;
+  ASSERT_TRUE(srv.up());
+  Warnings w;
+  PrefixStore s(srv.url(), w.Options(64));
+  const test::Rows rows = test::MakeRows(200, 1);
+  KvCache c("q8_0", kL, 4096, kH, kD);
+  const std::vector<int> tok = Tokens(200);
+  FillAndPut(s, c, rows, tok, 0, 100);
+  srv.Kill();
+  FillAndPut(s, c, rows, tok, 100, 200);  // puts fail: one warning
+  ASSERT_EQ(w.lines.size(), 1u);
+  EXPECT_NE(w.lines[0].find("connection lost"), std::string::npos) << w.lines[0];
+  KvCache d("q8_0", kL, 4096, kH, kD);
+  EXPECT_EQ(s.longest_prefix(tok, d), 0);
+  EXPECT_EQ(w.lines.size(), 1u);
+}
+
+TEST(PrefixStoreRedis, PasswordsAreSentAndNeverPrinted) {
+  KVQ_NEED_REDIS();
+  RedisServer srv({"--requirepass", "s3cret-Pw"});
+  ASSERT_TRUE(srv.up());
+  const test::Rows rows = test::MakeRows(70, 1);
+  {  // the right password in the URL
+    Warnings w;
+    PrefixStore s("redis://:s3cret-Pw@127.0.0.1:" + std::to_string(srv.port()), w.Options(64));
+    EXPECT_TRUE(s.backend().alive());
+    EXPECT_EQ(s.backend().describe().find("s3cret"), std::string::npos);
+    KvCache c("q8_0", kL, 4096, kH, kD);
+    FillAndPut(s, c, rows, Tokens(70), 0, 70);
+    KvCache d("q8_0", kL, 4096, kH, kD);
+    EXPECT_EQ(s.longest_prefix(Tokens(70), d), 64);
+    EXPECT_TRUE(w.lines.empty());
+  }
+  {  // a wrong one: a clear warning without either password
+    Warnings w;
+    PrefixStore s("redis://default:wrong-Pw@127.0.0.1:" + std::to_string(srv.port()), w.Options(64));
+    EXPECT_FALSE(s.backend().alive());
+    ASSERT_EQ(w.lines.size(), 1u);
+    EXPECT_NE(w.lines[0].find("AUTH refused"), std::string::npos) << w.lines[0];
+    EXPECT_EQ(w.lines[0].find("wrong-Pw"), std::string::npos) << w.lines[0];
+    EXPECT_EQ(w.lines[0].find("s3cret"), std::string::npos) << w.lines[0];
+  }
+  {  // none: NOAUTH on the first command
+    Warnings w;
+    ::unsetenv("KVQ_REDIS_PASSWORD");
+    PrefixStore s(srv.url(), w.Options(64));
+    KvCache d("q8_0", kL, 4096, kH, kD);
+    EXPECT_EQ(s.longest_prefix(Tokens(70), d), 0);
+    ASSERT_EQ(w.lines.size(), 1u);
+    EXPECT_NE(w.lines[0].find("NOAUTH"), std::string::npos) << w.lines[0];
+  }
+  {  // from KVQ_REDIS_PASSWORD
+    Warnings w;
+    ::setenv("KVQ_REDIS_PASSWORD", "s3cret-Pw", 1);
+    PrefixStore s(srv.url(), w.Options(64));
+    ::unsetenv("KVQ_REDIS_PASSWORD");
+    KvCache d("q8_0", kL, 4096, kH, kD);
+    EXPECT_EQ(s.longest_prefix(Tokens(70), d), 64);
+    EXPECT_TRUE(w.lines.empty());
+    EXPECT_NE(s.backend().describe().find(":***@"), std::string::npos) << s.backend().describe();
+  }
+}
+
+}  // namespace
+}  // namespace kvq::store
