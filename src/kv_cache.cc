@@ -14,6 +14,7 @@
 
 #include "kvq/error.h"
 #include "kvq/file.h"
+#include "kvq/sha256.h"
 #include "src/container.h"
 #include "src/schemes/families.h"
 
@@ -336,6 +337,12 @@ KvCache KvCache::load(const std::string& path, const KvCacheExpect& expect, KvCa
 namespace {
 constexpr char kRangeMagic[4] = {'K', 'V', 'Q', 'R'};
 constexpr uint16_t kRangeVersion = 1;
+
+Digest TablesDigest(const std::vector<uint8_t>& tables) {
+  Sha256 h;
+  h.update(tables.data(), tables.size());
+  return h.final();
+}
 }  // namespace
 
 std::vector<uint8_t> KvCache::tables() const {
@@ -353,11 +360,10 @@ std::vector<uint8_t> KvCache::range_to_bytes(int64_t begin, int64_t end, const s
   w.put<uint64_t>(static_cast<uint64_t>(begin));
   w.put<uint64_t>(static_cast<uint64_t>(T));
   w.put_array(std::span<const uint8_t>(id));
-  std::vector<uint8_t> t, state;
-  if (begin == 0) b_->save_tables(t);
+  const Digest td = TablesDigest(tables());
+  w.put_array(std::span<const uint8_t>(td));
+  std::vector<uint8_t> state;
   b_->save_range(begin, T, state);
-  w.put<uint64_t>(t.size());
-  w.put_array(std::span<const uint8_t>(t));
   w.put<uint64_t>(state.size());
   w.put_array(std::span<const uint8_t>(state));
   return detail::WrapContainer(kRangeMagic, kRangeVersion, w.bytes());
@@ -383,11 +389,10 @@ std::span<const uint8_t> KvCache::CheckRange(std::span<const uint8_t> bytes, int
                 hex_digest(id).substr(0, 16), "... (an entry stored under another key)");
   KVQ_CHECK_ARG(b == static_cast<uint64_t>(begin) && e == static_cast<uint64_t>(end), "KV cache range: holds tokens [",
                 b, ", ", e, "), expected [", begin, ", ", end, ")");
-  const uint64_t table_bytes = r.get<uint64_t>();
-  const uint64_t want_tables = begin == 0 ? tables.size() : 0;
-  KVQ_CHECK_ARG(table_bytes == want_tables, "KV cache range: ", table_bytes, " bytes of tables, expected ", want_tables);
-  const std::vector<uint8_t> t = r.get_array<uint8_t>(table_bytes);
-  KVQ_CHECK_ARG(std::equal(t.begin(), t.end(), tables.begin()), "KV cache range: tables other than this cache's");
+  const std::vector<uint8_t> t = r.get_array<uint8_t>(32);
+  const Digest td = TablesDigest(tables);
+  KVQ_CHECK_ARG(std::equal(t.begin(), t.end(), td.begin()),
+                "KV cache range: saved with calibrated tables other than this cache's");
   const uint64_t state_bytes = r.get<uint64_t>();
   if (state_bytes != r.remaining()) {
     r.corrupt("a state of " + std::to_string(state_bytes) + " bytes where " + std::to_string(r.remaining()) + " remain");

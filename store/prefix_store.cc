@@ -125,7 +125,6 @@ int64_t PrefixStore::longest_prefix(std::span<const int> tokens, KvCache& cache,
         Warn("chunk " + std::to_string(i) + " (tokens " + std::to_string(begin) + ".." + std::to_string(end) +
              ", key " + key_hex(keys[i]).substr(0, 16) + "...) in " + b_->describe() + " is unusable: " + e.what() +
              "; recomputing it");
-        bad_.insert(keys[i]);
         ++rep.bad;
         break;
       }
@@ -143,12 +142,12 @@ int64_t PrefixStore::longest_prefix(std::span<const int> tokens, KvCache& cache,
       cache.restore_ranges(spans, ends, std::span(keys).first(values.size()));
       rep.tokens = ends.back();
       rep.chunks = static_cast<int>(values.size());
+      good_.insert(keys.begin(), keys.begin() + static_cast<std::ptrdiff_t>(values.size()));
     } catch (const Error& e) {
       // Each chunk passed its own checks; the states together did not (a
       // crafted entry): nothing is restored, every chunk is recomputed.
       Warn(std::string("chunks 0..") + std::to_string(values.size() - 1) + " in " + b_->describe() +
            " do not restore: " + e.what() + "; recomputing them");
-      for (size_t i = 0; i < values.size(); ++i) bad_.insert(keys[i]);
       rep.bad += static_cast<int>(values.size());
     }
     rep.restore_s = Since(t1);
@@ -172,16 +171,15 @@ int PrefixStore::put(std::span<const int> tokens, const KvCache& cache, uint64_t
     first = keys.size() - 1;
   }
   const std::vector<Key> want(keys.begin() + static_cast<std::ptrdiff_t>(first), keys.end());
-  const std::vector<bool> have = b_->contains(want);
   int written = 0;
   for (size_t j = 0; j < want.size(); ++j) {
-    if (j < have.size() && have[j] && !bad_.count(want[j])) continue;
+    if (good_.count(want[j])) continue;
     const size_t i = first + j;
     const std::vector<uint8_t> v =
         cache.range_to_bytes(static_cast<int64_t>(i) * C, static_cast<int64_t>(i + 1) * C, want[j]);
     b_->put(want[j], v);
     if (!b_->alive()) break;
-    bad_.erase(want[j]);
+    good_.insert(want[j]);
     if (bytes) *bytes += v.size();
     ++written;
   }

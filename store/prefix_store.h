@@ -19,7 +19,7 @@
 // the scheme's group (a grouped scheme's G, 1 for row schemes).
 //
 // Values: the KVQR range of tokens [iC, (i+1)C) saved when the cache held
-// (i+1)C tokens, carrying K_i; chunk 0 carries the tables. Restoring chunks
+// (i+1)C tokens, carrying K_i and its tables' digest. Restoring chunks
 // 0..k-1 gives the cache an uninterrupted run has at kC tokens, bit for bit
 // (KvCache::restore_ranges). A value that fails any check (CRC, scheme,
 // geometry, tables, range, key) is a miss with one warning line; put then
@@ -111,18 +111,19 @@ class PrefixStore {
   // with max_seq >= the tokens restored.
   int64_t longest_prefix(std::span<const int> tokens, KvCache& cache, int64_t limit = -1,
                          LookupReport* report = nullptr);
-  // Stores the full chunks of tokens[0, cache.tokens()) that the store does
-  // not hold (or held unusable): a row cache any of them, a grouped cache
-  // the one ending at its current length (call put as each chunk fills, as
-  // kvq generate does). tokens: the ids the cache was computed from (at
-  // least cache.tokens()). Returns the chunks written.
+  // Stores the full chunks of tokens[0, cache.tokens()) this store has not
+  // restored or written already (whatever the backend holds under their
+  // keys, which may be unusable, is overwritten): a row cache any of them,
+  // a grouped cache the one ending at its current length (call put as each
+  // chunk fills, as kvq generate does). tokens: the ids the cache was
+  // computed from (at least cache.tokens()). Returns the chunks written.
   int put(std::span<const int> tokens, const KvCache& cache, uint64_t* bytes = nullptr);
 
  private:
   void Warn(const std::string& s) const;
   StoreOptions o_;
   std::unique_ptr<StoreBackend> b_;
-  std::set<Key> bad_;  // found unusable: put overwrites them
+  std::set<Key> good_;  // restored or written by this store: put skips them
 };
 
 }  // namespace kvq::store

@@ -181,6 +181,52 @@ check "generate --save-cache without a prompt exits 2" '[ $rc -eq 2 ] && [ ! -e 
 "$KVQ" generate --steps 9999 >/dev/null 2>"$T/err"; rc=$?
 check "generate --steps out of range exits 2" '[ $rc -eq 2 ]'
 
+# The prefix store: identical text with no store, a cold store, a warm one,
+# a corrupted one, Redis and a dead Redis, for every row scheme and preset.
+LP="Once upon a time, there was a little girl named Lily. She loved to play outside in the park with her friends. One day, she saw a big red ball stuck in a tall tree. She wanted to play with it, but it was too high. Lily asked her mom to help her get the ball. Her mom said yes and they went to the park together. They found a long stick and pushed the ball until it fell down. Lily was so happy that she hugged her mom and said thank you. Then they played catch until the sun went down and it was time to go home for dinner. At home, Lily told her dad about the ball and the tree and the stick."
+RPORT=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+DPORT=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+RPID=
+if command -v redis-server >/dev/null; then
+  redis-server --port "$RPORT" --bind 127.0.0.1 --save "" --appendonly no --logfile /dev/null & RPID=$!
+  for _ in $(seq 100); do redis-cli -p "$RPORT" ping >/dev/null 2>&1 && break; sleep 0.05; done
+elif [ "${KVQ_REQUIRE_DATA:-0}" = "1" ]; then
+  check "redis-server is installed (scripts/install_deps.sh)" 'false'
+fi
+for kv in fp32 fp16 bf16 int8 int8-head fp8-e4m3 fp8-e4m3-scaled fp8-e5m2 q8_0 q4_0 kvq-6.5 kvq-4.5 kvq-3.5 kvq-2.5; do
+  "$KVQ" generate --kv $kv --prompt "$LP" --steps 300 >"$T/pc_ref" 2>"$T/err" || check "generate --kv $kv runs" 'false'
+  rm -rf "$T/pc"
+  "$KVQ" generate --kv $kv --prompt "$LP" --steps 300 --prompt-cache "$T/pc" --prompt-cache-chunk 48 >"$T/pc_cold" 2>"$T/err"; rc=$?
+  check "$kv: cold store, same text, says 0 reused" '[ $rc -eq 0 ] && cmp -s "$T/pc_ref" "$T/pc_cold" && grep -q "prompt cache: reused 0 of [0-9]* prompt tokens" "$T/err" && ls "$T/pc" | grep -q "[.]kvqr$"'
+  "$KVQ" generate --kv $kv --prompt "$LP" --steps 300 --prompt-cache "$T/pc" --prompt-cache-chunk 48 >"$T/pc_warm" 2>"$T/err"; rc=$?
+  check "$kv: warm store, same text, reuses its chunks" '[ $rc -eq 0 ] && cmp -s "$T/pc_ref" "$T/pc_warm" && grep -q "prompt cache: reused [1-9][0-9]* of" "$T/err"'
+  for f in "$T"/pc/*.kvqr; do printf '\x5a' | dd of="$f" bs=1 seek=60 conv=notrunc 2>/dev/null; done
+  "$KVQ" generate --kv $kv --prompt "$LP" --steps 300 --prompt-cache "$T/pc" --prompt-cache-chunk 48 >"$T/pc_bad" 2>"$T/err"; rc=$?
+  check "$kv: corrupted store, same text, one warning, recomputed" '[ $rc -eq 0 ] && cmp -s "$T/pc_ref" "$T/pc_bad" && [ "$(grep -c "is unusable" "$T/err")" -eq 1 ] && grep -q "reused 0 of" "$T/err"'
+  "$KVQ" generate --kv $kv --prompt "$LP" --steps 300 --prompt-cache "$T/pc" --prompt-cache-chunk 48 >"$T/pc_fix" 2>"$T/err"; rc=$?
+  check "$kv: the corrupted chunks were overwritten" '[ $rc -eq 0 ] && cmp -s "$T/pc_ref" "$T/pc_fix" && grep -q "reused [1-9][0-9]* of" "$T/err" && ! grep -q "unusable" "$T/err"'
+  if [ -n "$RPID" ]; then
+    for run in cold warm; do
+      "$KVQ" generate --kv $kv --prompt "$LP" --steps 300 --prompt-cache "redis://127.0.0.1:$RPORT/1" --prompt-cache-chunk 48 >"$T/pc_r" 2>"$T/err"; rc=$?
+      check "$kv: redis $run, same text" '[ $rc -eq 0 ] && cmp -s "$T/pc_ref" "$T/pc_r" && ! grep -q "prefix store" "$T/err"'
+    done
+    check "$kv: redis warm reused its chunks" 'grep -q "reused [1-9][0-9]* of" "$T/err"'
+  fi
+  "$KVQ" generate --kv $kv --prompt "$LP" --steps 300 --prompt-cache "redis://u:topsecret@127.0.0.1:$DPORT" --prompt-cache-chunk 48 >"$T/pc_d" 2>"$T/err"; rc=$?
+  check "$kv: dead redis, same text, one warning without the password" '[ $rc -eq 0 ] && cmp -s "$T/pc_ref" "$T/pc_d" && [ "$(grep -c "continuing without the store" "$T/err")" -eq 1 ] && ! grep -q topsecret "$T/err" && grep -q "reused 0 of" "$T/err"'
+done
+if [ -n "$RPID" ]; then
+  "$KVQ" generate --kv kvq-2.5 --prompt "$LP" --steps 300 --prompt-cache "redis://:wrongpw@127.0.0.1:$RPORT" --prompt-cache-chunk 48 >"$T/pc_r" 2>"$T/err"; rc=$?
+  check "redis with a password the server does not want: same text, a warning without it" '[ $rc -eq 0 ] && cmp -s "$T/pc_ref" "$T/pc_r" && grep -q "AUTH refused" "$T/err" && ! grep -q wrongpw "$T/err"'
+  kill "$RPID"; wait "$RPID" 2>/dev/null
+fi
+"$KVQ" generate --prompt "$LP" --prompt-cache "$T/pc" --load-cache "$T/p.kvqs" >/dev/null 2>"$T/err"; rc=$?
+check "--prompt-cache with --load-cache exits 2" '[ $rc -eq 2 ] && grep -q "prompt-cache" "$T/err"'
+"$KVQ" generate --prompt "$LP" --prompt-cache "http://x" >/dev/null 2>"$T/err"; rc=$?
+check "--prompt-cache with an unsupported URL exits 2" '[ $rc -eq 2 ] && grep -q "unsupported URL" "$T/err"'
+XDG_CACHE_HOME="$T/xdg" "$KVQ" generate --prompt "$LP" --steps 300 --prompt-cache --prompt-cache-chunk 48 >/dev/null 2>"$T/err"; rc=$?
+check "--prompt-cache alone uses the default directory" '[ $rc -eq 0 ] && ls "$T/xdg/kvq/prefix" | grep -q "[.]kvqr$"'
+
 "$KVQ" demo --tokens 64 --heads 2 --head-dim 64 >"$T/demo" 2>&1; rc=$?
 check "demo runs" '[ $rc -eq 0 ] && grep -q "^int8" "$T/demo" && grep -q "^fp8" "$T/demo"'
 "$KVQ" nosuchcommand >/dev/null 2>&1; rc=$?

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "kvq/cluster_bank.h"
@@ -56,6 +57,11 @@ struct GenerateOptions {
   std::string model, tokenizer, prompt;
   std::string kv;  // empty: fp32, or the loaded cache's scheme
   std::string save_cache, load_cache;
+  // --prompt-cache: a directory, redis://... or memory: ("" with the flag: the default directory)
+  std::optional<std::string> prompt_cache;
+  int prompt_cache_chunk = 256;
+  double prompt_cache_max_mb = 0;
+  int prompt_cache_ttl = 0;
   double temperature = 0.0;
   uint64_t seed = 0;
   int steps = 256;

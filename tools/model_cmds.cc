@@ -25,6 +25,7 @@
 #include "model/llama2.h"
 #include "model/receipts.h"
 #include "nlohmann/json.hpp"
+#include "store/prefix_store.h"
 #include "tools/commands.h"
 
 namespace kvq::tools {
@@ -331,6 +332,19 @@ void AddGenerateCommand(CLI::App& app, GenerateOptions& o) {
   c->add_option("--load-cache", o.load_cache,
                 "restore a cache saved by --save-cache and skip the forward pass of the prompt tokens it holds "
                 "(the model's fingerprint and the prompt's first tokens must match the file's)");
+  c->add_option("--prompt-cache", o.prompt_cache,
+                "a prefix store (a directory, redis://[user:password@]host:port[/db] or memory:; alone: "
+                "~/.cache/kvq/prefix): restore the longest run of the prompt's stored chunks, compute the rest, "
+                "store the new full chunks (password also from KVQ_REDIS_PASSWORD, never printed)")
+      ->expected(0, 1);
+  c->add_option("--prompt-cache-chunk", o.prompt_cache_chunk,
+                "tokens per chunk (default 256; rounded up to a multiple of the scheme's group)")
+      ->check(CLI::Range(1, 1 << 20));
+  c->add_option("--prompt-cache-max-mb", o.prompt_cache_max_mb,
+                "directory store: size cap in MiB, least recently used chunks evicted first (default: none)")
+      ->check(CLI::Range(0.0, 1e9));
+  c->add_option("--prompt-cache-ttl", o.prompt_cache_ttl, "Redis store: seconds each chunk lives (default: forever)")
+      ->check(CLI::Range(0, 1 << 30));
 }
 
 int RunGenerate(const GenerateOptions& o) {
@@ -350,8 +364,20 @@ int RunGenerate(const GenerateOptions& o) {
   // evaluates it, as llama.cpp's prompt cache re-evaluates its last token).
   KVQ_CHECK_ARG(o.save_cache.empty() || P >= 2, "--save-cache: the prompt is ", P,
                 " token(s); the cache holds the prompt but its last token, so give --prompt text");
+  KVQ_CHECK_ARG(!o.prompt_cache || o.load_cache.empty(), "--prompt-cache: not with --load-cache (one source of the prefix)");
   std::optional<model::Digest> fingerprint;
-  if (!o.save_cache.empty() || !o.load_cache.empty()) fingerprint = model::model_fingerprint(model_path, tok_path);
+  if (!o.save_cache.empty() || !o.load_cache.empty() || o.prompt_cache) {
+    fingerprint = model::model_fingerprint(model_path, tok_path);
+  }
+  std::optional<store::PrefixStore> pstore;
+  if (o.prompt_cache) {
+    store::StoreOptions so;
+    so.chunk_tokens = o.prompt_cache_chunk;
+    so.max_bytes = static_cast<uint64_t>(o.prompt_cache_max_mb * 1048576.0);
+    so.ttl_seconds = o.prompt_cache_ttl;
+    so.model = fingerprint;
+    pstore.emplace(*o.prompt_cache, so);
+  }
   std::optional<model::Transformer> tf;
   int start = 0;
   if (!o.load_cache.empty()) {
@@ -383,6 +409,28 @@ int RunGenerate(const GenerateOptions& o) {
     }
     tf.emplace(ckpt, scheme, o.steps);
   }
+  // The prefix store: the longest stored run of full chunks of the prompt
+  // but its last token (whose forward pass gives the first logits).
+  store::LookupReport lookup;
+  if (pstore) {
+    KvCache c = tf->cache().Copy();
+    if (pstore->longest_prefix(prompt, c, P - 1, &lookup) > 0) {
+      tf.emplace(ckpt, std::move(c));
+      start = static_cast<int>(lookup.tokens);
+    }
+  }
+  int stored_chunks = 0;
+  uint64_t stored_bytes = 0;
+  double store_s = 0;
+  auto store_if_due = [&] {
+    const int64_t T = tf->cache().tokens();
+    if (!pstore || T > P || T % pstore->chunk_tokens(tf->cache()) != 0) return;
+    const auto t0 = std::chrono::steady_clock::now();
+    uint64_t b = 0;
+    stored_chunks += pstore->put(prompt, tf->cache(), &b);
+    stored_bytes += b;
+    store_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
   auto save_if_due = [&] {
     if (o.save_cache.empty() || tf->cache().tokens() != P - 1) return;
     KvCacheMeta meta;
@@ -413,6 +461,16 @@ int RunGenerate(const GenerateOptions& o) {
     const std::span<const float> logits = tf->forward(token, pos);
     ++evaluated;
     save_if_due();
+    store_if_due();
+    if (pstore && pos + 1 == P) {
+      const double prefill = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() - store_s;
+      std::fprintf(stderr,
+                   "kvq generate: prompt cache: reused %d of %d prompt tokens (%s, chunks of %d; lookup %.2f ms, "
+                   "restore %.2f ms, prefill of %d tokens %.2f ms; stored %d chunk(s), %llu bytes, in %.2f ms)\n",
+                   start, P, pstore->backend().describe().c_str(), pstore->chunk_tokens(tf->cache()),
+                   1e3 * lookup.lookup_s, 1e3 * lookup.restore_s, P - start, 1e3 * prefill, stored_chunks,
+                   static_cast<unsigned long long>(stored_bytes), 1e3 * store_s);
+    }
     int next;
     if (pos + 1 < P) {
       next = prompt[static_cast<size_t>(pos) + 1];

@@ -166,7 +166,8 @@ class KvCache {
   //   u64  begin, u64 end: it holds tokens [begin, end) of a cache of `end`
   //   32 bytes  its id (the store's key: an entry found under another key is
   //        foreign and refused)
-  //   u64  table bytes, then the tables (the first range only; else 0)
+  //   32 bytes  SHA-256 of the calibrated tables the cache was built with
+  //        (the restoring cache's must match)
   //   u64  state bytes, then the range's state: per layer what a cache of
   //        `end` tokens holds that one of `begin` did not (row schemes: the
   //        K then V rows of the range; grouped schemes:
