@@ -125,6 +125,7 @@ int64_t PrefixStore::longest_prefix(std::span<const int> tokens, KvCache& cache,
         Warn("chunk " + std::to_string(i) + " (tokens " + std::to_string(begin) + ".." + std::to_string(end) +
              ", key " + key_hex(keys[i]).substr(0, 16) + "...) in " + b_->describe() + " is unusable: " + e.what() +
              "; recomputing it");
+        good_.erase(keys[i]);  // put overwrites it
         ++rep.bad;
         break;
       }
@@ -148,6 +149,7 @@ int64_t PrefixStore::longest_prefix(std::span<const int> tokens, KvCache& cache,
       // crafted entry): nothing is restored, every chunk is recomputed.
       Warn(std::string("chunks 0..") + std::to_string(values.size() - 1) + " in " + b_->describe() +
            " do not restore: " + e.what() + "; recomputing them");
+      for (size_t i = 0; i < values.size(); ++i) good_.erase(keys[i]);
       rep.bad += static_cast<int>(values.size());
     }
     rep.restore_s = Since(t1);
