@@ -21,6 +21,7 @@
 #include "kvq/kv_cache.h"
 #include "kvq/sorted_profile.h"
 #include "kvq/stats.h"
+#include "store/prefix_store.h"
 
 namespace py = pybind11;
 
@@ -141,6 +142,25 @@ KvCacheExpect ExpectOf(const py::object& fingerprint, const py::object& max_seq)
   if (!max_seq.is_none()) e.max_seq = max_seq.cast<int>();
   return e;
 }
+
+
+// Token ids from Python (a sequence or array of integers in 0..2^31-1).
+std::vector<int> TokenIds(const py::array_t<int64_t, py::array::c_style | py::array::forcecast>& a) {
+  KVQ_CHECK_ARG(a.ndim() == 1, "tokens: expected a 1-D sequence of token ids, got ", a.ndim(), " dimensions");
+  std::vector<int> out(static_cast<size_t>(a.shape(0)));
+  for (size_t i = 0; i < out.size(); ++i) {
+    const int64_t t = a.data()[i];
+    KVQ_CHECK_ARG(t >= 0 && t <= INT32_MAX, "tokens: expected ids in 0..2^31-1, got ", t, " at ", i);
+    out[i] = static_cast<int>(t);
+  }
+  return out;
+}
+
+// The prefix store with its warnings kept for Python (emitted after each call, with the GIL).
+struct PyPrefixStore {
+  std::shared_ptr<std::vector<std::string>> pending = std::make_shared<std::vector<std::string>>();
+  std::unique_ptr<store::PrefixStore> s;
+};
 
 py::dict ReceiptToPython(BirthMergeReceipt r) {
   py::dict d;
@@ -497,6 +517,66 @@ PYBIND11_MODULE(_kvq, m) {
       .def_property_readonly("max_seq", &KvCache::max_seq)
       .def_property_readonly("n_kv_heads", &KvCache::n_kv_heads)
       .def_property_readonly("head_dim", &KvCache::head_dim);
+
+  // ---- the prefix store (store/prefix_store.h) -----------------------------------
+  py::class_<PyPrefixStore>(m, "PrefixStore")
+      .def(py::init([](const std::string& url, int chunk_tokens, double max_bytes, int ttl, const std::string& prefix,
+                       int timeout_ms, const py::object& fingerprint) {
+        KVQ_CHECK_ARG(max_bytes >= 0 && max_bytes < 0x1p62, "max_bytes: expected >= 0, got ", max_bytes);
+        PyPrefixStore p;
+        store::StoreOptions o;
+        o.chunk_tokens = chunk_tokens;
+        o.max_bytes = static_cast<uint64_t>(max_bytes);
+        o.ttl_seconds = ttl;
+        o.key_prefix = prefix;
+        o.timeout_ms = timeout_ms;
+        o.model = Digest32(fingerprint, "model_fingerprint");
+        auto pending = p.pending;
+        o.warn = [pending](const std::string& w) { pending->push_back(w); };
+        p.s = std::make_unique<store::PrefixStore>(url, o);
+        return p;
+      }))
+      .def("put",
+           [](PyPrefixStore& p, const py::array_t<int64_t, py::array::c_style | py::array::forcecast>& tokens,
+              const KvCache& cache) {
+             const std::vector<int> t = TokenIds(tokens);
+             uint64_t bytes = 0;
+             const int n = WithoutGil([&] { return p.s->put(t, cache, &bytes); });
+             return py::make_tuple(n, bytes);
+           })
+      .def("longest_prefix",
+           [](PyPrefixStore& p, const py::array_t<int64_t, py::array::c_style | py::array::forcecast>& tokens,
+              const KvCache& like, int64_t limit) {
+             const std::vector<int> t = TokenIds(tokens);
+             store::LookupReport rep;
+             KvCache c = WithoutGil([&] {
+               KvCache c = like.Copy();
+               p.s->longest_prefix(t, c, limit, &rep);
+               return c;
+             });
+             py::dict d;
+             d["chunks"] = rep.chunks, d["bad"] = rep.bad, d["bytes"] = rep.bytes;
+             d["lookup_s"] = rep.lookup_s, d["restore_s"] = rep.restore_s;
+             return py::make_tuple(rep.tokens, std::move(c), d);
+           })
+      .def("chunk_tokens", [](const PyPrefixStore& p, const KvCache& c) { return p.s->chunk_tokens(c); })
+      .def("keys",
+           [](const PyPrefixStore& p, const py::array_t<int64_t, py::array::c_style | py::array::forcecast>& tokens,
+              const KvCache& c) {
+             std::vector<std::string> out;
+             for (const store::Key& k : store::chunk_keys(c, TokenIds(tokens), p.s->options().chunk_tokens,
+                                                          p.s->options().model)) {
+               out.push_back(hex_digest(k));
+             }
+             return out;
+           })
+      .def("describe", [](PyPrefixStore& p) { return p.s->backend().describe(); })
+      .def("alive", [](PyPrefixStore& p) { return p.s->backend().alive(); })
+      .def("take_warnings", [](PyPrefixStore& p) {
+        std::vector<std::string> w;
+        w.swap(*p.pending);
+        return w;
+      });
 
   // ---- grouped low-bit schemes ---------------------------------------------------
   m.def("grouped_kv_presets", [] {

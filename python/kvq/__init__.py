@@ -20,6 +20,8 @@ The KV cache and fused decode attention (kvq's C++ cache, not the note's)
         .bytes(), .bits(), .to_bytes(), KvCache.from_bytes(b), .save(path), KvCache.load(path)
     decode_attention(q, cache, layer, tokens=None, *, int8_query=False, scale=0.0, threads=0)
         -> (n_heads, head_dim)
+    PrefixStore(url="", chunk_tokens=256, ...)   chunks of a prompt's cache in a directory, Redis or memory
+        .put(tokens, cache) -> chunks written; .longest_prefix(tokens, like) -> (n_tokens, cache)
 
 E2, the ClusterBank, and I2 part 2
     ClusterBank(n_head, d_head, ...).birth_and_merge(chunk_k, chunk_v) -> receipt dict
@@ -48,7 +50,7 @@ from ._kvq import Error, Estimator, GaussianEstimator, LaplaceEstimator
 
 __all__ = [
     "AffineQuantized", "ClusterBank", "DEFAULT_KS_MAX", "Error", "Estimator", "GaussianEstimator",
-    "KvCache", "LaplaceEstimator", "QuantizedClusterOutliers", "SortedProfileEncoding", "all_kv_scheme_names",
+    "KvCache", "LaplaceEstimator", "PrefixStore", "QuantizedClusterOutliers", "SortedProfileEncoding", "all_kv_scheme_names",
     "decode_attention",
     "dequantize_cluster_outliers", "dequantize_kv_cache", "fit_sorted_profile", "grouped_kv_presets", "kv_scheme_info",
     "kv_schemes",
@@ -523,6 +525,96 @@ def decode_attention(q, cache, layer, tokens=None, *, int8_query=False, scale=0.
     out = _kvq.KvCache.attend(cache._c, a, _int(layer, "layer"), t, int8_query, _float(scale, "scale"),
                               _int(threads, "threads"), _reference)
     return _output(out.reshape(a.shape), as_torch)
+
+
+# ---- the prefix store -----------------------------------------------------------------
+
+
+class PrefixStore:
+    """A compressed prefix store (store/prefix_store.h): a prompt's KV cache in chunks of
+    chunk_tokens tokens (rounded up to a multiple of the scheme's group), each under a chained
+    SHA-256 key of (model fingerprint, scheme and its tables, the previous chunk's key, the
+    chunk's token ids), in the scheme's stored form.
+
+    PrefixStore(url="", chunk_tokens=256, *, max_bytes=0, ttl=0, key_prefix="kvq:prefix:",
+                timeout_ms=1000, model_fingerprint=None)
+    url: a directory ("" = ~/.cache/kvq/prefix), "redis://[user:password@]host:port[/db]"
+        (password also from KVQ_REDIS_PASSWORD; never printed) or "memory:NAME" (this process).
+    max_bytes: a directory's size cap (least recently used chunks go first); ttl: seconds a Redis
+        entry lives; model_fingerprint: 32 bytes identifying the model (keys differ per model).
+    put(tokens, cache) -> chunks written: the full chunks of tokens[:cache.tokens] not yet
+        restored or written by this store (a row cache any of them; a grouped cache the one ending
+        at its current length, so call put as each chunk fills).
+    longest_prefix(tokens, like, limit=None) -> (n_tokens, cache): a new cache like `like`
+        (scheme, geometry, calibrated tables, max_seq; its contents unused) holding the longest
+        run of stored chunks of tokens[:limit], bit for bit the cache an uninterrupted run has
+        at n_tokens; (0, empty cache) when none.
+    A corrupted, truncated or foreign entry is a miss; an unreachable, silent (timeout_ms) or
+    dying Redis leaves the store empty. Each is one RuntimeWarning, also kept in .warnings.
+    """
+
+    def __init__(self, url="", chunk_tokens=256, *, max_bytes=0, ttl=0, key_prefix="kvq:prefix:", timeout_ms=1000,
+                 model_fingerprint=None):
+        self.warnings = []
+        self._s = _kvq.PrefixStore(_str(url, "url"), _int(chunk_tokens, "chunk_tokens"),
+                                   _float(max_bytes, "max_bytes"), _int(ttl, "ttl"), _str(key_prefix, "key_prefix"),
+                                   _int(timeout_ms, "timeout_ms"), KvCache._digest(model_fingerprint,
+                                                                                   "model_fingerprint"))
+        self._warn()
+
+    def _warn(self):
+        import warnings
+        for w in self._s.take_warnings():
+            self.warnings.append(w)
+            warnings.warn("kvq prefix store: " + w, RuntimeWarning, stacklevel=3)
+
+    @staticmethod
+    def _cache(c, arg):
+        if not isinstance(c, KvCache):
+            raise Error(f"{arg}: expected a kvq.KvCache, got {type(c).__name__}")
+        return c._c
+
+    @staticmethod
+    def _ids(tokens):
+        if _is_torch(tokens):
+            tokens = tokens.detach().cpu().numpy()
+        a = _np.asarray(tokens)
+        if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+            raise Error(f"tokens: expected a 1-D sequence of integer token ids, got {a.dtype} of shape {a.shape}")
+        return a.astype(_np.int64)
+
+    def put(self, tokens, cache):
+        """Stores the new full chunks of cache (computed from tokens); returns how many."""
+        try:
+            n, _ = self._s.put(self._ids(tokens), self._cache(cache, "cache"))
+        finally:
+            self._warn()
+        return n
+
+    def longest_prefix(self, tokens, like, limit=None):
+        """(n_tokens, cache): the longest stored run of full chunks of tokens[:limit], restored."""
+        lim = -1 if limit is None else _int(limit, "limit", 0, 2 ** 62)
+        try:
+            n, c, self.last_lookup = self._s.longest_prefix(self._ids(tokens), self._cache(like, "like"), lim)
+        finally:
+            self._warn()
+        return n, KvCache._wrap(c)
+
+    def chunk_tokens(self, cache):
+        """The chunk size this store uses for cache's scheme."""
+        return self._s.chunk_tokens(self._cache(cache, "cache"))
+
+    def keys(self, tokens, cache):
+        """Hex keys of the full chunks of tokens for cache's scheme, tables and this store's model."""
+        return list(self._s.keys(self._ids(tokens), self._cache(cache, "cache")))
+
+    @property
+    def alive(self):
+        """False once a Redis store gave up (it then behaves as an empty store)."""
+        return self._s.alive()
+
+    def __repr__(self):
+        return f"kvq.PrefixStore({self._s.describe()!r})"
 
 
 # ---- grouped low-bit schemes ------------------------------------------------------------

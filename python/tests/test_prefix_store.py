@@ -1,0 +1,145 @@
+"""kvq.PrefixStore: put / longest_prefix on memory, directory and a real redis-server,
+exact restores, warnings for bad entries and a dead server, bad arguments."""
+import os
+import shutil
+import socket
+import subprocess
+import time
+import warnings
+
+import numpy as np
+import pytest
+
+import kvq
+
+L, H, HD = 2, 2, 16
+
+
+def _ranges():
+    rng = np.random.default_rng(3)
+    ks = [rng.standard_normal((64, H * HD)).astype(np.float32) for _ in range(L)]
+    return kvq.static_ranges_from_samples(ks, ks, H, HD, k_weight=np.ones(L * H * HD, np.float32))
+
+
+RANGES = _ranges()
+
+
+def _cache(scheme):
+    return kvq.KvCache(scheme, L, 1024, H, HD, RANGES if kvq.kv_scheme_info(scheme)["needs_ranges"] else None)
+
+
+def _fill(store, scheme, tokens, upto, seed=0):
+    """A cache of tokens[:upto], put as each chunk fills; its to_bytes at every length."""
+    rng = np.random.default_rng(seed)
+    c = _cache(scheme)
+    snaps = {}
+    for p in range(upto):
+        for layer in range(L):
+            c.write(layer, p, rng.standard_normal(H * HD).astype(np.float32),
+                    rng.standard_normal(H * HD).astype(np.float32))
+        store.put(tokens, c)
+        snaps[p + 1] = c.to_bytes()
+    return c, snaps
+
+
+@pytest.mark.parametrize("scheme", ["q8_0", "fp16", "kvq-4.5", "kvq-2.5"])
+def test_restores_the_longest_stored_prefix_exactly(scheme):
+    s = kvq.PrefixStore(f"memory:py-{scheme}", chunk_tokens=40)
+    C = s.chunk_tokens(_cache(scheme))
+    tokens = [(7 * i) % 50 for i in range(3 * C + 3)]
+    _, snaps = _fill(s, scheme, tokens, 3 * C + 3)
+    n, c = s.longest_prefix(tokens, _cache(scheme))
+    assert n == 3 * C and c.tokens == 3 * C
+    assert c.to_bytes() == snaps[3 * C]
+    n, c = s.longest_prefix(tokens, _cache(scheme), limit=3 * C - 1)
+    assert n == 2 * C and c.to_bytes() == snaps[2 * C]
+    other = list(tokens)
+    other[C + 1] += 1
+    assert s.longest_prefix(other, _cache(scheme))[0] == C
+    n, c = s.longest_prefix(np.array(tokens[:C - 1]), _cache(scheme))
+    assert n == 0 and c.tokens == 0
+    assert len(s.keys(tokens, _cache(scheme))) == 3
+    assert s.warnings == []
+
+
+def test_directory_store_and_a_corrupted_entry(tmp_path):
+    s = kvq.PrefixStore(str(tmp_path / "store"), chunk_tokens=32)
+    tokens = list(range(100))
+    _, snaps = _fill(s, "kvq-4.5", tokens, 100)
+    files = sorted((tmp_path / "store").glob("*.kvqr"))
+    assert len(files) == 1  # chunks of 64 (groups of 64): one full chunk in 100 tokens
+    b = bytearray(files[0].read_bytes())
+    b[len(b) // 2] ^= 1
+    files[0].write_bytes(bytes(b))
+    s2 = kvq.PrefixStore(str(tmp_path / "store"), chunk_tokens=32)
+    with pytest.warns(RuntimeWarning, match="unusable"):
+        n, c = s2.longest_prefix(tokens, _cache("kvq-4.5"))
+    assert n == 0 and len(s2.warnings) == 1
+    _fill(s2, "kvq-4.5", tokens, 64)  # recomputed: overwritten
+    n, c = kvq.PrefixStore(str(tmp_path / "store"), chunk_tokens=32).longest_prefix(tokens, _cache("kvq-4.5"))
+    assert n == 64 and c.to_bytes() == snaps[64]
+
+
+def test_bad_arguments_are_value_errors():
+    s = kvq.PrefixStore("memory:bad", chunk_tokens=16)
+    with pytest.raises(ValueError, match="tokens"):
+        s.put([[1, 2]], _cache("q8_0"))
+    with pytest.raises(ValueError, match="tokens"):
+        s.put([-1] * 20, _cache("q8_0"))
+    with pytest.raises(ValueError, match="cache"):
+        s.put([1] * 20, "not a cache")
+    with pytest.raises(ValueError, match="unsupported URL"):
+        kvq.PrefixStore("ftp://x")
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        kvq.PrefixStore("memory:", chunk_tokens=0)
+    with pytest.raises(ValueError, match="model_fingerprint"):
+        kvq.PrefixStore("memory:", model_fingerprint=b"short")
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def redis_url():
+    if shutil.which("redis-server") is None:
+        if os.environ.get("KVQ_REQUIRE_DATA") == "1":
+            pytest.fail("redis-server is not installed (scripts/install_deps.sh installs it)")
+        pytest.skip("redis-server is not installed")
+    port = _free_port()
+    p = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                          "--appendonly", "no", "--logfile", "/dev/null"])
+    for _ in range(200):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+            break
+        except OSError:
+            time.sleep(0.025)
+    yield f"redis://127.0.0.1:{port}", p
+    p.kill()
+    p.wait()
+
+
+def test_redis_store_and_a_server_that_dies(redis_url):
+    url, proc = redis_url
+    s = kvq.PrefixStore(url + "/2", chunk_tokens=32, ttl=60)
+    tokens = list(range(200))
+    _, snaps = _fill(s, "q8_0", tokens, 100)
+    n, c = kvq.PrefixStore(url + "/2", chunk_tokens=32).longest_prefix(tokens, _cache("q8_0"))
+    assert n == 96 and c.to_bytes() == snaps[96]
+    proc.kill()
+    proc.wait()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        _fill(s, "q8_0", tokens, 200)  # puts after the server died: one warning, the run goes on
+        n, _ = s.longest_prefix(tokens, _cache("q8_0"))
+    assert n == 0 and not s.alive
+    assert len([x for x in w if "continuing without the store" in str(x.message)]) == 1
+
+
+def test_unreachable_redis_is_a_warning():
+    with pytest.warns(RuntimeWarning, match="cannot connect"):
+        s = kvq.PrefixStore(f"redis://user:pw123@127.0.0.1:{_free_port()}")
+    assert not s.alive and "pw123" not in s.warnings[0] and "pw123" not in repr(s)
