@@ -560,6 +560,10 @@ PYBIND11_MODULE(_kvq, m) {
              return py::make_tuple(rep.tokens, std::move(c), d);
            })
       .def("chunk_tokens", [](const PyPrefixStore& p, const KvCache& c) { return p.s->chunk_tokens(c); })
+      .def("chunk_plan", [](const PyPrefixStore& p, const KvCache& c) {
+        const store::ChunkPlan plan = p.s->plan(c);
+        return py::make_tuple(plan.tokens, plan.offset);
+      })
       .def("keys",
            [](const PyPrefixStore& p, const py::array_t<int64_t, py::array::c_style | py::array::forcecast>& tokens,
               const KvCache& c) {

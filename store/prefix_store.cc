@@ -44,9 +44,19 @@ int chunk_tokens_for(const KvCache& cache, int requested) {
   return (requested + unit - 1) / unit * unit;
 }
 
+ChunkPlan chunk_plan(const KvCache& cache, int requested) {
+  ChunkPlan p;
+  p.tokens = chunk_tokens_for(cache, requested);
+  if (const GroupedKvCache* g = cache.grouped()) {
+    const GroupedKvScheme& s = g->scheme();
+    p.offset = s.sinks + (s.calibrated ? 0 : s.recent);
+  }
+  return p;
+}
+
 std::vector<Key> chunk_keys(const KvCache& cache, std::span<const int> tokens, int chunk_tokens,
                             const std::optional<Key>& model) {
-  const int C = chunk_tokens_for(cache, chunk_tokens);
+  const ChunkPlan plan = chunk_plan(cache, chunk_tokens);
   // Everything the chain starts from, hashed once.
   Sha256 th;
   const std::vector<uint8_t> tables = cache.tables();
@@ -72,15 +82,16 @@ std::vector<Key> chunk_keys(const KvCache& cache, std::span<const int> tokens, i
   const uint32_t oc = static_cast<uint32_t>(r.original_context);
   put(&r.theta, 4), put(&sc, 1), put(&r.factor, 4), put(&r.low_freq_factor, 4), put(&r.high_freq_factor, 4), put(&oc, 4);
   put(tables_digest.data(), 32);
-  const uint32_t uc = static_cast<uint32_t>(C);
+  const uint32_t uc = static_cast<uint32_t>(plan.tokens), uo = static_cast<uint32_t>(plan.offset);
   put(&uc, 4);
+  put(&uo, 4);
   std::vector<Key> keys;
   Key prev{};
-  for (size_t i = 0; (i + 1) * static_cast<size_t>(C) <= tokens.size(); ++i) {
+  for (int64_t i = 0; plan.end(i) <= static_cast<int64_t>(tokens.size()); ++i) {
     Sha256 h;
     h.update(head.data(), head.size());
     h.update(prev.data(), prev.size());
-    for (size_t t = i * C; t < (i + 1) * C; ++t) {
+    for (size_t t = static_cast<size_t>(plan.begin(i)); t < static_cast<size_t>(plan.end(i)); ++t) {
       KVQ_CHECK_ARG(tokens[t] >= 0, "tokens: expected ids >= 0, got ", tokens[t], " at ", t);
       h.u32(static_cast<uint32_t>(tokens[t]));
     }
@@ -104,12 +115,10 @@ int64_t PrefixStore::longest_prefix(std::span<const int> tokens, KvCache& cache,
                                     LookupReport* report) {
   LookupReport rep;
   const auto t0 = std::chrono::steady_clock::now();
-  const int C = chunk_tokens(cache);
+  const ChunkPlan plan = chunk_plan(cache, o_.chunk_tokens);
   const size_t n = limit < 0 ? tokens.size() : std::min<size_t>(tokens.size(), static_cast<size_t>(limit));
-  std::vector<Key> keys = chunk_keys(cache, tokens.first(n), C, o_.model);
-  if (keys.size() * static_cast<size_t>(C) > static_cast<size_t>(cache.max_seq())) {
-    keys.resize(static_cast<size_t>(cache.max_seq() / C));
-  }
+  std::vector<Key> keys = chunk_keys(cache, tokens.first(n), plan.tokens, o_.model);
+  while (!keys.empty() && plan.end(static_cast<int64_t>(keys.size()) - 1) > cache.max_seq()) keys.pop_back();
   std::vector<std::vector<uint8_t>> values;
   if (!keys.empty() && b_->alive()) {
     const std::vector<bool> have = b_->contains(keys);
@@ -118,7 +127,7 @@ int64_t PrefixStore::longest_prefix(std::span<const int> tokens, KvCache& cache,
     keys.resize(run);
     auto got = run ? b_->get(keys) : std::vector<std::optional<std::vector<uint8_t>>>{};
     for (size_t i = 0; i < got.size() && got[i]; ++i) {
-      const int64_t begin = static_cast<int64_t>(i) * C, end = begin + C;
+      const int64_t begin = plan.begin(static_cast<int64_t>(i)), end = plan.end(static_cast<int64_t>(i));
       try {
         cache.check_range(*got[i], begin, end, keys[i]);
       } catch (const Error& e) {
@@ -138,7 +147,7 @@ int64_t PrefixStore::longest_prefix(std::span<const int> tokens, KvCache& cache,
     const auto t1 = std::chrono::steady_clock::now();
     std::vector<std::span<const uint8_t>> spans(values.begin(), values.end());
     std::vector<int64_t> ends;
-    for (size_t i = 0; i < values.size(); ++i) ends.push_back(static_cast<int64_t>(i + 1) * C);
+    for (size_t i = 0; i < values.size(); ++i) ends.push_back(plan.end(static_cast<int64_t>(i)));
     try {
       cache.restore_ranges(spans, ends, std::span(keys).first(values.size()));
       rep.tokens = ends.back();
@@ -159,17 +168,17 @@ int64_t PrefixStore::longest_prefix(std::span<const int> tokens, KvCache& cache,
 }
 
 int PrefixStore::put(std::span<const int> tokens, const KvCache& cache, uint64_t* bytes) {
-  const int C = chunk_tokens(cache);
+  const ChunkPlan plan = chunk_plan(cache, o_.chunk_tokens);
   const int64_t T = cache.tokens();
   KVQ_CHECK_ARG(static_cast<int64_t>(tokens.size()) >= T, "tokens: the cache holds ", T, " tokens, got ", tokens.size(),
                 " ids");
   if (bytes) *bytes = 0;
-  if (!b_->alive() || T < C) return 0;
-  const std::vector<Key> keys = chunk_keys(cache, tokens.first(static_cast<size_t>(T)), C, o_.model);
+  if (!b_->alive() || T < plan.end(0)) return 0;
+  const std::vector<Key> keys = chunk_keys(cache, tokens.first(static_cast<size_t>(T)), plan.tokens, o_.model);
   // A grouped cache gives only the range ending at its length.
   size_t first = 0;
   if (cache.grouped()) {
-    if (T % C != 0) return 0;
+    if (!plan.is_end(T)) return 0;
     first = keys.size() - 1;
   }
   const std::vector<Key> want(keys.begin() + static_cast<std::ptrdiff_t>(first), keys.end());
@@ -178,7 +187,7 @@ int PrefixStore::put(std::span<const int> tokens, const KvCache& cache, uint64_t
     if (good_.count(want[j])) continue;
     const size_t i = first + j;
     const std::vector<uint8_t> v =
-        cache.range_to_bytes(static_cast<int64_t>(i) * C, static_cast<int64_t>(i + 1) * C, want[j]);
+        cache.range_to_bytes(plan.begin(static_cast<int64_t>(i)), plan.end(static_cast<int64_t>(i)), want[j]);
     b_->put(want[j], v);
     if (!b_->alive()) break;
     good_.insert(want[j]);

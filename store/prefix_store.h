@@ -12,15 +12,16 @@
 //   K_i = SHA-256("kvq-prefix-1" | model fingerprint (32 bytes, zeros when
 //         none) | u16 length + canonical scheme name | u32 n_layers,
 //         n_kv_heads, head_dim | RoPE | SHA-256 of the cache's calibrated
-//         tables | u32 C | K_{i-1} (32 zero bytes for i = 0) | the chunk's C
-//         token ids as u32 little-endian)
+//         tables | u32 C | u32 offset (ChunkPlan) | K_{i-1} (32 zero bytes for
+//         i = 0) | the chunk's token ids as u32 little-endian)
 // so equal keys mean an equal prefix under the same model, scheme, tables
 // and chunking. C is the requested chunk size rounded up to a multiple of
 // the scheme's group (a grouped scheme's G, 1 for row schemes).
 //
-// Values: the KVQR range of tokens [iC, (i+1)C) saved when the cache held
-// (i+1)C tokens, carrying K_i and its tables' digest. Restoring chunks
-// 0..k-1 gives the cache an uninterrupted run has at kC tokens, bit for bit
+// Chunk i holds tokens [begin(i), end(i)) (ChunkPlan: chunk 0 also the
+// first `offset` tokens). Values: the KVQR range saved when the cache held
+// end(i) tokens, carrying K_i and its tables' digest. Restoring chunks
+// 0..k-1 gives the cache an uninterrupted run has at end(k-1), bit for bit
 // (KvCache::restore_ranges). A value that fails any check (CRC, scheme,
 // geometry, tables, range, key) is a miss with one warning line; put then
 // overwrites it.
@@ -84,6 +85,20 @@ std::string default_store_dir();
 // The chunk size a cache of this scheme uses for a requested one.
 int chunk_tokens_for(const KvCache& cache, int requested);
 
+// Where chunks end: offset + (i + 1) C. The offset puts the ends where a
+// cache holds the fewest open tokens: a dynamic grouped scheme's sinks and
+// recent window (S + R: at T = S + R + kG every group but the recent window
+// is coded), a calibrated one's sinks (whole tiles), 0 for row schemes.
+// Chunk 0 is [0, offset + C).
+struct ChunkPlan {
+  int tokens = 1;      // C
+  int64_t offset = 0;
+  int64_t end(int64_t i) const { return offset + (i + 1) * tokens; }
+  int64_t begin(int64_t i) const { return i == 0 ? 0 : end(i - 1); }
+  bool is_end(int64_t T) const { return T >= end(0) && (T - offset) % tokens == 0; }
+};
+ChunkPlan chunk_plan(const KvCache& cache, int requested);
+
 // Keys of the full chunks of `tokens` (chunk size C = chunk_tokens_for).
 std::vector<Key> chunk_keys(const KvCache& cache, std::span<const int> tokens, int chunk_tokens,
                             const std::optional<Key>& model);
@@ -103,6 +118,7 @@ class PrefixStore {
   const StoreOptions& options() const { return o_; }
   StoreBackend& backend() { return *b_; }
   int chunk_tokens(const KvCache& cache) const { return chunk_tokens_for(cache, o_.chunk_tokens); }
+  ChunkPlan plan(const KvCache& cache) const { return chunk_plan(cache, o_.chunk_tokens); }
 
   // Restores into `cache` the longest run of stored chunks that are full
   // chunks of tokens[0, limit) (limit -1: all of them) and returns the

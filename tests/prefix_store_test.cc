@@ -165,17 +165,25 @@ TEST(PrefixKeys, ChainedOverModelSchemeTablesAndTokens) {
   EXPECT_EQ(chunk_tokens_for(a, 256), 256);
   EXPECT_EQ(chunk_tokens_for(KvCache("kvq-2.5", kL, 4096, kH, kD, &r), 256), 288);  // groups of 96
   EXPECT_EQ(chunk_tokens_for(q, 100), 100);
+  EXPECT_EQ(chunk_plan(a, 256).offset, 16);  // kvq-4.5: r16
+  EXPECT_EQ(chunk_plan(q, 256).offset, 0);
+  EXPECT_EQ(chunk_plan(a, 64).end(2), 16 + 3 * 64);
   std::vector<int> t(200);
   for (int i = 0; i < 200; ++i) t[static_cast<size_t>(i)] = i * 7 % 31;
   const std::vector<Key> k = chunk_keys(a, t, 64, std::nullopt);
-  ASSERT_EQ(k.size(), 3u);  // full chunks only
-  EXPECT_EQ(chunk_keys(a, std::span(t).first(130), 64, std::nullopt), std::vector<Key>(k.begin(), k.begin() + 2));
+  ASSERT_EQ(k.size(), 2u);  // full chunks only: [0, 80), [80, 144)
+  EXPECT_EQ(chunk_keys(a, std::span(t).first(143), 64, std::nullopt).size(), 1u);
+  EXPECT_EQ(chunk_keys(a, std::span(t).first(144), 64, std::nullopt), k);
   std::vector<int> t2 = t;
-  t2[70] += 1;  // chunk 1 differs: it and every later key change, chunk 0 does not
+  t2[90] += 1;  // chunk 1 differs: it changes, chunk 0 does not
   const std::vector<Key> k2 = chunk_keys(a, t2, 64, std::nullopt);
   EXPECT_EQ(k2[0], k[0]);
   EXPECT_NE(k2[1], k[1]);
-  EXPECT_NE(k2[2], k[2]);
+  std::vector<int> t3 = t;
+  t3[5] += 1;  // chunk 0 differs: every key changes (the chain)
+  const std::vector<Key> k3 = chunk_keys(a, t3, 64, std::nullopt);
+  EXPECT_NE(k3[0], k[0]);
+  EXPECT_NE(k3[1], k[1]);
   Key model{};
   model[3] = 1;
   EXPECT_NE(chunk_keys(a, t, 64, model)[0], k[0]);
@@ -224,30 +232,31 @@ void ExerciseStore(const std::string& url, const std::string& scheme, Warnings& 
   const test::Rows rows = test::MakeRows(700, 5);
   PrefixStore s(url, w.Options(64));
   KvCache ref(scheme, kL, 4096, kH, kD, &r);
-  const int C = s.chunk_tokens(ref);
-  const std::vector<int> tok = Tokens(3 * C + 5);
+  const ChunkPlan plan = s.plan(ref);
+  const int e0 = static_cast<int>(plan.end(0)), e1 = static_cast<int>(plan.end(1)), e2 = static_cast<int>(plan.end(2));
+  const std::vector<int> tok = Tokens(e2 + 5);
   KvCache cold(scheme, kL, 4096, kH, kD, &r);
   EXPECT_EQ(s.longest_prefix(tok, cold), 0);
-  FillAndPut(s, cold, rows, tok, 0, 3 * C + 5);
-  const std::vector<Key> keys = chunk_keys(cold, tok, C, std::nullopt);
+  FillAndPut(s, cold, rows, tok, 0, e2 + 5);
+  const std::vector<Key> keys = chunk_keys(cold, tok, plan.tokens, std::nullopt);
   EXPECT_EQ(s.backend().contains(keys), std::vector<bool>(3, true));
   // Warm: all three chunks; limit keeps one token to evaluate.
   KvCache warm(scheme, kL, 4096, kH, kD, &r);
   LookupReport rep;
-  EXPECT_EQ(s.longest_prefix(tok, warm, 3 * C, &rep), 3 * C);
+  EXPECT_EQ(s.longest_prefix(tok, warm, e2, &rep), e2);
   EXPECT_EQ(rep.chunks, 3);
   EXPECT_GT(rep.bytes, 0u);
   KvCache at3(scheme, kL, 4096, kH, kD, &r);
-  for (int t = 0; t < 3 * C; ++t) {
+  for (int t = 0; t < e2; ++t) {
     for (int l = 0; l < kL; ++l) at3.write(l, t, rows.k[static_cast<size_t>(t)], rows.v[static_cast<size_t>(t)]);
   }
   EXPECT_TRUE(warm.to_bytes() == at3.to_bytes());
-  EXPECT_EQ(s.longest_prefix(tok, warm, 3 * C - 1), 2 * C);
+  EXPECT_EQ(s.longest_prefix(tok, warm, e2 - 1), e1);
   // A prompt that leaves the stored one in chunk 1 reuses chunk 0.
   std::vector<int> other = tok;
-  other[static_cast<size_t>(C) + 3] += 1;
+  other[static_cast<size_t>(e0) + 3] += 1;
   KvCache o(scheme, kL, 4096, kH, kD, &r);
-  EXPECT_EQ(s.longest_prefix(other, o), C);
+  EXPECT_EQ(s.longest_prefix(other, o), e0);
   EXPECT_TRUE(w.lines.empty());
   // Garbage, a truncated value and another chunk's value, each under chunk 1's key.
   const std::vector<uint8_t> good = *s.backend().get(std::span(keys).subspan(1, 1))[0];
@@ -261,14 +270,14 @@ void ExerciseStore(const std::string& url, const std::string& scheme, Warnings& 
     s.backend().put(keys[1], value);
     w.lines.clear();
     KvCache m(scheme, kL, 4096, kH, kD, &r);
-    EXPECT_EQ(s.longest_prefix(tok, m), C);  // chunk 0 only
+    EXPECT_EQ(s.longest_prefix(tok, m), e0);  // chunk 0 only
     ASSERT_EQ(w.lines.size(), 1u);
     EXPECT_NE(w.lines[0].find("chunk 1"), std::string::npos) << w.lines[0];
     EXPECT_NE(w.lines[0].find(why), std::string::npos) << w.lines[0];
     // Recomputed and overwritten by the next fill.
-    FillAndPut(s, m, rows, tok, C, 3 * C);
+    FillAndPut(s, m, rows, tok, e0, e2);
     KvCache again(scheme, kL, 4096, kH, kD, &r);
-    EXPECT_EQ(s.longest_prefix(tok, again), 3 * C);
+    EXPECT_EQ(s.longest_prefix(tok, again), e2);
     EXPECT_TRUE(again.to_bytes() == at3.to_bytes());
   }
   // Another scheme's cache finds nothing (its keys differ).
@@ -313,8 +322,8 @@ TEST(PrefixStore, DirectorySizeCapEvictsTheLeastRecentlyUsed) {
   {
     PrefixStore probe((d / "probe").string(), w.Options(64));
     KvCache c("kvq-4.5", kL, 4096, kH, kD, &r);
-    const std::vector<int> t = Tokens(64);
-    for (int i = 0; i < 64; ++i) {
+    const std::vector<int> t = Tokens(80);
+    for (int i = 0; i < 80; ++i) {
       for (int l = 0; l < kL; ++l) c.write(l, i, rows.k[static_cast<size_t>(i)], rows.v[static_cast<size_t>(i)]);
     }
     probe.put(t, c, &chunk_bytes);
@@ -325,21 +334,21 @@ TEST(PrefixStore, DirectorySizeCapEvictsTheLeastRecentlyUsed) {
   PrefixStore s((d / "s").string(), o);
   // Four prompts, one chunk each; the first is read again before the last is put.
   std::vector<std::vector<int>> prompts;
-  for (int p = 0; p < 4; ++p) prompts.push_back(Tokens(64, p + 1));
+  for (int p = 0; p < 4; ++p) prompts.push_back(Tokens(80, p + 1));
   auto put = [&](int p) {
     KvCache c("kvq-4.5", kL, 4096, kH, kD, &r);
-    FillAndPut(s, c, rows, prompts[static_cast<size_t>(p)], 0, 64);
+    FillAndPut(s, c, rows, prompts[static_cast<size_t>(p)], 0, 80);
     std::this_thread::sleep_for(std::chrono::milliseconds(20));  // distinct mtimes
   };
   put(0), put(1);
   KvCache c0("kvq-4.5", kL, 4096, kH, kD, &r);
-  EXPECT_EQ(s.longest_prefix(prompts[0], c0), 64);  // 0 is now more recent than 1
+  EXPECT_EQ(s.longest_prefix(prompts[0], c0), 80);  // chunk 0: the offset 16 (r16) and 64  // 0 is now more recent than 1
   std::this_thread::sleep_for(std::chrono::milliseconds(20));
   put(2);
   EXPECT_LE(CountFiles(d / "s", false), 2);
   auto has = [&](int p) {
     KvCache c("kvq-4.5", kL, 4096, kH, kD, &r);
-    return s.longest_prefix(prompts[static_cast<size_t>(p)], c) == 64;
+    return s.longest_prefix(prompts[static_cast<size_t>(p)], c) == 80;
   };
   EXPECT_FALSE(has(1));  // the least recently used went first
   EXPECT_TRUE(has(2));
@@ -391,7 +400,7 @@ TEST(PrefixStore, TwoProcessesFillingOneDirectoryLoseNothing) {
       for (int i = 0; i < 6; ++i) {
         const int p = who == 0 ? i : 5 - i;
         KvCache c("kvq-4.5", kL, 4096, kH, kD, &r);
-        FillAndPut(s, c, rows, Tokens(192, p), 0, 192);
+        FillAndPut(s, c, rows, Tokens(208, p), 0, 208);
       }
       std::_Exit(0);
     }
@@ -406,8 +415,8 @@ TEST(PrefixStore, TwoProcessesFillingOneDirectoryLoseNothing) {
   PrefixStore s(d.string(), w.Options(64));
   for (int p = 0; p < 6; ++p) {
     KvCache c("kvq-4.5", kL, 4096, kH, kD, &r), ref("kvq-4.5", kL, 4096, kH, kD, &r);
-    EXPECT_EQ(s.longest_prefix(Tokens(192, p), c), 192);
-    for (int t = 0; t < 192; ++t) {
+    EXPECT_EQ(s.longest_prefix(Tokens(208, p), c), 208);  // 16 + 3 x 64
+    for (int t = 0; t < 208; ++t) {
       for (int l = 0; l < kL; ++l) ref.write(l, t, rows.k[static_cast<size_t>(t)], rows.v[static_cast<size_t>(t)]);
     }
     EXPECT_TRUE(c.to_bytes() == ref.to_bytes());

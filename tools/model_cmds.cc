@@ -424,7 +424,7 @@ int RunGenerate(const GenerateOptions& o) {
   double store_s = 0;
   auto store_if_due = [&] {
     const int64_t T = tf->cache().tokens();
-    if (!pstore || T > P || T % pstore->chunk_tokens(tf->cache()) != 0) return;
+    if (!pstore || T > P || !pstore->plan(tf->cache()).is_end(T)) return;
     const auto t0 = std::chrono::steady_clock::now();
     uint64_t b = 0;
     stored_chunks += pstore->put(prompt, tf->cache(), &b);
@@ -465,9 +465,10 @@ int RunGenerate(const GenerateOptions& o) {
     if (pstore && pos + 1 == P) {
       const double prefill = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() - store_s;
       std::fprintf(stderr,
-                   "kvq generate: prompt cache: reused %d of %d prompt tokens (%s, chunks of %d; lookup %.2f ms, "
+                   "kvq generate: prompt cache: reused %d of %d prompt tokens (%s, chunks of %d, the first %lld; lookup %.2f ms, "
                    "restore %.2f ms, prefill of %d tokens %.2f ms; stored %d chunk(s), %llu bytes, in %.2f ms)\n",
                    start, P, pstore->backend().describe().c_str(), pstore->chunk_tokens(tf->cache()),
+                   static_cast<long long>(pstore->plan(tf->cache()).end(0)),
                    1e3 * lookup.lookup_s, 1e3 * lookup.restore_s, P - start, 1e3 * prefill, stored_chunks,
                    static_cast<unsigned long long>(stored_bytes), 1e3 * store_s);
     }

@@ -542,6 +542,7 @@ class PrefixStore:
         (password also from KVQ_REDIS_PASSWORD; never printed) or "memory:NAME" (this process).
     max_bytes: a directory's size cap (least recently used chunks go first); ttl: seconds a Redis
         entry lives; model_fingerprint: 32 bytes identifying the model (keys differ per model).
+    Chunk i ends at chunk_ends(cache, i + 1)[-1] (the first also holds the scheme's offset).
     put(tokens, cache) -> chunks written: the full chunks of tokens[:cache.tokens] not yet
         restored or written by this store (a row cache any of them; a grouped cache the one ending
         at its current length, so call put as each chunk fills).
@@ -603,6 +604,13 @@ class PrefixStore:
     def chunk_tokens(self, cache):
         """The chunk size this store uses for cache's scheme."""
         return self._s.chunk_tokens(self._cache(cache, "cache"))
+
+    def chunk_ends(self, cache, n):
+        """Where the first n chunks end for cache's scheme: offset + (i + 1) * chunk_tokens, the
+        offset (a grouped scheme's sinks and recent window) putting the ends where the cache holds
+        the fewest open tokens."""
+        c, o = self._s.chunk_plan(self._cache(cache, "cache"))
+        return [o + (i + 1) * c for i in range(_int(n, "n", 0, 2 ** 30))]
 
     def keys(self, tokens, cache):
         """Hex keys of the full chunks of tokens for cache's scheme, tables and this store's model."""

@@ -45,18 +45,18 @@ def _fill(store, scheme, tokens, upto, seed=0):
 @pytest.mark.parametrize("scheme", ["q8_0", "fp16", "kvq-4.5", "kvq-2.5"])
 def test_restores_the_longest_stored_prefix_exactly(scheme):
     s = kvq.PrefixStore(f"memory:py-{scheme}", chunk_tokens=40)
-    C = s.chunk_tokens(_cache(scheme))
-    tokens = [(7 * i) % 50 for i in range(3 * C + 3)]
-    _, snaps = _fill(s, scheme, tokens, 3 * C + 3)
+    e0, e1, e2 = s.chunk_ends(_cache(scheme), 3)
+    tokens = [(7 * i) % 50 for i in range(e2 + 3)]
+    _, snaps = _fill(s, scheme, tokens, e2 + 3)
     n, c = s.longest_prefix(tokens, _cache(scheme))
-    assert n == 3 * C and c.tokens == 3 * C
-    assert c.to_bytes() == snaps[3 * C]
-    n, c = s.longest_prefix(tokens, _cache(scheme), limit=3 * C - 1)
-    assert n == 2 * C and c.to_bytes() == snaps[2 * C]
+    assert n == e2 and c.tokens == e2
+    assert c.to_bytes() == snaps[e2]
+    n, c = s.longest_prefix(tokens, _cache(scheme), limit=e2 - 1)
+    assert n == e1 and c.to_bytes() == snaps[e1]
     other = list(tokens)
-    other[C + 1] += 1
-    assert s.longest_prefix(other, _cache(scheme))[0] == C
-    n, c = s.longest_prefix(np.array(tokens[:C - 1]), _cache(scheme))
+    other[e0 + 1] += 1
+    assert s.longest_prefix(other, _cache(scheme))[0] == e0
+    n, c = s.longest_prefix(np.array(tokens[:e0 - 1]), _cache(scheme))
     assert n == 0 and c.tokens == 0
     assert len(s.keys(tokens, _cache(scheme))) == 3
     assert s.warnings == []
@@ -67,7 +67,7 @@ def test_directory_store_and_a_corrupted_entry(tmp_path):
     tokens = list(range(100))
     _, snaps = _fill(s, "kvq-4.5", tokens, 100)
     files = sorted((tmp_path / "store").glob("*.kvqr"))
-    assert len(files) == 1  # chunks of 64 (groups of 64): one full chunk in 100 tokens
+    assert len(files) == 1  # chunks of 64 (groups of 64) after an offset of 16 (r16): one in 100 tokens
     b = bytearray(files[0].read_bytes())
     b[len(b) // 2] ^= 1
     files[0].write_bytes(bytes(b))
@@ -75,9 +75,9 @@ def test_directory_store_and_a_corrupted_entry(tmp_path):
     with pytest.warns(RuntimeWarning, match="unusable"):
         n, c = s2.longest_prefix(tokens, _cache("kvq-4.5"))
     assert n == 0 and len(s2.warnings) == 1
-    _fill(s2, "kvq-4.5", tokens, 64)  # recomputed: overwritten
+    _fill(s2, "kvq-4.5", tokens, 80)  # recomputed: overwritten
     n, c = kvq.PrefixStore(str(tmp_path / "store"), chunk_tokens=32).longest_prefix(tokens, _cache("kvq-4.5"))
-    assert n == 64 and c.to_bytes() == snaps[64]
+    assert n == 80 and c.to_bytes() == snaps[80]
 
 
 def test_bad_arguments_are_value_errors():
