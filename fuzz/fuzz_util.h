@@ -4,11 +4,16 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <array>
+#include <cmath>
 #include <cstddef>
+#include <memory>
+#include <map>
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "kvq/kv_cache.h"
 #include "src/container.h"
 
 namespace kvq::fuzz {
@@ -41,5 +46,66 @@ class MemFile {
  private:
   int fd_ = -1;
 };
+
+// Deterministic, roughly Gaussian values (seeds and reference caches).
+inline std::vector<float> Values(int n, uint32_t seed) {
+  std::vector<float> v(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) {
+    seed = seed * 1664525u + 1013904223u;
+    const double u1 = ((seed >> 8) + 0.5) / 16777216.0;
+    seed = seed * 1664525u + 1013904223u;
+    const double u2 = ((seed >> 8) + 0.5) / 16777216.0;
+    v[static_cast<size_t>(i)] = static_cast<float>(std::sqrt(-2 * std::log(u1)) * std::cos(6.283185307 * u2));
+  }
+  return v;
+}
+
+// KVQR (the prefix store's ranges): caches of 2 layers x 2 heads x 32 with
+// fixed calibrated ranges, a token sequence whose first range ends at
+// kRange0 and second at kRange1; seeds and fuzz_kvqr build the same ones.
+constexpr int kRangeL = 2, kRangeH = 2, kRangeD = 32, kRange0 = 40, kRange1 = 90;
+inline const char* const kRangeSchemes[] = {"fp16", "q8_0", "q4_0", "int8", "kvq-6.5", "kvq-4.5", "kvq-3.5",
+                                            "kvq-2.5", "k3v3g32o8x3r4s2", "k4v4g16", "k4v3c"};
+
+inline const StaticRanges& RangeRanges() {
+  static const StaticRanges r = [] {
+    const int E = kRangeH * kRangeD;
+    std::vector<std::vector<float>> ks(kRangeL), vs(kRangeL);
+    for (int l = 0; l < kRangeL; ++l) ks[l] = Values(64 * E, 50 + l), vs[l] = Values(64 * E, 60 + l);
+    StaticRanges x = StaticRanges::from_samples(ks, vs, kRangeH, kRangeD);
+    for (size_t c = 0; c < x.k_lo.size(); ++c) x.k_weight.push_back(1.0f + static_cast<float>(c % 5));
+    return x;
+  }();
+  return r;
+}
+
+inline KvCache RangeCache(const std::string& scheme) {
+  return KvCache(scheme, kRangeL, 128, kRangeH, kRangeD, &RangeRanges());
+}
+
+inline std::array<uint8_t, 32> RangeId(int i) {
+  std::array<uint8_t, 32> id{};
+  id[0] = static_cast<uint8_t>(0xA0 + i);
+  return id;
+}
+
+// The scheme's ranges [0, kRange0) and [kRange0, kRange1) of the reference sequence.
+inline const std::vector<std::vector<uint8_t>>& RangeSeeds(const std::string& scheme) {
+  static std::map<std::string, std::vector<std::vector<uint8_t>>> built;
+  auto it = built.find(scheme);
+  if (it != built.end()) return it->second;
+  const int E = kRangeH * kRangeD;
+  const std::vector<float> k = Values(kRange1 * E, 71), v = Values(kRange1 * E, 72);
+  KvCache c = RangeCache(scheme);
+  std::vector<std::vector<uint8_t>> out;
+  for (int t = 0; t < kRange1; ++t) {
+    for (int l = 0; l < kRangeL; ++l) {
+      c.write(l, t, std::span(k).subspan(static_cast<size_t>(t) * E, E), std::span(v).subspan(static_cast<size_t>(t) * E, E));
+    }
+    if (t + 1 == kRange0) out.push_back(c.range_to_bytes(0, -1, RangeId(0)));
+    if (t + 1 == kRange1) out.push_back(c.range_to_bytes(kRange0, -1, RangeId(1)));
+  }
+  return built.emplace(scheme, std::move(out)).first->second;
+}
 
 }  // namespace kvq::fuzz

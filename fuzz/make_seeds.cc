@@ -15,6 +15,7 @@
 #include "kvq/cluster_outliers.h"
 #include "kvq/kv_cache.h"
 #include "kvq/sorted_profile.h"
+#include "fuzz/fuzz_util.h"
 #include "src/container.h"
 
 namespace {
@@ -27,6 +28,8 @@ void Write(const fs::path& p, const std::vector<uint8_t>& b) {
 
 // Both readings of fuzz_util.h's AsContainer: the whole file (odd first
 // byte) and the bare payload (even first byte).
+using kvq::fuzz::Values;
+
 void WriteContainer(const fs::path& dir, const std::string& name, const std::vector<uint8_t>& c) {
   std::vector<uint8_t> whole{1};
   whole.insert(whole.end(), c.begin(), c.end());
@@ -36,17 +39,6 @@ void WriteContainer(const fs::path& dir, const std::string& name, const std::vec
   Write(dir / (name + ".payload"), payload);
 }
 
-std::vector<float> Values(int n, uint32_t seed) {
-  std::vector<float> v(static_cast<size_t>(n));
-  for (int i = 0; i < n; ++i) {  // deterministic, roughly Gaussian
-    seed = seed * 1664525u + 1013904223u;
-    const double u1 = ((seed >> 8) + 0.5) / 16777216.0;
-    seed = seed * 1664525u + 1013904223u;
-    const double u2 = ((seed >> 8) + 0.5) / 16777216.0;
-    v[static_cast<size_t>(i)] = static_cast<float>(std::sqrt(-2 * std::log(u1)) * std::cos(6.283185307 * u2));
-  }
-  return v;
-}
 
 std::vector<uint8_t> Checkpoint(int dim, int hidden, int layers, int heads, int kv_heads, int vocab, int seq) {
   const int hs = dim / heads, kv = kv_heads * hs;
@@ -97,7 +89,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const fs::path root = argv[1];
-  for (const char* d : {"kvqp", "kvqc", "kvqs", "checkpoint", "tokenizer"}) fs::create_directories(root / d);
+  for (const char* d : {"kvqp", "kvqc", "kvqs", "kvqr", "checkpoint", "tokenizer"}) fs::create_directories(root / d);
 
   // KVQP: every tail path, both families, a few widths.
   kvq::SortedProfileOptions o;
@@ -161,6 +153,13 @@ int main(int argc, char** argv) {
                        c.to_bytes(-1, n++ % 2 ? meta : kvq::KvCacheMeta{}));
       }
     }
+  }
+
+  // KVQR: the first and second range of every reference scheme.
+  for (const char* scheme : kvq::fuzz::kRangeSchemes) {
+    const auto& r = kvq::fuzz::RangeSeeds(scheme);
+    WriteContainer(root / "kvqr", std::string(scheme) + "_0", r[0]);
+    WriteContainer(root / "kvqr", std::string(scheme) + "_1", r[1]);
   }
 
   // Checkpoints: small consistent ones (shared and separate classifier).

@@ -1607,7 +1607,12 @@ void GroupedKvCache::load_range_states(std::span<const std::span<const uint8_t>>
                 ends.size(), " and ", parts.size());
   const Impl& m = *impl_;
   const size_t L = static_cast<size_t>(n_layers_), E = m.E;
-  std::vector<std::vector<uint8_t>> sk(L), sv(L), recs(L), tail(L);
+  // Where each piece lies (no copy yet): per layer the sinks' K and V, the
+  // final records of every range, and the open state of the last one.
+  using Piece = std::span<const uint8_t>;
+  std::vector<std::vector<Piece>> sk(L), sv(L), recs(L);
+  std::vector<Piece> tail(L);
+  size_t total = 0;
   int64_t begin = 0;
   for (size_t i = 0; i < parts.size(); ++i) {
     const int64_t end = ends[i];
@@ -1616,26 +1621,32 @@ void GroupedKvCache::load_range_states(std::span<const std::span<const uint8_t>>
     StateReader rd{parts[i]};
     const size_t ns = static_cast<size_t>(std::min<int64_t>(m.S, end) - std::min<int64_t>(m.S, begin));
     const size_t nf = static_cast<size_t>(final_records(end) - final_records(begin));
+    auto take = [&](size_t n) { return Piece(rd.take(n), n); };
     for (size_t l = 0; l < L; ++l) {
-      PutBytes(sk[l], rd.take(2 * ns * E), 2 * ns * E);
-      PutBytes(sv[l], rd.take(2 * ns * E), 2 * ns * E);
+      sk[l].push_back(take(2 * ns * E));
+      sv[l].push_back(take(2 * ns * E));
       KVQ_CHECK_ARG(nf <= (parts[i].size() - rd.pos) / std::max<size_t>(m.rec_bytes, 1), "cache state: range ", i,
                     " is truncated (", nf, " records of ", m.rec_bytes, " bytes)");
-      PutBytes(recs[l], rd.take(nf * m.rec_bytes), nf * m.rec_bytes);
+      recs[l].push_back(take(nf * m.rec_bytes));
       uint64_t n;
       std::memcpy(&n, rd.take(8), 8);
       KVQ_CHECK_ARG(n <= parts[i].size() - rd.pos, "cache state: range ", i, " layer ", l, ": ", n,
                     " bytes of open state past the end");
-      const uint8_t* p = rd.take(static_cast<size_t>(n));
-      tail[l].assign(p, p + n);
+      tail[l] = take(static_cast<size_t>(n));
+      total += 4 * ns * E + nf * m.rec_bytes;
     }
     KVQ_CHECK_ARG(rd.pos == parts[i].size(), "cache state: range ", i, " has ", parts[i].size() - rd.pos,
                   " bytes past its last layer");
     begin = end;
   }
   std::vector<uint8_t> whole;
+  for (const Piece& t : tail) total += t.size();
+  whole.reserve(total);
   for (size_t l = 0; l < L; ++l) {
-    for (const auto* v : {&sk[l], &sv[l], &recs[l], &tail[l]}) whole.insert(whole.end(), v->begin(), v->end());
+    for (const auto* v : {&sk[l], &sv[l], &recs[l]}) {
+      for (const Piece& p : *v) whole.insert(whole.end(), p.begin(), p.end());
+    }
+    whole.insert(whole.end(), tail[l].begin(), tail[l].end());
   }
   const std::vector<int64_t> lengths(L, begin);
   load_state(whole, lengths);
