@@ -55,24 +55,25 @@ def start_redis():
     return None, None
 
 
-def bench_table(build, redis, min_time, reps):
+def bench_table(build, redis, min_time, reps, schemes):
     env = dict(os.environ)
     if redis:
         env["KVQ_BENCH_REDIS"] = redis
-    out = subprocess.run([os.path.join(build, "bench", "kvq_bench"), "--benchmark_filter=^BM_prefix_",
+    pattern = "^BM_prefix_.*/(" + "|".join(x.replace(".", "[.]") for x in schemes) + ")(/real_time)?$"
+    out = subprocess.run([os.path.join(build, "bench", "kvq_bench"), f"--benchmark_filter={pattern}",
                           f"--benchmark_min_time={min_time}", f"--benchmark_repetitions={reps}",
                           "--benchmark_report_aggregates_only=true", "--benchmark_format=json"],
                          env=env, check=True, capture_output=True, text=True).stdout
     rows = {}
     for b in json.loads(out)["benchmarks"]:
-        if b.get("aggregate_name") != "median":
+        if b.get("aggregate_name") != "median" and not (reps == 1 and b.get("run_type") == "iteration"):
             continue
         name = b["run_name"].replace("/real_time", "")
         rows[name] = b
     def us(name):
         b = rows.get(name)
         return None if b is None else b["real_time"]  # microseconds (Unit)
-    fp16 = rows["BM_prefix_memcpy/fp16"]["bytes_per_token"]
+    fp16 = 2.0 * 2 * 32 * 8 * 128  # bytes a token of fp16 K and V, 32 layers x 8 x 128
     backends = ["memory", "dir"] + (["redis"] if redis else [])
     print("Llama-3-8B attention geometry (32 layers x 8 KV heads x 128), one chunk; put / get: ms per chunk "
           "(MB/s), medians; restore: the CPU time of a hit, per chunk")
@@ -80,7 +81,7 @@ def bench_table(build, redis, min_time, reps):
     head = " | ".join(f"{b} put | {b} get" for b in backends)
     print(f"| scheme | chunk tokens | bytes / chunk | bytes / token | x fewer than fp16 | memcpy | {head} | restore |")
     print("|---|---:|---:|---:|---:|---:|" + "---:|---:|" * len(backends) + "---:|")
-    for s in SCHEMES:
+    for s in schemes:
         m = rows[f"BM_prefix_memcpy/{s}"]
         n = m["chunk_bytes"]
         def cell(name):
@@ -134,7 +135,7 @@ def prompt_of(kvq, tokens):
     return text[:lo]
 
 
-def generate_table(build, redis, reps):
+def generate_table(build, redis, reps, schemes):
     kvq = os.path.join(build, "kvq")
     prompt = prompt_of(kvq, 480)
     print("stories260K, a 480-token prompt (BOS included) from the dev text, chunks of 256: cold (empty store) "
@@ -147,7 +148,7 @@ def generate_table(build, redis, reps):
     try:
         stores = [("dir", os.path.join(d, "store"))] + ([("redis", redis + "/5")] if redis else [])
         for label, url in stores:
-            for kv in ["fp16", "kvq-6.5", "kvq-4.5", "kvq-3.5", "kvq-2.5"]:
+            for kv in [x for x in schemes if x not in ("q8_0", "q4_0")]:
                 if label == "dir":
                     shutil.rmtree(os.path.join(d, "store"), ignore_errors=True)
                 else:
@@ -177,15 +178,16 @@ def main():
     ap.add_argument("--repetitions", type=int, default=3)
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--skip-generate", action="store_true")
+    ap.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated (default: %(default)s)")
     a = ap.parse_args()
     proc, redis = start_redis()
     if redis is None:
         print("redis-server not found: the Redis columns are left out (scripts/install_deps.sh installs it)")
     try:
         if not a.skip_bench:
-            bench_table(a.build, redis, a.min_time, a.repetitions)
+            bench_table(a.build, redis, a.min_time, a.repetitions, a.schemes.split(","))
         if not a.skip_generate:
-            generate_table(a.build, redis, a.repetitions)
+            generate_table(a.build, redis, a.repetitions, a.schemes.split(","))
     finally:
         if proc:
             proc.kill()
