@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstddef>
@@ -106,6 +107,23 @@ inline const std::vector<std::vector<uint8_t>>& RangeSeeds(const std::string& sc
     if (t + 1 == kRange1) out.push_back(c.range_to_bytes(kRange0, -1, RangeId(1)));
   }
   return built.emplace(scheme, std::move(out)).first->second;
+}
+
+// The largest |K| or |V| the cache reads (every layer and token): attention
+// is finite for finite inputs of sane size; a saved cache may hold any
+// finite values its scheme can (1e38 included), whose scores overflow as
+// they would had they been written.
+inline float MaxAbs(const KvCache& c) {
+  const size_t E = static_cast<size_t>(c.n_kv_heads()) * static_cast<size_t>(c.head_dim());
+  std::vector<float> k(E), v(E);
+  float m = 0;
+  for (int l = 0; l < c.n_layers(); ++l) {
+    for (int64_t t = 0; t < c.written(l); ++t) {
+      c.read(l, t, k, v);
+      for (size_t i = 0; i < E; ++i) m = std::max({m, std::fabs(k[i]), std::fabs(v[i])});
+    }
+  }
+  return m;
 }
 
 }  // namespace kvq::fuzz
