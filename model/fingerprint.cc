@@ -1,12 +1,18 @@
 #include "model/fingerprint.h"
 
+#include <sys/stat.h>
+
 #include <cerrno>
+#include <cstdlib>
+#include <filesystem>
 #include <cstring>
 #include <fstream>
 #include <memory>
 #include <vector>
 
 #include "kvq/error.h"
+#include "kvq/file.h"
+#include "kvq/kv_cache.h"
 #include "kvq/sha256.h"
 
 namespace kvq::model {
@@ -30,13 +36,83 @@ void HashFile(Sha256& h, const std::string& path, const char* arg) {
   }
 }
 
+// What identifies a file's bytes without reading them: size and mtime (ns).
+struct Stamp {
+  uint64_t size = 0;
+  int64_t mtime_ns = 0;
+};
+
+Stamp StampOf(const std::string& path, const char* arg) {
+  struct stat st {};
+  KVQ_CHECK_ARG(::stat(path.c_str(), &st) == 0, arg, ": cannot open '", path, "' (", std::strerror(errno), ")");
+  return {static_cast<uint64_t>(st.st_size), static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec};
+}
+
+std::string Absolute(const std::string& path) {
+  std::error_code ec;
+  const std::filesystem::path p = std::filesystem::absolute(path, ec);
+  return ec ? path : p.lexically_normal().string();
+}
+
+// $XDG_CACHE_HOME/kvq/fingerprints (else ~/.cache/...), or "" when neither is set.
+std::string CacheDir() {
+  const char* xdg = std::getenv("XDG_CACHE_HOME");
+  if (xdg && *xdg) return std::string(xdg) + "/kvq/fingerprints";
+  const char* home = std::getenv("HOME");
+  return home && *home ? std::string(home) + "/.cache/kvq/fingerprints" : std::string();
+}
+
+uint64_t CacheMinBytes() {
+  const char* e = std::getenv("KVQ_FINGERPRINT_CACHE_MIN_BYTES");
+  if (e && *e) {
+    char* end = nullptr;
+    const unsigned long long v = std::strtoull(e, &end, 10);
+    if (end && *end == 0) return v;
+  }
+  return uint64_t{64} << 20;
+}
+
 }  // namespace
 
 Digest model_fingerprint(const std::string& checkpoint_path, const std::string& tokenizer_path) {
+  const Stamp a = StampOf(checkpoint_path, "model"), b = StampOf(tokenizer_path, "tokenizer");
+  std::string entry;  // the cache file for these two paths, when the files are large enough to be worth it
+  const std::string dir = CacheDir();
+  if (!dir.empty() && a.size + b.size >= CacheMinBytes()) {
+    Sha256 key;
+    const std::string pa = Absolute(checkpoint_path), pb = Absolute(tokenizer_path);
+    key.u64(pa.size()), key.update(pa.data(), pa.size()), key.update(pb.data(), pb.size());
+    entry = dir + "/" + hex_digest(key.final());
+    std::ifstream f(entry);
+    std::string tag, hex;
+    Stamp ca, cb;
+    if (f >> tag >> ca.size >> ca.mtime_ns >> cb.size >> cb.mtime_ns >> hex && tag == "kvq-fingerprint-1" &&
+        ca.size == a.size && ca.mtime_ns == a.mtime_ns && cb.size == b.size && cb.mtime_ns == b.mtime_ns &&
+        hex.size() == 64 && hex.find_first_not_of("0123456789abcdef") == std::string::npos) {
+      Digest d;
+      for (size_t i = 0; i < 32; ++i) d[i] = static_cast<uint8_t>(std::stoi(hex.substr(2 * i, 2), nullptr, 16));
+      return d;
+    }
+  }
   Sha256 h;
   HashFile(h, checkpoint_path, "model");
   HashFile(h, tokenizer_path, "tokenizer");
-  return h.final();
+  const Digest d = h.final();
+  // Kept only if neither file changed while it was read; a cache that
+  // cannot be written is no error.
+  const Stamp a2 = StampOf(checkpoint_path, "model"), b2 = StampOf(tokenizer_path, "tokenizer");
+  if (!entry.empty() && a2.size == a.size && a2.mtime_ns == a.mtime_ns && b2.size == b.size &&
+      b2.mtime_ns == b.mtime_ns) {
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    const std::string text = "kvq-fingerprint-1 " + std::to_string(a.size) + " " + std::to_string(a.mtime_ns) + " " +
+                             std::to_string(b.size) + " " + std::to_string(b.mtime_ns) + " " + hex_digest(d) + "\n";
+    try {
+      write_file_whole(entry, std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()), "fingerprint cache");
+    } catch (const Error&) {
+    }
+  }
+  return d;
 }
 
 Digest tokens_digest(std::span<const int> tokens) {

@@ -16,7 +16,12 @@ using Digest = kvq::Digest;
 // SHA-256 of the checkpoint's bytes, then the tokenizer's, each prefixed by
 // its length (u64 little-endian): a cache restored on another model, or
 // with another vocabulary, is refused. Throws kvq::Error naming the path
-// that cannot be read.
+// that cannot be read. Files of 64 MiB or more together (a real model:
+// hashing takes seconds) have the digest kept in
+// $XDG_CACHE_HOME/kvq/fingerprints (else ~/.cache/kvq/fingerprints), one
+// entry per pair of absolute paths with both files' sizes and modification
+// times (ns); a later call reuses it while all four match
+// (KVQ_FINGERPRINT_CACHE_MIN_BYTES overrides the threshold).
 Digest model_fingerprint(const std::string& checkpoint_path, const std::string& tokenizer_path);
 
 // SHA-256 of the token ids as int32 little-endian.

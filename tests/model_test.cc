@@ -17,6 +17,7 @@
 #include "kvq/error.h"
 #include "model/calibrate.h"
 #include "model/eval.h"
+#include "model/fingerprint.h"
 #include "model/receipts.h"
 #include "model/llama2.h"
 #include "tests/test_util.h"
@@ -278,6 +279,42 @@ TEST(Model, WindowedModesAreConsistent) {
   EXPECT_GT(bank.kv_bytes, full.kv_bytes);  // a d x d covariance per singleton costs more than the token
   EXPECT_EQ(equal.policy.window, 96) << "capped at ctx";
   EXPECT_EQ(equal.kld_mean, 0.0);
+}
+
+TEST(Model, FingerprintsOfLargeFilesAreCachedBySizeAndTime) {
+  KVQ_MODEL_FILES();
+  namespace fs = std::filesystem;
+  const fs::path d = fs::temp_directory_path() / ("kvq_fp_" + std::to_string(::getpid()));
+  fs::remove_all(d);
+  fs::create_directories(d);
+  fs::copy_file(model_path, d / "m.bin");
+  const std::string m = (d / "m.bin").string();
+  const model::Digest want = model::model_fingerprint(m, tok_path);  // nothing cached yet (default threshold)
+  ::setenv("XDG_CACHE_HOME", (d / "cache").c_str(), 1);
+  ::setenv("KVQ_FINGERPRINT_CACHE_MIN_BYTES", "0", 1);
+  EXPECT_EQ(model::model_fingerprint(m, tok_path), want);
+  std::vector<fs::path> entries;
+  for (const auto& e : fs::directory_iterator(d / "cache" / "kvq" / "fingerprints")) entries.push_back(e.path());
+  ASSERT_EQ(entries.size(), 1u);
+  // The entry is what a later call returns: plant another digest in it.
+  std::string text;
+  std::getline(std::ifstream(entries[0]), text);
+  ASSERT_EQ(text.substr(text.size() - 64), hex_digest(want));
+  const std::string planted = text.substr(0, text.size() - 64) + std::string(64, 'a');
+  std::ofstream(entries[0]) << planted << "\n";
+  model::Digest aa;
+  aa.fill(0xaa);
+  EXPECT_EQ(model::model_fingerprint(m, tok_path), aa);
+  // A file whose time changes is read again (and the entry rewritten).
+  fs::last_write_time(m, fs::last_write_time(m) + std::chrono::seconds(5));
+  EXPECT_EQ(model::model_fingerprint(m, tok_path), want);
+  EXPECT_EQ(model::model_fingerprint(m, tok_path), want);
+  // Another file, another digest.
+  { std::ofstream(m, std::ios::app) << 'x'; }
+  EXPECT_NE(model::model_fingerprint(m, tok_path), want);
+  ::unsetenv("XDG_CACHE_HOME");
+  ::unsetenv("KVQ_FINGERPRINT_CACHE_MIN_BYTES");
+  fs::remove_all(d);
 }
 
 TEST(Model, TokenizerEncodesAndDecodes) {
