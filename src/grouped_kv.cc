@@ -1498,15 +1498,37 @@ void PutHalves(std::vector<uint8_t>& out, const uint16_t* h, size_t n) {
 }
 void PutBytes(std::vector<uint8_t>& out, const uint8_t* p, size_t n) { out.insert(out.end(), p, p + n); }
 
-// Bounds-checked reads of a saved state.
+// Bounds-checked reads of a saved state held in one or more pieces (a
+// restore from ranges reads the ranges' pieces in place). A read within a
+// piece points into it; one across pieces is gathered into a scratch buffer
+// (valid until the next read).
 struct StateReader {
-  std::span<const uint8_t> b;
-  size_t pos = 0;
+  std::span<const std::span<const uint8_t>> pieces;
+  size_t total = 0, pos = 0, piece = 0, off = 0;
+  std::vector<uint8_t> scratch;
+  explicit StateReader(std::span<const std::span<const uint8_t>> p) : pieces(p) {
+    for (const auto& x : pieces) total += x.size();
+  }
+  size_t left() const { return total - pos; }
   const uint8_t* take(size_t n) {
-    if (n > b.size() - pos) Fail("cache state: truncated (needs ", n, " bytes at byte ", pos, " of ", b.size(), ")");
-    const uint8_t* p = b.data() + pos;
+    static const uint8_t kNone = 0;
+    if (n > total - pos) Fail("cache state: truncated (needs ", n, " bytes at byte ", pos, " of ", total, ")");
     pos += n;
-    return p;
+    if (n == 0) return &kNone;
+    while (off == pieces[piece].size()) ++piece, off = 0;
+    if (pieces[piece].size() - off >= n) {
+      const uint8_t* p = pieces[piece].data() + off;
+      off += n;
+      return p;
+    }
+    scratch.resize(n);
+    for (size_t got = 0; got < n;) {
+      while (off == pieces[piece].size()) ++piece, off = 0;
+      const size_t k = std::min(n - got, pieces[piece].size() - off);
+      std::memcpy(scratch.data() + got, pieces[piece].data() + off, k);
+      got += k, off += k;
+    }
+    return scratch.data();
   }
   // fp16 values that must be finite.
   void halves(uint16_t* out, size_t n, const char* what) {
@@ -1612,47 +1634,45 @@ void GroupedKvCache::load_range_states(std::span<const std::span<const uint8_t>>
   using Piece = std::span<const uint8_t>;
   std::vector<std::vector<Piece>> sk(L), sv(L), recs(L);
   std::vector<Piece> tail(L);
-  size_t total = 0;
   int64_t begin = 0;
   for (size_t i = 0; i < parts.size(); ++i) {
     const int64_t end = ends[i];
     KVQ_CHECK_ARG(end > begin && end <= max_seq_, "ranges: range ", i, " ends at ", end, ", expected ", begin + 1,
                   "..", max_seq_);
-    StateReader rd{parts[i]};
+    StateReader rd{std::span(&parts[i], 1)};
     const size_t ns = static_cast<size_t>(std::min<int64_t>(m.S, end) - std::min<int64_t>(m.S, begin));
     const size_t nf = static_cast<size_t>(final_records(end) - final_records(begin));
     auto take = [&](size_t n) { return Piece(rd.take(n), n); };
     for (size_t l = 0; l < L; ++l) {
       sk[l].push_back(take(2 * ns * E));
       sv[l].push_back(take(2 * ns * E));
-      KVQ_CHECK_ARG(nf <= (parts[i].size() - rd.pos) / std::max<size_t>(m.rec_bytes, 1), "cache state: range ", i,
+      KVQ_CHECK_ARG(nf <= rd.left() / std::max<size_t>(m.rec_bytes, 1), "cache state: range ", i,
                     " is truncated (", nf, " records of ", m.rec_bytes, " bytes)");
       recs[l].push_back(take(nf * m.rec_bytes));
       uint64_t n;
       std::memcpy(&n, rd.take(8), 8);
-      KVQ_CHECK_ARG(n <= parts[i].size() - rd.pos, "cache state: range ", i, " layer ", l, ": ", n,
+      KVQ_CHECK_ARG(n <= rd.left(), "cache state: range ", i, " layer ", l, ": ", n,
                     " bytes of open state past the end");
       tail[l] = take(static_cast<size_t>(n));
-      total += 4 * ns * E + nf * m.rec_bytes;
     }
-    KVQ_CHECK_ARG(rd.pos == parts[i].size(), "cache state: range ", i, " has ", parts[i].size() - rd.pos,
-                  " bytes past its last layer");
+    KVQ_CHECK_ARG(rd.left() == 0, "cache state: range ", i, " has ", rd.left(), " bytes past its last layer");
     begin = end;
   }
-  std::vector<uint8_t> whole;
-  for (const Piece& t : tail) total += t.size();
-  whole.reserve(total);
+  // The whole state's order, read in place.
+  std::vector<Piece> whole;
   for (size_t l = 0; l < L; ++l) {
-    for (const auto* v : {&sk[l], &sv[l], &recs[l]}) {
-      for (const Piece& p : *v) whole.insert(whole.end(), p.begin(), p.end());
-    }
-    whole.insert(whole.end(), tail[l].begin(), tail[l].end());
+    for (const auto* v : {&sk[l], &sv[l], &recs[l]}) whole.insert(whole.end(), v->begin(), v->end());
+    whole.push_back(tail[l]);
   }
   const std::vector<int64_t> lengths(L, begin);
-  load_state(whole, lengths);
+  LoadPieces(whole, lengths);
 }
 
 void GroupedKvCache::load_state(std::span<const uint8_t> in, std::span<const int64_t> lengths) {
+  LoadPieces(std::span(&in, 1), lengths);
+}
+
+void GroupedKvCache::LoadPieces(std::span<const std::span<const uint8_t>> in, std::span<const int64_t> lengths) {
   Impl& m = *impl_;
   KVQ_CHECK_ARG(lengths.size() == static_cast<size_t>(n_layers_), "cache state: expected ", n_layers_,
                 " layer lengths, got ", lengths.size());
@@ -1756,7 +1776,7 @@ void GroupedKvCache::load_state(std::span<const uint8_t> in, std::span<const int
         grouped::PackOperand(qn.data(), static_cast<int>(2 * E), m.N, ly.ncodes.data() + slot * m.nslot);
       }
     }
-    if (rd.pos != in.size()) Fail("cache state: ", in.size() - rd.pos, " bytes past the end of the last layer");
+    if (rd.left() != 0) Fail("cache state: ", rd.left(), " bytes past the end of the last layer");
   } catch (...) {
     for (Impl::Layer& ly : m.layers) {
       ly.T = 0, ly.recs.clear(), ly.n_coded = 0, ly.pool.clear(), ly.grids.clear();

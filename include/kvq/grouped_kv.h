@@ -326,6 +326,8 @@ class GroupedKvCache {
                  const StaticRanges* ranges, const std::span<const uint8_t>* tables, const RopeConfig& rope);
   void Build(const StaticRanges* ranges, const std::span<const uint8_t>* tables);
   void SaveLayer(int l, int64_t from, bool range, std::vector<uint8_t>& out) const;
+  // load_state over the state's bytes in consecutive pieces (read in place).
+  void LoadPieces(std::span<const std::span<const uint8_t>> pieces, std::span<const int64_t> lengths);
   GroupedKvScheme scheme_;
   int n_layers_, max_seq_, n_kv_heads_, head_dim_;
   RopeConfig rope_;
