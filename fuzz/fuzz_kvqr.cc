@@ -5,7 +5,6 @@
 // finite values, takes a further token, and saves back to the same bytes (a
 // restore is exact, so the range saved from it is too); a refused range
 // leaves the cache as it was.
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -74,15 +73,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (T != static_cast<int64_t>(end)) __builtin_trap();
   if (c.range_to_bytes(static_cast<int64_t>(begin), -1, id) != bytes) __builtin_trap();
   const size_t E = static_cast<size_t>(c.n_kv_heads()) * static_cast<size_t>(c.head_dim());
-  const bool sane = kvq::fuzz::MaxAbs(c) <= 1e4f;  // scores cannot overflow
-  std::vector<float> q(2 * E), out(q.size());
-  for (size_t i = 0; i < q.size(); ++i) q[i] = 0.01f * static_cast<float>(i % 37) - 0.15f;
-  for (int l = 0; l < c.n_layers(); ++l) {
-    c.attend(l, q, 2 * c.n_kv_heads(), out);
-    for (float x : out) {
-      if (sane && !std::isfinite(x)) __builtin_trap();
-    }
-  }
+  kvq::fuzz::AttendEveryLayer(c, kvq::fuzz::SaneValues(c));
   if (T < c.max_seq()) {
     const std::vector<float> k(E, 0.5f), v(E, -0.25f);
     try {

@@ -26,27 +26,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (c.to_bytes(T, meta) != bytes) __builtin_trap();
     if (bytes.size() <= c.bytes() || bytes.size() > c.bytes() + 4096) __builtin_trap();
     if (E > (size_t{1} << 14) || c.n_layers() > 8) return 0;  // keep each run fast
-    const bool sane = kvq::fuzz::MaxAbs(c) <= 1e4f;  // scores cannot overflow
-    std::vector<float> q(2 * E), out(q.size());
-    for (size_t i = 0; i < q.size(); ++i) q[i] = 0.01f * static_cast<float>(i % 37) - 0.15f;
-    for (int l = 0; l < c.n_layers(); ++l) {
-      c.attend(l, q, 2 * c.n_kv_heads(), out);
-      for (float x : out) {
-        if (sane && !std::isfinite(x)) __builtin_trap();
-      }
-      std::vector<float> k(E), v(E);
-      c.read(l, T - 1, k, v);
-      for (size_t i = 0; i < E; ++i) {
-        if (!std::isfinite(k[i]) || !std::isfinite(v[i])) __builtin_trap();
-      }
-    }
+    const bool sane = kvq::fuzz::SaneValues(c);
+    kvq::fuzz::AttendEveryLayer(c, sane);
     if (T < 512) {  // the restored store takes the next token
       const std::vector<float> k(E, 0.5f), v(E, -0.25f);
       for (int l = 0; l < c.n_layers(); ++l) c.write(l, static_cast<int>(T), k, v);
-      c.attend(0, q, 2 * c.n_kv_heads(), out);
-      for (float x : out) {
-        if (sane && !std::isfinite(x)) __builtin_trap();
-      }
+      kvq::fuzz::AttendEveryLayer(c, sane);
     }
   } catch (const kvq::Error&) {
   }

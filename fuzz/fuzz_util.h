@@ -109,21 +109,39 @@ inline const std::vector<std::vector<uint8_t>>& RangeSeeds(const std::string& sc
   return built.emplace(scheme, std::move(out)).first->second;
 }
 
-// The largest |K| or |V| the cache reads (every layer and token): attention
-// is finite for finite inputs of sane size; a saved cache may hold any
-// finite values its scheme can (1e38 included), whose scores overflow as
-// they would had they been written.
-inline float MaxAbs(const KvCache& c) {
+// Reads every token of every layer as attention does: traps on a
+// non-finite value; returns whether every |K| and |V| is at most 1e4.
+// Attention is finite for sane values; a saved cache may hold any finite
+// value its scheme can (1e38 included), whose scores overflow as they would
+// had they been written.
+inline bool SaneValues(const KvCache& c) {
   const size_t E = static_cast<size_t>(c.n_kv_heads()) * static_cast<size_t>(c.head_dim());
   std::vector<float> k(E), v(E);
   float m = 0;
   for (int l = 0; l < c.n_layers(); ++l) {
     for (int64_t t = 0; t < c.written(l); ++t) {
       c.read(l, t, k, v);
-      for (size_t i = 0; i < E; ++i) m = std::max({m, std::fabs(k[i]), std::fabs(v[i])});
+      for (size_t i = 0; i < E; ++i) {
+        if (!std::isfinite(k[i]) || !std::isfinite(v[i])) __builtin_trap();
+        m = std::max({m, std::fabs(k[i]), std::fabs(v[i])});
+      }
     }
   }
-  return m;
+  return m <= 1e4f;
+}
+
+// Attends every layer of `c` with a fixed query; traps on a non-finite
+// output when `finite` (the values read are sane: SaneValues).
+inline void AttendEveryLayer(const KvCache& c, bool finite) {
+  const size_t E = static_cast<size_t>(c.n_kv_heads()) * static_cast<size_t>(c.head_dim());
+  std::vector<float> q(2 * E), out(q.size());
+  for (size_t i = 0; i < q.size(); ++i) q[i] = 0.01f * static_cast<float>(i % 37) - 0.15f;
+  for (int l = 0; l < c.n_layers(); ++l) {
+    c.attend(l, q, 2 * c.n_kv_heads(), out);
+    for (float x : out) {
+      if (finite && !std::isfinite(x)) __builtin_trap();
+    }
+  }
 }
 
 }  // namespace kvq::fuzz

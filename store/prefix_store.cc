@@ -1,5 +1,7 @@
 #include "store/prefix_store.h"
 
+#include <malloc.h>
+
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -9,6 +11,9 @@
 
 namespace kvq::store {
 namespace {
+
+// Where warnings go unless StoreOptions::warn says otherwise.
+void StderrWarn(const std::string& s) { std::fprintf(stderr, "kvq prefix store: %s\n", s.c_str()); }
 
 double Since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -29,7 +34,7 @@ std::unique_ptr<StoreBackend> open_backend(const std::string& url, const StoreOp
                 o.chunk_tokens);
   KVQ_CHECK_ARG(o.timeout_ms >= 1 && o.timeout_ms <= 60000, "timeout_ms: expected 1..60000, got ", o.timeout_ms);
   KVQ_CHECK_ARG(o.ttl_seconds >= 0, "ttl_seconds: expected >= 0, got ", o.ttl_seconds);
-  WarnFn warn = o.warn ? o.warn : [](const std::string& s) { std::fprintf(stderr, "kvq prefix store: %s\n", s.c_str()); };
+  WarnFn warn = o.warn ? o.warn : StderrWarn;
   if (url.rfind("memory:", 0) == 0) return open_memory_store(url.substr(7));
   if (url.rfind("redis://", 0) == 0) return open_redis_store(url, o, warn);
   KVQ_CHECK_ARG(url.find("://") == std::string::npos, "prompt cache: unsupported URL '", url,
@@ -103,13 +108,7 @@ std::vector<Key> chunk_keys(const KvCache& cache, std::span<const int> tokens, i
 
 PrefixStore::PrefixStore(const std::string& url, StoreOptions o) : o_(std::move(o)), b_(open_backend(url, o_)) {}
 
-void PrefixStore::Warn(const std::string& s) const {
-  if (o_.warn) {
-    o_.warn(s);
-  } else {
-    std::fprintf(stderr, "kvq prefix store: %s\n", s.c_str());
-  }
-}
+void PrefixStore::Warn(const std::string& s) const { (o_.warn ? o_.warn : StderrWarn)(s); }
 
 int64_t PrefixStore::longest_prefix(std::span<const int> tokens, KvCache& cache, int64_t limit,
                                     LookupReport* report) {
@@ -163,6 +162,13 @@ int64_t PrefixStore::longest_prefix(std::span<const int> tokens, KvCache& cache,
     }
     rep.restore_s = Since(t1);
   }
+  // The fetched values were as large as the cache restored from them; freed,
+  // glibc keeps such blocks in its heap (its mmap threshold rises past them)
+  // and the process would hold them resident beside the cache. Returned.
+  values = {};
+#ifdef __GLIBC__
+  if (rep.bytes > (uint64_t{1} << 20)) ::malloc_trim(0);
+#endif
   if (report) *report = rep;
   return rep.tokens;
 }

@@ -35,7 +35,7 @@ std::string PercentDecode(const std::string& s, const char* what) {
       out.push_back(s[i]);
       continue;
     }
-    KVQ_CHECK_ARG(i + 2 < s.size() + 0 && std::isxdigit(static_cast<unsigned char>(s[i + 1])) &&
+    KVQ_CHECK_ARG(i + 2 < s.size() && std::isxdigit(static_cast<unsigned char>(s[i + 1])) &&
                       std::isxdigit(static_cast<unsigned char>(s[i + 2])),
                   "prompt cache: a bad %-escape in the Redis URL's ", what);
     out.push_back(static_cast<char>(std::stoi(s.substr(i + 1, 2), nullptr, 16)));

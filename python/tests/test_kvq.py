@@ -616,3 +616,15 @@ def test_resident_memory_is_the_bytes_reported():
                        capture_output=True, text=True)
     assert p.returncode == 0, p.stdout + p.stderr
     assert p.stdout.count("| kvq-") == 4
+
+
+def test_restored_cache_resident_memory_is_the_bytes_reported():
+    """A cache restored from the prefix store holds what bytes() reports, within 5% + 1 MiB: the
+    chunks a restore fetched (as large as the cache) do not stay resident beside it."""
+    import subprocess
+    import sys
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "resident_memory.py")
+    p = subprocess.run([sys.executable, script, "--check", "--restored", "--layers", "2", "--tokens", "8192",
+                        "--heads", "8", "kvq-4.5", "kvq-2.5", "q4_0"], capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.count("| kvq-") == 2
