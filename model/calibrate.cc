@@ -51,7 +51,7 @@ StaticRanges calibrate_static_ranges(const Checkpoint& ckpt, const CalibrationOp
   Transformer tf(ckpt, KvScheme::Fp32, len);
   // K as a grouped cache holds it: in the tile frame, R(t0)^T k with t0 the
   // start of its 16-token tile (grouped_kv.h).
-  const RopeTable rope(len, hd);
+  const RopeTable rope(len, hd, cfg.rope);
   std::vector<float> kt(E);
   tf.set_kv_observer([&](int layer, int pos, std::span<const float> qp, std::span<const float> kp,
                          std::span<const float> vp) {

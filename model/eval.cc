@@ -16,6 +16,7 @@
 
 #include "kvq/error.h"
 #include "model/parallel.h"
+#include "model/tokens.h"
 
 namespace kvq::model {
 
@@ -74,15 +75,28 @@ std::string read_text_file(const std::string& path) {
   return out;
 }
 
-EvalText load_eval_text(const Config& cfg, const std::string& tokenizer_path, const std::string& text_path,
-                        int ctx, int max_windows, const std::string& story_sep) {
-  Tokenizer tok(tokenizer_path, cfg.vocab_size);
+std::shared_ptr<const Tokenizer> load_tokenizer(const Checkpoint& ckpt, const std::string& path) {
+  if (!path.empty()) return std::make_shared<const Tokenizer>(path, ckpt.config().vocab_size);
+  if (ckpt.tokenizer() == nullptr) {
+    Fail("tokenizer: ", ckpt.tokenizer_problem().empty() ? "the model has none of its own: pass --tokenizer or --tokens"
+                                                         : ckpt.tokenizer_problem());
+  }
+  return {std::shared_ptr<const Tokenizer>{}, ckpt.tokenizer()};  // owned by the checkpoint
+}
+
+EvalText load_eval_text(const Checkpoint& ckpt, const std::string& tokenizer_path, const std::string& text_path,
+                        const std::string& tokens_path, int ctx, int max_windows, const std::string& story_sep) {
+  const Config& cfg = ckpt.config();
   EvalText t;
   t.ctx = ctx == 0 ? cfg.seq_len : ctx;
   KVQ_CHECK_ARG(t.ctx >= 1 && t.ctx <= cfg.seq_len, "ctx: expected 1..", cfg.seq_len, " (the model's seq_len), got ",
                 ctx);
   KVQ_CHECK_ARG(max_windows >= 0, "max_windows: expected >= 0, got ", max_windows);
-  t.stream = tokenize_stories(tok, read_text_file(text_path), story_sep);
+  if (!tokens_path.empty()) {
+    t.stream = read_token_file(tokens_path, cfg.vocab_size);
+  } else {
+    t.stream = tokenize_stories(*load_tokenizer(ckpt, tokenizer_path), read_text_file(text_path), story_sep);
+  }
   t.windows = static_cast<int>(t.stream.size() / static_cast<size_t>(t.ctx + 1));
   KVQ_CHECK_ARG(t.windows > 0, "text: ", t.stream.size(), " tokens, fewer than one window of ctx + 1 = ", t.ctx + 1);
   if (max_windows > 0) t.windows = std::min(t.windows, max_windows);
@@ -208,15 +222,25 @@ EvalReport run_eval(const EvalOptions& o) {
   KVQ_CHECK_ARG(o.threads >= 0 && o.threads <= kMaxThreads, "threads: expected 0..", kMaxThreads, " (0: default), got ",
                 o.threads);
   KVQ_CHECK_ARG(!o.schemes.empty(), "kv: expected at least one scheme");
-  const EvalText text = load_eval_text(cfg, o.tokenizer_path, o.text_path, o.ctx, o.max_windows, o.story_sep);
+  const EvalText text =
+      load_eval_text(ckpt, o.tokenizer_path, o.text_path, o.tokens_path, o.ctx, o.max_windows, o.story_sep);
   const int ctx = text.ctx, windows = text.windows;
   const int threads = o.threads > 0 ? o.threads : omp_get_max_threads();
   const bool tty = o.progress && isatty(2), log = o.progress && !tty;
 
   EvalReport rep;
   rep.model_path = o.model_path;
-  rep.text_path = o.text_path;
+  rep.text_path = o.tokens_path.empty() ? o.text_path : o.tokens_path;
   rep.config = cfg;
+  rep.forward = o.forward;
+  const bool batched = o.forward == ForwardPass::kBatched;
+  // Windows run in parallel, one per thread: the BLAS runs on the calling
+  // thread only.
+  if (batched) set_blas_threads(1);
+  auto fwd = [&](Transformer& tf, const int* win) {
+    const std::span<const int> toks{win, static_cast<size_t>(ctx)};
+    return batched ? tf.forward_batched(toks) : tf.forward_window(toks);
+  };
   rep.ctx = ctx;
   rep.windows = windows;
   rep.tokens = static_cast<int64_t>(windows) * ctx;
@@ -264,7 +288,7 @@ EvalReport run_eval(const EvalOptions& o) {
         const int* win = text.window(w);
         const size_t base = static_cast<size_t>(w) * static_cast<size_t>(ctx);
         auto t_var = std::chrono::steady_clock::now();
-        const std::span<const float> rl = ref->forward_window({win, static_cast<size_t>(ctx)});
+        const std::span<const float> rl = fwd(*ref, win);
         WindowSums* ws_ref = report_ref ? &sums[static_cast<size_t>(w)] : nullptr;
         for (int t = 0; t < ctx; ++t) {
           const float* lg = rl.data() + static_cast<size_t>(t) * static_cast<size_t>(V);
@@ -288,7 +312,7 @@ EvalReport run_eval(const EvalOptions& o) {
           t_var = std::chrono::steady_clock::now();
           const size_t row = i + (report_ref ? 1 : 0);
           WindowSums& ws = sums[row * static_cast<size_t>(windows) + static_cast<size_t>(w)];
-          const std::span<const float> logits = tf[i]->forward_window({win, static_cast<size_t>(ctx)});
+          const std::span<const float> logits = fwd(*tf[i], win);
           ws.state_bytes = static_cast<double>(tf[i]->attention_state_bytes());
           if (vars[i].policy.window == 0) ws.bits_ss = SteadyStateBits(tf[i]->cache_bytes_history(), ctx, cfg);
           for (int t = 0; t < ctx; ++t) {
@@ -437,6 +461,13 @@ EvalReport run_eval(const EvalOptions& o) {
     const std::vector<SchemeResult> eq = run_pass(second, /*report_ref=*/false, "pass 2 (=e2)");
     rep.results.push_back(eq.front());
   }
+  if (batched) {
+    const double L = cfg.n_layers, d = cfg.dim, kv = cfg.kv_dim(), h = cfg.hidden_dim, V = cfg.vocab_size;
+    rep.flops_per_token = 2.0 * (L * (2 * d * d + 2 * kv * d + 3 * d * h) + V * d) +
+                          4.0 * L * d * (ctx + 1) / 2.0;  // scores and values over the mean length
+    rep.forward_gflops = rep.flops_per_token * rep.results.front().tokens_per_s / 1e9;
+    rep.gemm_peak_gflops = measure_gemm_gflops(ctx, cfg.dim, cfg.hidden_dim, threads, 1.0);
+  }
   const double ref_ppl = rep.results.front().ppl;
   for (SchemeResult& r : rep.results) {
     r.delta_ppl = r.ppl - ref_ppl;
@@ -479,6 +510,14 @@ std::string format_report(const EvalReport& r) {
   }
   std::snprintf(buf, sizeof buf, "fp32 mean loss (NLL/token): %.4f\n", r.results.front().mean_nll);
   os << buf;
+  if (r.forward == ForwardPass::kBatched && r.gemm_peak_gflops > 0) {
+    std::snprintf(buf, sizeof buf,
+                  "forward: batched (sgemm + chunked prefill); fp32 row %.1f GFLOP/s (%.2f GFLOP/token) = %.0f%% of "
+                  "the BLAS's sgemm peak %.1f GFLOP/s (%d x %d x %d, %d threads, same run)\n",
+                  r.forward_gflops, r.flops_per_token / 1e9, 100.0 * r.forward_gflops / r.gemm_peak_gflops,
+                  r.gemm_peak_gflops, r.ctx, c.dim, c.hidden_dim, r.threads);
+    os << buf;
+  }
   os << "bits: every stored bit, in steady state (mean over cache lengths ctx-127..ctx)\n";
   for (const SchemeResult& s : r.results) {
     const std::string name = s.scheme.info().name;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -37,8 +38,20 @@ struct EvalText {
   int ctx = 0, windows = 0;
   const int* window(int w) const { return stream.data() + static_cast<size_t>(w) * static_cast<size_t>(ctx + 1); }
 };
-EvalText load_eval_text(const Config& cfg, const std::string& tokenizer_path, const std::string& text_path, int ctx,
-                        int max_windows, const std::string& story_sep = kDefaultStorySep);
+// The tokenizer at `path`, or (path empty) the model's own; a kvq::Error
+// saying why when there is none (e.g. a GGUF with a BPE tokenizer: use
+// --tokens).
+std::shared_ptr<const Tokenizer> load_tokenizer(const Checkpoint& ckpt, const std::string& path);
+// The evaluation stream of a model: the ids in `tokens_path` (tokens.h)
+// when it is set, else `text_path` tokenized as above by load_tokenizer.
+EvalText load_eval_text(const Checkpoint& ckpt, const std::string& tokenizer_path, const std::string& text_path,
+                        const std::string& tokens_path, int ctx, int max_windows,
+                        const std::string& story_sep = kDefaultStorySep);
+
+// How eval runs a window: exact = token by token's numbers (the llama2.c
+// loop, bitwise what decoding computes); batched = sgemm and chunked
+// prefill (Transformer::forward_batched: the same up to summation order).
+enum class ForwardPass { kExact, kBatched };
 
 // v with `decimals` decimals (and a sign when asked) while |v| < 1e6, else
 // in scientific notation: at most 10 characters for any double.
@@ -46,6 +59,8 @@ std::string format_bounded(double v, int decimals, bool sign);
 
 struct EvalOptions {
   std::string model_path, tokenizer_path, text_path;
+  std::string tokens_path;  // pre-tokenized ids instead of text (tokens.h)
+  ForwardPass forward = ForwardPass::kExact;
   std::string story_sep = kDefaultStorySep;  // empty: the whole text is one story
   std::vector<CacheScheme> schemes;  // fp32 is always computed as the reference
   int ctx = 0;                    // 0: the model's seq_len
@@ -93,6 +108,12 @@ struct SchemeResult {
 struct EvalReport {
   std::string model_path, text_path;
   Config config;
+  ForwardPass forward = ForwardPass::kExact;
+  // The forward pass's arithmetic: FLOPs per predicted token (matrix
+  // products and attention at the mean length), the fp32 row's rate, and
+  // the BLAS's own sgemm rate on the model's largest projection with the
+  // same threads, measured in the same run (batched pass only; else 0).
+  double flops_per_token = 0, forward_gflops = 0, gemm_peak_gflops = 0;
   int ctx = 0;
   int windows = 0;
   int64_t tokens = 0;  // predicted positions = windows * ctx

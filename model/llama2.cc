@@ -3,9 +3,13 @@
 #include "model/llama2.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
+
+#include <cblas.h>
+#include <omp.h>
 
 #include "kvq/error.h"
 
@@ -15,11 +19,11 @@ namespace kvq::model {
 
 namespace {
 
-void RmsNorm(float* o, const float* x, const float* weight, int n) {
+void RmsNorm(float* o, const float* x, const float* weight, int n, float eps) {
   float ss = 0.0f;
   for (int j = 0; j < n; ++j) ss += x[j] * x[j];
   ss /= static_cast<float>(n);
-  ss += 1e-5f;
+  ss += eps;
   ss = 1.0f / std::sqrt(ss);
   for (int j = 0; j < n; ++j) o[j] = weight[j] * (ss * x[j]);
 }
@@ -62,6 +66,20 @@ void MatMul(float* out, const float* x, const float* w, int T, int n, int d) {
   }
 }
 
+// out[t, i] = sum_j w[i, j] * x[t, j] by the BLAS (sgemm; its own
+// summation order).
+void Gemm(float* out, const float* x, const float* w, int T, int n, int d) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, d, n, 1.0f, x, n, w, n, 0.0f, out, d);
+}
+
+void AddBias(float* x, const float* b, int T, int width) {
+  if (b == nullptr) return;
+  for (int t = 0; t < T; ++t) {
+    float* r = x + static_cast<size_t>(t) * static_cast<size_t>(width);
+    for (int i = 0; i < width; ++i) r[i] += b[i];
+  }
+}
+
 }  // namespace
 
 namespace {
@@ -75,22 +93,23 @@ int CheckedMaxSeq(int max_seq, const Config& cfg) {
 Transformer::Transformer(const Checkpoint& ckpt, const CacheScheme& scheme, int max_seq, const WindowPolicy& policy)
     : Transformer(ckpt,
                   KvCache(scheme.name, ckpt.config().n_layers, CheckedMaxSeq(max_seq, ckpt.config()),
-                          ckpt.config().n_kv_heads, ckpt.config().head_size(), scheme.ranges.get()),
+                          ckpt.config().n_kv_heads, ckpt.config().head_size(), scheme.ranges.get(),
+                          ckpt.config().rope),
                   policy) {}
 
 Transformer::Transformer(const Checkpoint& ckpt, KvCache cache, const WindowPolicy& policy)
     : cfg_(ckpt.config()),
       w_(ckpt.weights()),
       cache_(std::move(cache)),
-      rope_(CheckedMaxSeq(cache_.max_seq(), ckpt.config()), ckpt.config().head_size()),
+      rope_(CheckedMaxSeq(cache_.max_seq(), ckpt.config()), ckpt.config().head_size(), ckpt.config().rope),
       max_seq_(cache_.max_seq()),
       policy_(policy) {
   KVQ_CHECK_ARG(cache_.n_layers() == cfg_.n_layers && cache_.n_kv_heads() == cfg_.n_kv_heads &&
                     cache_.head_dim() == cfg_.head_size(),
                 "cache: ", cache_.n_layers(), " layers x ", cache_.n_kv_heads(), " heads x ", cache_.head_dim(),
                 ", the model has ", cfg_.n_layers, " x ", cfg_.n_kv_heads, " x ", cfg_.head_size());
-  KVQ_CHECK_ARG(cache_.rope() == RopeConfig{}, "cache: RoPE ", cache_.rope().describe(), ", the model's is ",
-                RopeConfig{}.describe());
+  KVQ_CHECK_ARG(cache_.rope().canonical() == cfg_.rope.canonical(), "cache: RoPE ", cache_.rope().describe(),
+                ", the model's is ", cfg_.rope.describe());
   KVQ_CHECK_ARG(policy.window >= 0, "window: expected >= 0, got ", policy.window);
   KVQ_CHECK_ARG(policy.sinks >= 0, "sinks: expected >= 0, got ", policy.sinks);
   KVQ_CHECK_ARG(policy.chunk >= 1, "window chunk: expected >= 1, got ", policy.chunk);
@@ -190,14 +209,18 @@ uint64_t Transformer::attention_state_bytes() const {
 }
 
 std::span<const float> Transformer::forward(int token, int pos) {
-  return run({&token, 1}, pos, /*batched=*/false);
+  return run({&token, 1}, pos, Pass::kToken);
 }
 
 std::span<const float> Transformer::forward_window(std::span<const int> tokens) {
-  return run(tokens, 0, /*batched=*/true);
+  return run(tokens, 0, Pass::kWindow);
 }
 
-std::span<const float> Transformer::run(std::span<const int> tokens, int pos0, bool batched) {
+std::span<const float> Transformer::forward_batched(std::span<const int> tokens) {
+  return run(tokens, 0, Pass::kBlas);
+}
+
+std::span<const float> Transformer::run(std::span<const int> tokens, int pos0, Pass pass) {
   const int T = static_cast<int>(tokens.size());
   KVQ_CHECK_ARG(T > 0, "tokens: expected at least one token");
   KVQ_CHECK_ARG(pos0 >= 0 && pos0 + T <= max_seq_, "pos: positions ", pos0, "..", pos0 + T - 1,
@@ -223,8 +246,14 @@ std::span<const float> Transformer::run(std::span<const int> tokens, int pos0, b
   };
   ensure(x_, dim), ensure(xb_, dim), ensure(xb2_, dim), ensure(q_, dim), ensure(k_, kv_dim), ensure(v_, kv_dim);
   ensure(hb_, hid), ensure(hb2_, hid), ensure(logits_, vocab);
+  const float eps = cfg_.norm_eps;
+  // The batched pass hands a layer's block to KvCache::prefill (row schemes,
+  // no window); grouped caches and windows keep the per-token loop below.
+  const bool prefill = pass == Pass::kBlas && policy_.window == 0 && cache_.grouped() == nullptr;
   auto mm = [&](float* out, const float* in, const float* w, int n, int d) {
-    if (batched) {
+    if (pass == Pass::kBlas) {
+      Gemm(out, in, w, T, n, d);
+    } else if (pass == Pass::kWindow) {
       MatMul(out, in, w, T, n, d);
     } else {
       for (int t = 0; t < T; ++t) MatVec(out + static_cast<size_t>(t) * d, in + static_cast<size_t>(t) * n, w, n, d);
@@ -239,14 +268,30 @@ std::span<const float> Transformer::run(std::span<const int> tokens, int pos0, b
   const size_t udim = static_cast<size_t>(dim), ukv = static_cast<size_t>(kv_dim), uhid = static_cast<size_t>(hid);
   for (int l = 0; l < cfg_.n_layers; ++l) {
     const size_t ul = static_cast<size_t>(l);
-    for (int t = 0; t < T; ++t) RmsNorm(row(xb_, t, dim), row(x_, t, dim), w_.rms_att + ul * udim, dim);
+    for (int t = 0; t < T; ++t) RmsNorm(row(xb_, t, dim), row(x_, t, dim), w_.rms_att + ul * udim, dim, eps);
     mm(q_.data(), xb_.data(), w_.wq + ul * udim * udim, dim, dim);
     mm(k_.data(), xb_.data(), w_.wk + ul * ukv * udim, dim, kv_dim);
     mm(v_.data(), xb_.data(), w_.wv + ul * ukv * udim, dim, kv_dim);
+    if (w_.bq != nullptr) {
+      AddBias(q_.data(), w_.bq + ul * udim, T, dim);
+      AddBias(k_.data(), w_.bk + ul * ukv, T, kv_dim);
+      AddBias(v_.data(), w_.bv + ul * ukv, T, kv_dim);
+    }
+    if (prefill) {
+      for (int t = 0; t < T; ++t) {
+        rope_.apply(row(q_, t, dim), cfg_.n_heads, pos0 + t);
+        rope_.apply(row(k_, t, kv_dim), cfg_.n_kv_heads, pos0 + t);
+        if (observer_) observer_(l, pos0 + t, {row(q_, t, dim), udim}, {row(k_, t, kv_dim), ukv}, {row(v_, t, kv_dim), ukv});
+      }
+      DecodeAttentionOptions o;
+      o.threads = 1;
+      cache_.prefill(l, pos0, {k_.data(), uT * ukv}, {v_.data(), uT * ukv}, {q_.data(), uT * udim}, cfg_.n_heads,
+                     {xb_.data(), uT * udim}, o);
+    }
     // Each token's K and V go into the cache right before its query
     // attends, so a window sees the cache exactly as token-by-token
     // decoding does (a streaming cache has no other past).
-    for (int t = 0; t < T; ++t) {
+    for (int t = 0; t < T && !prefill; ++t) {
       const int pos = pos0 + t;
       float* q = row(q_, t, dim);
       float* k = row(k_, t, kv_dim);
@@ -259,7 +304,7 @@ std::span<const float> Transformer::run(std::span<const int> tokens, int pos0, b
     }
     mm(xb2_.data(), xb_.data(), w_.wo + ul * udim * udim, dim, dim);
     for (size_t i = 0; i < uT * udim; ++i) x_[i] += xb2_[i];
-    for (int t = 0; t < T; ++t) RmsNorm(row(xb_, t, dim), row(x_, t, dim), w_.rms_ffn + ul * udim, dim);
+    for (int t = 0; t < T; ++t) RmsNorm(row(xb_, t, dim), row(x_, t, dim), w_.rms_ffn + ul * udim, dim, eps);
     mm(hb_.data(), xb_.data(), w_.w1 + ul * uhid * udim, dim, hid);
     mm(hb2_.data(), xb_.data(), w_.w3 + ul * uhid * udim, dim, hid);
     for (size_t i = 0; i < uT * uhid; ++i) {
@@ -270,9 +315,37 @@ std::span<const float> Transformer::run(std::span<const int> tokens, int pos0, b
     mm(xb_.data(), hb_.data(), w_.w2 + ul * udim * uhid, hid, dim);
     for (size_t i = 0; i < uT * udim; ++i) x_[i] += xb_[i];
   }
-  for (int t = 0; t < T; ++t) RmsNorm(row(xb_, t, dim), row(x_, t, dim), w_.rms_final, dim);
+  if (prefill) {
+    for (int t = 0; t < T; ++t) bytes_at_[static_cast<size_t>(pos0 + t)] = cache_.bytes(pos0 + t + 1);
+  }
+  for (int t = 0; t < T; ++t) RmsNorm(row(xb_, t, dim), row(x_, t, dim), w_.rms_final, dim, eps);
   mm(logits_.data(), xb_.data(), w_.wcls, dim, vocab);
   return {logits_.data(), uT * static_cast<size_t>(vocab)};
+}
+
+void set_blas_threads(int n) { openblas_set_num_threads(n); }
+
+double measure_gemm_gflops(int T, int n, int d, int threads, double seconds) {
+  KVQ_CHECK_ARG(T >= 1 && n >= 1 && d >= 1 && threads >= 1, "gemm: bad shape");
+  set_blas_threads(1);
+  std::vector<double> flops(static_cast<size_t>(threads), 0.0);
+#pragma omp parallel num_threads(threads)
+  {
+    const int id = omp_get_thread_num();
+    std::vector<float> x(static_cast<size_t>(T) * n, 0.5f), w(static_cast<size_t>(d) * n, 0.25f),
+        out(static_cast<size_t>(T) * d);
+    Gemm(out.data(), x.data(), w.data(), T, n, d);  // warm-up
+    const auto s = std::chrono::steady_clock::now();
+    while (std::chrono::duration<double>(std::chrono::steady_clock::now() - s).count() < seconds) {
+      Gemm(out.data(), x.data(), w.data(), T, n, d);
+      flops[static_cast<size_t>(id)] += 2.0 * T * n * d;
+    }
+    // Each thread's rate after its warm-up; the threads ran side by side.
+    flops[static_cast<size_t>(id)] /= std::chrono::duration<double>(std::chrono::steady_clock::now() - s).count();
+  }
+  double total = 0;
+  for (double f : flops) total += f;
+  return total / 1e9;
 }
 
 }  // namespace kvq::model

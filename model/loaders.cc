@@ -13,9 +13,11 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <limits>
 
 #include "kvq/error.h"
+#include "model/gguf.h"
 
 namespace kvq::model {
 
@@ -54,32 +56,43 @@ constexpr size_t kLegacyHeader = 7 * sizeof(int32_t), kVersionedHeader = 256;
 
 }  // namespace
 
-Checkpoint::Checkpoint(const std::string& path) : file_(path) {
+bool is_gguf_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  char m[4] = {};
+  return f.read(m, 4) && GgufFile::has_magic(reinterpret_cast<const uint8_t*>(m), 4);
+}
+
+Checkpoint::Checkpoint(const std::string& path) : file_(std::make_unique<MappedFile>(path)) {
+  if (GgufFile::has_magic(file_->data(), file_->size())) {
+    LoadGguf(path);
+    return;
+  }
+  const MappedFile& file = *file_;
   // Two layouts of llama2.c's export.py: the legacy one (version 0: 7 int32,
   // shared classifier as the sign of vocab_size, RoPE tables after the
   // weights) and version 1 ("ak42", int32 version, 7 int32, a u8
   // shared-classifier flag, zero padding to 256 bytes, fp32 weights with the
   // norms first and no RoPE tables). Version 2 stores Q8_0 weights.
   uint32_t magic = 0;
-  if (file_.size() >= 8) std::memcpy(&magic, file_.data(), 4);
+  if (file.size() >= 8) std::memcpy(&magic, file.data(), 4);
   const bool v1 = magic == kMagicAk42;
   if (v1) {
     int32_t version = 0;
-    std::memcpy(&version, file_.data() + 4, 4);
+    std::memcpy(&version, file.data() + 4, 4);
     if (version == 2) {
       Fail("model '", path, "': llama2.c export version 2 (int8 Q8_0 weights) is not supported; export with ",
            "--version 1 (fp32) or the legacy format (--version 0)");
     }
     if (version != 1) Fail("model '", path, "': llama2.c export version ", version, " is not supported (1 is)");
-    if (file_.size() < kVersionedHeader) {
-      Fail("model '", path, "': file is ", file_.size(), " bytes, shorter than the 256-byte version 1 header");
+    if (file.size() < kVersionedHeader) {
+      Fail("model '", path, "': file is ", file.size(), " bytes, shorter than the 256-byte version 1 header");
     }
-  } else if (file_.size() < kLegacyHeader) {
-    Fail("model '", path, "': file is ", file_.size(), " bytes, shorter than the 28-byte llama2.c header");
+  } else if (file.size() < kLegacyHeader) {
+    Fail("model '", path, "': file is ", file.size(), " bytes, shorter than the 28-byte llama2.c header");
   }
   const size_t header = v1 ? kVersionedHeader : kLegacyHeader;
   int32_t h[7];
-  std::memcpy(h, file_.data() + (v1 ? 8 : 0), sizeof h);
+  std::memcpy(h, file.data() + (v1 ? 8 : 0), sizeof h);
   Config& c = config_;
   c.dim = h[0];
   c.hidden_dim = h[1];
@@ -87,7 +100,7 @@ Checkpoint::Checkpoint(const std::string& path) : file_(path) {
   c.n_heads = h[3];
   c.n_kv_heads = h[4];
   if (v1) {
-    c.shared_classifier = file_.data()[36] != 0;
+    c.shared_classifier = file.data()[36] != 0;
     c.vocab_size = h[5];
   } else {
     c.shared_classifier = h[5] > 0;
@@ -114,15 +127,15 @@ Checkpoint::Checkpoint(const std::string& path) : file_(path) {
   const uint64_t floats = vocab * dim + L * dim + L * dim * dim + 2 * L * kv * dim + L * dim * dim + L * dim +
                           3 * L * hid * dim + dim + rope + (c.shared_classifier ? 0 : vocab * dim);
   const uint64_t expected = header + floats * sizeof(float);
-  if (file_.size() != expected) {
-    Fail("model '", path, "': file is ", file_.size(), " bytes but its ", v1 ? "version 1 " : "", "header (dim ",
+  if (file.size() != expected) {
+    Fail("model '", path, "': file is ", file.size(), " bytes but its ", v1 ? "version 1 " : "", "header (dim ",
          c.dim, ", hidden_dim ", c.hidden_dim, ", n_layers ", c.n_layers, ", n_heads ", c.n_heads, ", n_kv_heads ",
          c.n_kv_heads, ", vocab_size ", h[5], ", seq_len ", c.seq_len, ") implies ", expected,
          " bytes; truncated or inconsistent file");
   }
   // The float data starts at byte 28 or 256: copying is avoided, and float
   // loads from a 4-byte-aligned address are fine on every target we build for.
-  const float* p = reinterpret_cast<const float*>(file_.data() + header);
+  const float* p = reinterpret_cast<const float*>(file.data() + header);
   Weights& w = weights_;
   if (v1) {
     w.rms_att = p; p += L * dim;
@@ -189,7 +202,33 @@ Tokenizer::Tokenizer(const std::string& path, int vocab_size) {
     Fail("tokenizer '", path, "': ", f.size() - off, " trailing bytes after ", vocab_size,
          " entries; vocab size mismatch with the model?");
   }
-  for (int i = 0; i < vocab_size; ++i) sorted_.emplace_back(pieces_[static_cast<size_t>(i)], i);
+  Index(std::vector<bool>(static_cast<size_t>(vocab_size), true));
+}
+
+Tokenizer::Tokenizer(std::vector<std::string> pieces, std::vector<float> scores, const std::vector<bool>& matchable,
+                     const std::string& what)
+    : pieces_(std::move(pieces)), scores_(std::move(scores)) {
+  const size_t n = pieces_.size();
+  KVQ_CHECK_ARG(n >= static_cast<size_t>(kMinVocab), "tokenizer of '", what, "': ", n, " pieces, fewer than the ",
+                kMinVocab, " that BOS (1), EOS (2) and the byte pieces <0x00>..<0xFF> (3..258) need");
+  KVQ_CHECK_ARG(scores_.size() == n && matchable.size() == n, "tokenizer of '", what, "': ", n, " pieces but ",
+                scores_.size(), " scores and ", matchable.size(), " token types");
+  for (int b = 0; b < 256; ++b) {
+    char want[8];
+    std::snprintf(want, sizeof want, "<0x%02X>", b);
+    KVQ_CHECK_ARG(pieces_[static_cast<size_t>(b) + 3] == want, "tokenizer of '", what, "': piece ", b + 3, " is '",
+                  pieces_[static_cast<size_t>(b) + 3], "', expected the byte piece ", want,
+                  " (kvq's sentencepiece encoder needs byte fallback at ids 3..258)");
+  }
+  for (float sc : scores_) KVQ_CHECK_ARG(!std::isnan(sc), "tokenizer of '", what, "': a score is NaN");
+  Index(matchable);
+}
+
+void Tokenizer::Index(const std::vector<bool>& matchable) {
+  sorted_.clear();
+  for (size_t i = 0; i < pieces_.size(); ++i) {
+    if (matchable[i]) sorted_.emplace_back(pieces_[i], static_cast<int>(i));
+  }
   std::sort(sorted_.begin(), sorted_.end());
 }
 

@@ -93,7 +93,7 @@ ReceiptReport run_receipts(const ReceiptOptions& o) {
   Checkpoint ckpt(o.model_path);
   const Config& cfg = ckpt.config();
   { ClusterBank check(cfg.n_kv_heads, cfg.head_size(), o.bank); }  // validates the bank options up front
-  const EvalText text = load_eval_text(cfg, o.tokenizer_path, o.text_path, o.ctx, o.max_windows, o.story_sep);
+  const EvalText text = load_eval_text(ckpt, o.tokenizer_path, o.text_path, "", o.ctx, o.max_windows, o.story_sep);
   const int threads = o.threads > 0 ? o.threads : omp_get_max_threads();
   const int L = cfg.n_layers;
   std::vector<WindowLayer> per(static_cast<size_t>(text.windows) * static_cast<size_t>(L));

@@ -6,7 +6,7 @@ set -euo pipefail
 PKGS=(
   build-essential cmake ninja-build pkg-config
   libhwy-dev libgtest-dev libgmock-dev libbenchmark-dev
-  libcli11-dev nlohmann-json3-dev libeigen3-dev
+  libcli11-dev nlohmann-json3-dev libeigen3-dev libopenblas-dev
   pybind11-dev python3-dev python3-numpy python3-pytest
   libomp-dev libssl-dev
   redis-server libhiredis-dev

@@ -9,8 +9,11 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <fstream>
 #include <sstream>
+
+#include <omp.h>
 
 #include "kvq/error.h"
 #include "kvq/file.h"
@@ -166,6 +169,53 @@ void KvCache::attend(int layer, std::span<const float> q, int n_heads, std::span
   const int64_t T = opts.length < 0 ? b_->written(layer) : opts.length;
   KVQ_CHECK_ARG(T >= 1, "layer ", layer, ": no tokens to attend to");
   b_->attend(layer, T, q, n_heads, out, opts);
+}
+
+void KvCache::prefill(int layer, int pos0, std::span<const float> k, std::span<const float> v,
+                      std::span<const float> q, int n_heads, std::span<float> out, const DecodeAttentionOptions& opts) {
+  KVQ_CHECK_ARG(layer >= 0 && layer < n_layers_, "layer: expected 0..", n_layers_ - 1, ", got ", layer);
+  const size_t kvw = static_cast<size_t>(n_kv_heads_) * static_cast<size_t>(head_dim_);
+  KVQ_CHECK_ARG(n_heads >= n_kv_heads_ && n_heads % n_kv_heads_ == 0, "n_heads: expected a multiple of ", n_kv_heads_,
+                ", got ", n_heads);
+  const size_t qw = static_cast<size_t>(n_heads) * static_cast<size_t>(head_dim_);
+  KVQ_CHECK_ARG(!k.empty() && k.size() % kvw == 0, "k: expected n rows of ", kvw, " floats, got ", k.size());
+  const size_t n = k.size() / kvw;
+  KVQ_CHECK_ARG(v.size() == k.size(), "v: expected ", k.size(), " floats, got ", v.size());
+  KVQ_CHECK_ARG(q.size() == n * qw, "q: expected ", n, " rows of ", qw, " floats, got ", q.size());
+  KVQ_CHECK_ARG(out.size() == q.size(), "out: expected ", q.size(), " floats, got ", out.size());
+  KVQ_CHECK_ARG(pos0 == 0 || pos0 == b_->written(layer), "pos0: expected 0 or ", b_->written(layer), ", got ", pos0);
+  KVQ_CHECK_ARG(static_cast<int64_t>(pos0) + static_cast<int64_t>(n) <= max_seq_, "pos0: tokens ", pos0, "..",
+                static_cast<int64_t>(pos0) + static_cast<int64_t>(n) - 1, " exceed the cache size ", max_seq_);
+  const bool grouped = b_->grouped() != nullptr;
+  const float lim = grouped ? 65504.0f : std::numeric_limits<float>::max();
+  for (const auto& [x, name] : {std::pair{k, "k"}, std::pair{v, "v"}, std::pair{q, "q"}}) {
+    for (float f : x) {
+      KVQ_CHECK_ARG(std::isfinite(f) && (x.data() == q.data() || std::fabs(f) <= lim), name,
+                    ": expected finite values", grouped ? " within +-65504" : "", ", got ", f);
+    }
+  }
+  const auto row = [](auto s, size_t i, size_t w) { return s.subspan(i * w, w); };
+  DecodeAttentionOptions o = opts;
+  if (grouped) {
+    o.threads = 1;
+    for (size_t i = 0; i < n; ++i) {
+      write(layer, pos0 + static_cast<int>(i), row(k, i, kvw), row(v, i, kvw));
+      o.length = pos0 + static_cast<int64_t>(i) + 1;
+      attend(layer, row(q, i, qw), n_heads, row(out, i, qw), o);
+    }
+    return;
+  }
+  for (size_t i = 0; i < n; ++i) write(layer, pos0 + static_cast<int>(i), row(k, i, kvw), row(v, i, kvw));
+  const int nt = static_cast<int>(std::min<size_t>(n, opts.threads > 0 ? static_cast<size_t>(opts.threads)
+                                                                       : static_cast<size_t>(omp_get_max_threads())));
+  o.threads = 1;
+  o.length = pos0 + 1;  // the first query outside the team: an invalid argument throws here, not in a thread
+  b_->attend(layer, o.length, row(q, 0, qw), n_heads, row(out, 0, qw), o);
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 8) firstprivate(o)
+  for (size_t i = 1; i < n; ++i) {
+    o.length = pos0 + static_cast<int64_t>(i) + 1;
+    b_->attend(layer, o.length, row(q, i, qw), n_heads, row(out, i, qw), o);
+  }
 }
 
 void KvCache::attend_ref(int layer, std::span<const float> q, int n_heads, std::span<float> out,

@@ -34,6 +34,8 @@ struct ModelTextOptions {
 
 struct EvalCliOptions : ModelTextOptions {
   std::string kv = "all";
+  std::string tokens;            // --tokens: pre-tokenized ids instead of --text
+  std::string forward = "auto";  // exact, batched, auto (batched for GGUF)
   bool per_token = false;
   int window = 0, sinks = 4, window_chunk = 64;
   ClusterBankOptions bank;

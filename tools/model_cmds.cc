@@ -36,6 +36,10 @@ std::string SharedDir() {
 }
 std::string DefaultModel() { return SharedDir() + "/models/stories260K/stories260K.bin"; }
 std::string DefaultTokenizer() { return SharedDir() + "/models/stories260K/tok512.bin"; }
+// A GGUF carries its tokenizer (""), a llama2.c checkpoint does not.
+std::string DefaultTokenizerFor(const std::string& model) {
+  return model::is_gguf_file(model) ? std::string() : DefaultTokenizer();
+}
 std::string DefaultText() { return SharedDir() + "/data/tinystories-valid-dev.txt"; }
 
 // --json is checked before any work starts: not a directory, not one of the
@@ -73,8 +77,11 @@ void WriteJson(const std::string& path, const nlohmann::json& j) {
 }
 
 void AddModelTextOptions(CLI::App* c, ModelTextOptions& o) {
-  c->add_option("--model", o.model, "llama2.c checkpoint (default: $KVQ_SHARED/models/stories260K/stories260K.bin)");
-  c->add_option("--tokenizer", o.tokenizer, "llama2.c tokenizer.bin (default: .../tok512.bin)");
+  c->add_option("--model", o.model,
+                "GGUF model (llama, qwen2; F32/F16/BF16/Q8_0) or llama2.c checkpoint (default: "
+                "$KVQ_SHARED/models/stories260K/stories260K.bin)");
+  c->add_option("--tokenizer", o.tokenizer,
+                "llama2.c tokenizer.bin (default: a GGUF's own sentencepiece tokenizer, else .../tok512.bin)");
   c->add_option("--text", o.text, "evaluation text (a regular file, <= 256 MiB), stories separated by --story-sep");
   c->add_option("--story-sep", o.story_sep,
                 "string between stories; each story is stripped and encoded as [BOS] + tokens ('' : the whole "
@@ -90,7 +97,7 @@ void AddModelTextOptions(CLI::App* c, ModelTextOptions& o) {
 template <class Opts>
 void FillModelText(const ModelTextOptions& o, Opts& e) {
   e.model_path = o.model.empty() ? DefaultModel() : o.model;
-  e.tokenizer_path = o.tokenizer.empty() ? DefaultTokenizer() : o.tokenizer;
+  e.tokenizer_path = o.tokenizer.empty() ? DefaultTokenizerFor(e.model_path) : o.tokenizer;
   e.text_path = o.text.empty() ? DefaultText() : o.text;
   e.story_sep = o.story_sep;
   e.ctx = o.ctx;
@@ -111,7 +118,8 @@ nlohmann::json RunJson(const ModelTextOptions& o, const std::string& model, cons
   j["model_config"] = {{"dim", c.dim},           {"hidden_dim", c.hidden_dim}, {"n_layers", c.n_layers},
                        {"n_heads", c.n_heads},   {"n_kv_heads", c.n_kv_heads}, {"head_size", c.head_size()},
                        {"vocab_size", c.vocab_size}, {"seq_len", c.seq_len},
-                       {"shared_classifier", c.shared_classifier}};
+                       {"shared_classifier", c.shared_classifier}, {"arch", c.arch},
+                       {"norm_eps", c.norm_eps}, {"rope", c.rope.describe()}, {"qkv_bias", c.qkv_bias}};
   j["text"] = text;
   j["story_sep"] = o.story_sep;
   j["ctx"] = ctx;
@@ -137,6 +145,14 @@ void AddBankOptions(CLI::App* c, ClusterBankOptions& b) {
 void AddEvalCommand(CLI::App& app, EvalCliOptions& o) {
   CLI::App* c = app.add_subcommand("eval", "Perplexity, KL and top-1 of each KV scheme against fp32 on a real model");
   AddModelTextOptions(c, o);
+  c->add_option("--tokens", o.tokens,
+                "pre-tokenized text instead of --text: a .npy array of token ids (one row, int16..uint64) or raw "
+                "little-endian uint32 ids, cut into windows of ctx + 1");
+  c->add_option("--forward", o.forward,
+                "exact: token-by-token numbers (bitwise what decoding computes); batched: sgemm + chunked prefill "
+                "(the same up to summation order, much faster on large models); auto: batched for GGUF models")
+      ->check(CLI::IsMember({"auto", "exact", "batched"}))
+      ->capture_default_str();
   c->add_option("--kv", o.kv,
                 "comma-separated KV schemes or 'all': row schemes, grouped k<B>[a]v<B>g<G>[p8][m][o<N>[x<X>][w<W>]][r<R>][s<S>], calibrated "
                 "k<B>v<B>c[r<R>][s<S>] and presets")
@@ -218,7 +234,12 @@ int RunEval(const EvalCliOptions& o) {
   KVQ_CHECK_ARG(o.window >= 0, "--window: expected >= 0, got ", o.window);
   KVQ_CHECK_ARG(o.sinks >= 0, "--sinks: expected >= 0, got ", o.sinks);
   KVQ_CHECK_ARG(o.window_chunk >= 1, "--window-chunk: expected >= 1, got ", o.window_chunk);
-  CheckOutputPath("--json", o.json, {e.model_path, e.tokenizer_path, e.text_path});
+  e.tokens_path = o.tokens;
+  KVQ_CHECK_ARG(o.tokens.empty() || o.text.empty(), "--tokens: use either --text or --tokens");
+  e.forward = o.forward == "batched" || (o.forward == "auto" && model::is_gguf_file(e.model_path))
+                  ? model::ForwardPass::kBatched
+                  : model::ForwardPass::kExact;
+  CheckOutputPath("--json", o.json, {e.model_path, e.tokenizer_path, e.text_path, e.tokens_path});
   e.per_token = o.per_token;
   KVQ_CHECK_ARG(!o.per_token || !o.json.empty(), "--per-token: expected --json FILE to write them to");
   const model::EvalReport r = model::run_eval(e);
@@ -229,6 +250,12 @@ int RunEval(const EvalCliOptions& o) {
   if (!o.json.empty()) {
     nlohmann::json j = RunJson(o, r.model_path, r.text_path, r.config, r.ctx, r.windows, r.threads);
     j["tokens"] = r.tokens;
+    j["forward"] = r.forward == model::ForwardPass::kBatched ? "batched" : "exact";
+    if (r.gemm_peak_gflops > 0) {
+      j["flops_per_token"] = r.flops_per_token;
+      j["forward_gflops"] = r.forward_gflops;
+      j["gemm_peak_gflops"] = r.gemm_peak_gflops;
+    }
     j["results"] = nlohmann::json::array();
     for (const auto& s : r.results) {
       j["results"].push_back({{"scheme", s.scheme.info().name},
@@ -349,11 +376,12 @@ void AddGenerateCommand(CLI::App& app, GenerateOptions& o) {
 
 int RunGenerate(const GenerateOptions& o) {
   const std::string model_path = o.model.empty() ? DefaultModel() : o.model;
-  const std::string tok_path = o.tokenizer.empty() ? DefaultTokenizer() : o.tokenizer;
+  const std::string tok_path = o.tokenizer.empty() ? DefaultTokenizerFor(model_path) : o.tokenizer;
   CheckOutputPath("--save-cache", o.save_cache, {model_path, tok_path, o.load_cache});
   const model::Checkpoint ckpt(model_path);
   const model::Config& cfg = ckpt.config();
-  const model::Tokenizer tok(tok_path, cfg.vocab_size);
+  const std::shared_ptr<const model::Tokenizer> tok_ptr = model::load_tokenizer(ckpt, tok_path);
+  const model::Tokenizer& tok = *tok_ptr;
   KVQ_CHECK_ARG(o.steps >= 1 && o.steps <= cfg.seq_len, "--steps: expected 1..", cfg.seq_len, ", got ", o.steps);
   KVQ_CHECK_ARG(std::isfinite(o.temperature) && o.temperature >= 0, "--temperature: expected >= 0");
   const std::vector<int> prompt = tok.encode(o.prompt, /*bos=*/true);
@@ -367,7 +395,7 @@ int RunGenerate(const GenerateOptions& o) {
   KVQ_CHECK_ARG(!o.prompt_cache || o.load_cache.empty(), "--prompt-cache: not with --load-cache (one source of the prefix)");
   std::optional<model::Digest> fingerprint;
   if (!o.save_cache.empty() || !o.load_cache.empty() || o.prompt_cache) {
-    fingerprint = model::model_fingerprint(model_path, tok_path);
+    fingerprint = model::model_fingerprint(model_path, tok_path.empty() ? model_path : tok_path);
   }
   std::optional<store::PrefixStore> pstore;
   if (o.prompt_cache) {
@@ -384,7 +412,7 @@ int RunGenerate(const GenerateOptions& o) {
     KvCacheExpect e;
     if (!o.kv.empty()) e.scheme = o.kv;
     e.n_layers = cfg.n_layers, e.n_kv_heads = cfg.n_kv_heads, e.head_dim = cfg.head_size();
-    e.rope = RopeConfig{};
+    e.rope = cfg.rope;
     e.model_fingerprint = fingerprint;
     e.max_seq = o.steps;
     KvCacheMeta meta;

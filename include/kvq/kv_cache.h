@@ -133,6 +133,19 @@ class KvCache {
   void attend_ref(int layer, std::span<const float> q, int n_heads, std::span<float> out,
                   const DecodeAttentionOptions& opts = {}) const;
 
+  // Chunked prefill: writes tokens pos0 .. pos0 + n - 1 of `layer` (k, v: n
+  // rows of n_kv_heads * head_dim floats, K after RoPE; pos0 = written(layer)
+  // or 0) and gives the query of each (q: n rows of n_heads * head_dim,
+  // after RoPE) the attention decoding gives it: the query at pos reads
+  // tokens [0, pos] as the scheme stores them at length pos + 1 (open group,
+  // window and tiers included). out: n rows like q. Row schemes store the
+  // block, then attend every query at its causal length (opts.threads
+  // across queries); grouped schemes, whose open tokens change form as the
+  // cache grows, alternate write and attend. Every value is checked before
+  // anything is written: on a kvq::Error the cache is as it was.
+  void prefill(int layer, int pos0, std::span<const float> k, std::span<const float> v, std::span<const float> q,
+               int n_heads, std::span<float> out, const DecodeAttentionOptions& opts = {});
+
   // Bytes the cache holds for its first `tokens` tokens of every layer
   // (-1: each layer as written; row schemes any tokens <= written, grouped
   // ones their current length), tables included; bits = 8 bytes / (2

@@ -1,0 +1,283 @@
+// A GGUF model as a Checkpoint: llama.cpp's tensor names and metadata for
+// the architectures llama (Llama 2/3, Mistral, TinyLlama, SmolLM) and qwen2
+// (Q/K/V biases, NEOX RoPE), weights dequantised to fp32 in llama2.c's
+// layout, and the sentencepiece tokenizer when the file has one.
+//
+// RoPE: llama.cpp stores llama's Q/K rows permuted for adjacent-pair
+// rotation (the rotation our forward pass and caches apply). qwen2 rotates
+// the two halves of a head (NEOX); its Q/K rows (and biases) are permuted at
+// load, row p -> 2p and p + hd/2 -> 2p + 1, which leaves every score q . k
+// unchanged. The cache therefore holds K channels in that interleaved order.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+
+#include "kvq/error.h"
+#include "model/gguf.h"
+#include "model/llama2.h"
+
+namespace kvq::model {
+
+namespace {
+
+// The per-frequency divisors llama.cpp stores as rope_freqs.weight for
+// Llama 3's scaling, from our RoPE rule: f_unscaled / f_scaled.
+std::vector<float> Llama3Factors(int head_dim, const RopeConfig& r) {
+  RopeConfig none = r;
+  none.scaling = RopeConfig::Scaling::kNone;
+  const std::vector<float> f0 = rope_frequencies(head_dim, none), f1 = rope_frequencies(head_dim, r);
+  std::vector<float> out(f0.size());
+  for (size_t i = 0; i < f0.size(); ++i) out[i] = f0[i] / f1[i];
+  return out;
+}
+
+// Rows [h hd, (h + 1) hd) of each head: NEOX order (p, p + hd/2) to adjacent
+// pairs (2p, 2p + 1). rows x cols floats per head block.
+void NeoxToInterleaved(float* w, int n_heads, int hd, size_t cols) {
+  std::vector<float> tmp(static_cast<size_t>(hd) * cols);
+  for (int h = 0; h < n_heads; ++h) {
+    float* base = w + static_cast<size_t>(h) * static_cast<size_t>(hd) * cols;
+    for (int p = 0; p < hd / 2; ++p) {
+      std::memcpy(tmp.data() + static_cast<size_t>(2 * p) * cols, base + static_cast<size_t>(p) * cols,
+                  cols * sizeof(float));
+      std::memcpy(tmp.data() + static_cast<size_t>(2 * p + 1) * cols, base + static_cast<size_t>(p + hd / 2) * cols,
+                  cols * sizeof(float));
+    }
+    std::memcpy(base, tmp.data(), tmp.size() * sizeof(float));
+  }
+}
+
+}  // namespace
+
+void Checkpoint::LoadGguf(const std::string& path) {
+  const GgufFile g(file_->data(), file_->size(), path);
+  gguf_ = true;
+  format_version_ = static_cast<int>(g.version());
+  Config& c = config_;
+  const std::optional<std::string> arch_opt = g.get_string("general.architecture");
+  if (!arch_opt) Fail("model '", path, "': GGUF without general.architecture");
+  const std::string arch = *arch_opt;
+  if (arch != "llama" && arch != "qwen2") {
+    Fail("model '", path, "': architecture '", arch,
+         "' is not supported; kvq runs llama (Llama 2/3, Mistral, TinyLlama, SmolLM) and qwen2");
+  }
+  c.arch = arch;
+  const std::string a = arch + ".";
+  if (const auto e = g.get_uint(a + "expert_count"); e && *e > 0) {
+    Fail("model '", path, "': a mixture of experts (", a, "expert_count = ", *e, ") is not supported");
+  }
+  auto need = [&](const std::string& key, uint64_t hi) -> int {
+    const std::optional<uint64_t> v = g.get_uint(a + key);
+    if (!v) Fail("model '", path, "': metadata '", a, key, "' is missing");
+    if (*v < 1 || *v > hi) Fail("model '", path, "': metadata '", a, key, "' = ", *v, ", expected 1..", hi);
+    return static_cast<int>(*v);
+  };
+  c.dim = need("embedding_length", 1 << 16);
+  c.hidden_dim = need("feed_forward_length", 1 << 18);
+  c.n_layers = need("block_count", 1024);
+  c.n_heads = need("attention.head_count", 1024);
+  c.n_kv_heads = g.find(a + "attention.head_count_kv") ? need("attention.head_count_kv", 1024) : c.n_heads;
+  c.seq_len = need("context_length", 1 << 24);
+  if (c.dim % c.n_heads != 0 || c.n_heads % c.n_kv_heads != 0 || c.head_size() % 2 != 0) {
+    Fail("model '", path, "': embedding_length ", c.dim, " must be a multiple of head_count ", c.n_heads,
+         ", head_count a multiple of head_count_kv ", c.n_kv_heads, ", and the head size even");
+  }
+  for (const char* k : {"attention.key_length", "attention.value_length", "rope.dimension_count"}) {
+    if (const auto v = g.get_uint(a + k); v && *v != static_cast<uint64_t>(c.head_size())) {
+      Fail("model '", path, "': ", a, k, " = ", *v, " differs from embedding_length / head_count = ", c.head_size(),
+           " (not supported: kvq rotates and caches whole heads of dim / heads)");
+    }
+  }
+  c.norm_eps = static_cast<float>(g.get_float(a + "attention.layer_norm_rms_epsilon").value_or(1e-5));
+  if (!(c.norm_eps > 0.0f && c.norm_eps < 1.0f)) {
+    Fail("model '", path, "': ", a, "attention.layer_norm_rms_epsilon = ", c.norm_eps, ", expected (0, 1)");
+  }
+  RopeConfig& rope = c.rope;
+  rope.theta = static_cast<float>(g.get_float(a + "rope.freq_base").value_or(10000.0));
+  if (!(std::isfinite(rope.theta) && rope.theta > 1.0f)) {
+    Fail("model '", path, "': ", a, "rope.freq_base = ", rope.theta, ", expected a finite value > 1");
+  }
+  const std::string scaling = g.get_string(a + "rope.scaling.type").value_or("none");
+  if (scaling == "linear") {
+    rope.scaling = RopeConfig::Scaling::kLinear;
+    rope.factor = static_cast<float>(g.get_float(a + "rope.scaling.factor").value_or(1.0));
+  } else if (scaling != "none") {
+    Fail("model '", path, "': RoPE scaling '", scaling, "' is not supported (none, linear, and Llama 3's rope_freqs are)");
+  }
+  if (const GgufTensor* rf = g.tensor("rope_freqs.weight")) {
+    // Llama 3: per-frequency divisors; kvq holds them as Llama 3's rule, so
+    // they must be that rule for some factor (the largest divisor).
+    if (rf->ne.size() != 1 || rf->ne[0] != static_cast<uint64_t>(c.head_size() / 2) ||
+        rf->type != static_cast<uint32_t>(GgmlType::kF32)) {
+      Fail("model '", path, "': rope_freqs.weight must be ", c.head_size() / 2, " F32 values");
+    }
+    std::vector<float> ff(static_cast<size_t>(c.head_size() / 2));
+    std::memcpy(ff.data(), g.tensor_data(*rf), ff.size() * sizeof(float));
+    float mx = 1.0f;
+    for (float x : ff) {
+      if (!(std::isfinite(x) && x >= 1.0f && x <= 1024.0f)) {
+        Fail("model '", path, "': rope_freqs.weight holds ", x, ", expected factors in [1, 1024]");
+      }
+      mx = std::max(mx, x);
+    }
+    if (mx > 1.0f) {
+      if (rope.scaling != RopeConfig::Scaling::kNone) Fail("model '", path, "': both rope_freqs and ", scaling, " scaling");
+      rope.scaling = RopeConfig::Scaling::kLlama3;
+      rope.factor = mx;
+      rope.original_context = static_cast<int>(
+          std::min<uint64_t>(g.get_uint(a + "rope.scaling.original_context_length").value_or(8192), 1 << 24));
+      const std::vector<float> want = Llama3Factors(c.head_size(), rope);
+      for (size_t i = 0; i < ff.size(); ++i) {
+        if (std::fabs(ff[i] - want[i]) > 1e-4f * want[i]) {
+          Fail("model '", path, "': rope_freqs.weight[", i, "] = ", ff[i], " is not Llama 3's rule (factor ", mx,
+               ", low_freq_factor 1, high_freq_factor 4, original context ", rope.original_context, ": ", want[i],
+               "); kvq cannot express these frequencies");
+        }
+      }
+    }
+  }
+  rope.validate("model rope");
+
+  // Tensors: every one present with its shape and a type kvq reads, before
+  // anything is allocated.
+  const GgufTensor* emb = g.tensor("token_embd.weight");
+  if (emb == nullptr) Fail("model '", path, "': tensor 'token_embd.weight' is missing");
+  if (emb->ne.size() != 2 || emb->ne[0] != static_cast<uint64_t>(c.dim) || emb->ne[1] < 1 || emb->ne[1] > (1u << 20)) {
+    Fail("model '", path, "': token_embd.weight must be (", c.dim, ", vocab <= 2^20)");
+  }
+  c.vocab_size = static_cast<int>(emb->ne[1]);
+  const GgufTensor* out_w = g.tensor("output.weight");
+  c.shared_classifier = out_w == nullptr;
+  c.qkv_bias = g.tensor("blk.0.attn_q.bias") != nullptr;
+  if (arch == "qwen2" && !c.qkv_bias) Fail("model '", path, "': qwen2 without blk.0.attn_q.bias");
+  const uint64_t dim = static_cast<uint64_t>(c.dim), hid = static_cast<uint64_t>(c.hidden_dim),
+                 kv = static_cast<uint64_t>(c.kv_dim()), vocab = static_cast<uint64_t>(c.vocab_size),
+                 L = static_cast<uint64_t>(c.n_layers);
+  auto check = [&](const GgufTensor* t, const std::string& name, uint64_t ne0, uint64_t ne1) {
+    if (t == nullptr) Fail("model '", path, "': tensor '", name, "' is missing");
+    const bool ok = ne1 == 0 ? t->ne.size() == 1 && t->ne[0] == ne0
+                             : t->ne.size() == 2 && t->ne[0] == ne0 && t->ne[1] == ne1;
+    if (!ok) {
+      std::string got;
+      for (uint64_t d : t->ne) got += (got.empty() ? "" : ", ") + std::to_string(d);
+      Fail("model '", path, "': tensor '", name, "' has shape (", got, "), expected (", ne0,
+           ne1 ? ", " + std::to_string(ne1) : std::string(), ")");
+    }
+    const uint32_t ty = t->type;
+    if (ty != 0 && ty != 1 && ty != 8 && ty != 30) {
+      Fail("model '", path, "': tensor '", name, "' is ", ggml_type_name(ty),
+           "; kvq reads F32, F16, BF16 and Q8_0 weights (requantize to Q8_0 or F16, e.g. llama-quantize "
+           "--allow-requantize in.gguf out.gguf Q8_0)");
+    }
+    return t;
+  };
+  std::vector<std::pair<const GgufTensor*, uint64_t>> plan;  // tensor, floats
+  auto add = [&](const std::string& name, uint64_t ne0, uint64_t ne1) {
+    plan.emplace_back(check(g.tensor(name), name, ne0, ne1), ne0 * (ne1 ? ne1 : 1));
+  };
+  // llama2.c's version 1 order, so that the Weights pointers follow.
+  for (uint64_t l = 0; l < L; ++l) add("blk." + std::to_string(l) + ".attn_norm.weight", dim, 0);
+  for (uint64_t l = 0; l < L; ++l) add("blk." + std::to_string(l) + ".ffn_norm.weight", dim, 0);
+  add("output_norm.weight", dim, 0);
+  add("token_embd.weight", dim, vocab);
+  const char* mats[] = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_down", "ffn_up"};
+  const uint64_t shapes[][2] = {{dim, dim}, {dim, kv}, {dim, kv}, {dim, dim}, {dim, hid}, {hid, dim}, {dim, hid}};
+  for (int m = 0; m < 7; ++m) {
+    for (uint64_t l = 0; l < L; ++l) add("blk." + std::to_string(l) + "." + mats[m] + ".weight", shapes[m][0], shapes[m][1]);
+  }
+  if (!c.shared_classifier) add("output.weight", dim, vocab);
+  if (c.qkv_bias) {
+    for (const char* b : {"attn_q", "attn_k", "attn_v"}) {
+      for (uint64_t l = 0; l < L; ++l) add("blk." + std::to_string(l) + "." + b + ".bias", b[5] == 'q' ? dim : kv, 0);
+    }
+  }
+  uint64_t total = 0;
+  for (const auto& [t, n] : plan) total += n;  // each <= its bytes in the file (checked by the parser)
+  owned_.resize(static_cast<size_t>(total));
+  float* p = owned_.data();
+  std::vector<float*> at;
+  for (const auto& [t, n] : plan) {
+    at.push_back(p);
+    dequantize_ggml(t->type, g.tensor_data(*t), static_cast<size_t>(n), p);
+    p += n;
+  }
+  size_t i = 0;
+  Weights& w = weights_;
+  w.rms_att = at[i]; i += L;
+  w.rms_ffn = at[i]; i += L;
+  w.rms_final = at[i++];
+  w.token_embedding = at[i++];
+  float* wq = at[i]; i += L;
+  float* wk = at[i]; i += L;
+  w.wq = wq;
+  w.wk = wk;
+  w.wv = at[i]; i += L;
+  w.wo = at[i]; i += L;
+  w.w1 = at[i]; i += L;
+  w.w2 = at[i]; i += L;
+  w.w3 = at[i]; i += L;
+  w.wcls = c.shared_classifier ? w.token_embedding : at[i++];
+  float *bq = nullptr, *bk = nullptr;
+  if (c.qkv_bias) {
+    w.bq = bq = at[i]; i += L;
+    w.bk = bk = at[i]; i += L;
+    w.bv = at[i]; i += L;
+  }
+  if (arch == "qwen2") {
+    for (uint64_t l = 0; l < L; ++l) {
+      NeoxToInterleaved(wq + l * dim * dim, c.n_heads, c.head_size(), dim);
+      NeoxToInterleaved(wk + l * kv * dim, c.n_kv_heads, c.head_size(), dim);
+      NeoxToInterleaved(bq + l * dim, c.n_heads, c.head_size(), 1);
+      NeoxToInterleaved(bk + l * kv, c.n_kv_heads, c.head_size(), 1);
+    }
+  }
+
+  // Tokenizer.
+  add_bos_ = g.get_bool("tokenizer.ggml.add_bos_token").value_or(true);
+  const std::string tm = g.get_string("tokenizer.ggml.model").value_or("");
+  if (tm == "llama") {
+    std::vector<std::string> pieces = g.string_array("tokenizer.ggml.tokens");
+    if (pieces.size() != static_cast<size_t>(c.vocab_size)) {
+      Fail("model '", path, "': tokenizer.ggml.tokens holds ", pieces.size(), " pieces, the model's vocabulary is ",
+           c.vocab_size);
+    }
+    std::vector<float> scores = g.find("tokenizer.ggml.scores") ? g.float_array("tokenizer.ggml.scores")
+                                                                  : std::vector<float>(pieces.size(), 0.0f);
+    std::vector<int64_t> types = g.find("tokenizer.ggml.token_type") ? g.int_array("tokenizer.ggml.token_type")
+                                                                       : std::vector<int64_t>(pieces.size(), 1);
+    std::vector<bool> matchable(types.size());
+    for (size_t k = 0; k < types.size(); ++k) matchable[k] = types[k] != 2 && types[k] != 3 && types[k] != 5;
+    for (std::string& s : pieces) {  // sentencepiece's U+2581 is a space
+      std::string o;
+      for (size_t k = 0; k < s.size(); ++k) {
+        if (s.compare(k, 3, "\xE2\x96\x81") == 0) o += ' ', k += 2;
+        else o += s[k];
+      }
+      s = std::move(o);
+    }
+    const uint64_t bos = g.get_uint("tokenizer.ggml.bos_token_id").value_or(1);
+    const uint64_t eos = g.get_uint("tokenizer.ggml.eos_token_id").value_or(2);
+    if (bos != static_cast<uint64_t>(Tokenizer::kBos) || eos != static_cast<uint64_t>(Tokenizer::kEos)) {
+      tokenizer_problem_ = "the model's sentencepiece tokenizer has BOS " + std::to_string(bos) + " and EOS " +
+                           std::to_string(eos) + " (kvq's encoder needs 1 and 2): pass --tokens FILE";
+    } else {
+      try {
+        tokenizer_ = std::make_shared<const Tokenizer>(std::move(pieces), std::move(scores), matchable, path);
+      } catch (const Error& e) {
+        tokenizer_problem_ = std::string(e.what()) + ": pass --tokens FILE";
+      }
+    }
+  } else if (tm == "gpt2") {
+    tokenizer_problem_ =
+        "the model's tokenizer is byte-level BPE (tokenizer.ggml.model = gpt2: Llama 3, Qwen2), which kvq does not "
+        "implement: pass pre-tokenized text with --tokens FILE (README: Evaluate your own model)";
+  } else {
+    tokenizer_problem_ = (tm.empty() ? std::string("the model has no tokenizer")
+                                     : "the model's tokenizer '" + tm + "' is not supported") +
+                         ": pass --tokens FILE";
+  }
+  file_.reset();  // the weights are copied; the mapping goes
+}
+
+}  // namespace kvq::model

@@ -1,0 +1,351 @@
+#!/usr/bin/env python3
+"""Writes GGUF model files with NumPy only (no llama.cpp, no torch).
+
+  gguf_write.py llama2c MODEL.bin TOKENIZER.bin OUT.gguf [--type F32|F16|BF16|Q8_0]
+      a llama2.c checkpoint (legacy or export version 1) and its tokenizer.bin
+      as a GGUF of architecture llama with a sentencepiece tokenizer
+      (tokenizer.ggml.model = llama): the same weights, pieces and scores.
+  gguf_write.py synthetic OUT.gguf [--arch llama|qwen2] [--dim ...] ...
+      random weights with a real model's structure (GQA, head size, RoPE base
+      and Llama 3 scaling as llama.cpp stores it: rope_freqs.weight; qwen2's
+      Q/K/V biases).
+
+Layout as llama.cpp's convert_hf_to_gguf.py writes it: tensor names
+token_embd / blk.N.attn_{norm,q,k,v,output} / ffn_{norm,gate,up,down} /
+output_norm / output, a matrix (out, in) stored with ne = [in, out]; llama's
+Q and K rows permuted from Hugging Face's half-split RoPE to adjacent pairs
+(qwen2's are not: llama.cpp rotates them NEOX-style). Used by the tests
+(python/tests/test_gguf.py, tests/gguf_table_test.sh) and the 1B-geometry
+speed run (README).
+"""
+import argparse
+import struct
+import sys
+
+import numpy as np
+
+# GGUF value types
+U8, I8, U16, I16, U32, I32, F32, BOOL, STRING, ARRAY, U64, I64, F64 = range(13)
+# ggml tensor types
+GGML = {"F32": 0, "F16": 1, "Q8_0": 8, "BF16": 30}
+ALIGN = 32
+
+
+def f32_to_bf16(x):
+    """Round to nearest even, as ggml's fp32 -> bf16 does; returns uint16 bits."""
+    b = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    return b.astype(np.uint16)
+
+
+def quantize(w, ty):
+    """(bytes, the float32 values kvq will read back) of w in ggml type ty."""
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    if ty == "F32":
+        return w.tobytes(), w
+    if ty == "F16":
+        h = w.astype(np.float16)
+        return h.tobytes(), h.astype(np.float32)
+    if ty == "BF16":
+        b = f32_to_bf16(w)
+        return b.tobytes(), (b.astype(np.uint32) << 16).view(np.float32).reshape(w.shape)
+    if ty == "Q8_0":
+        assert w.shape[-1] % 32 == 0, "Q8_0 rows must be a multiple of 32"
+        blocks = w.reshape(-1, 32)
+        amax = np.abs(blocks).max(axis=1)
+        d = (amax / 127.0).astype(np.float32)
+        inv = np.where(d > 0, 1.0 / np.where(d > 0, d, 1), 0).astype(np.float32)
+        q = np.round(blocks * inv[:, None]).astype(np.int8)  # ggml: roundf (half away); ties are measure-zero here
+        d16 = d.astype(np.float16)
+        out = np.empty((blocks.shape[0], 34), dtype=np.uint8)
+        out[:, :2] = d16.view(np.uint8).reshape(-1, 2)
+        out[:, 2:] = q.view(np.uint8)
+        deq = (d16.astype(np.float32)[:, None] * q.astype(np.float32)).reshape(w.shape)
+        return out.tobytes(), deq
+    raise ValueError(f"unknown type {ty}")
+
+
+class Writer:
+    def __init__(self, version=3):
+        self.version = version
+        self.kv = []  # (key, type, payload bytes)
+        self.tensors = []  # (name, ne, ggml type, data bytes)
+
+    @staticmethod
+    def _str(s):
+        b = s.encode("utf-8") if isinstance(s, str) else bytes(s)
+        return struct.pack("<Q", len(b)) + b
+
+    def add(self, key, vtype, value):
+        fmt = {U8: "<B", I8: "<b", U16: "<H", I16: "<h", U32: "<I", I32: "<i", F32: "<f", BOOL: "<?",
+               U64: "<Q", I64: "<q", F64: "<d"}
+        if vtype == STRING:
+            payload = self._str(value)
+        else:
+            payload = struct.pack(fmt[vtype], value)
+        self.kv.append((key, vtype, payload))
+
+    def add_array(self, key, etype, values):
+        head = struct.pack("<IQ", etype, len(values))
+        if etype == STRING:
+            body = b"".join(self._str(v) for v in values)
+        else:
+            dt = {F32: "<f4", I32: "<i4", U32: "<u4", U8: "u1", I64: "<i8"}[etype]
+            body = np.asarray(values, dtype=dt).tobytes()
+        self.kv.append((key, ARRAY, head + body))
+
+    def tensor(self, name, w, ty="F32"):
+        """Adds w (shape (out, in) or (n,)); returns what kvq reads back. Rows that Q8_0's blocks of 32
+        cannot cut are stored F16, as llama.cpp's converter does."""
+        if ty == "Q8_0" and np.shape(w)[-1] % 32 != 0:
+            ty = "F16"
+        data, deq = quantize(w, ty)
+        ne = list(reversed(np.shape(w)))
+        self.tensors.append((name, ne, GGML[ty], data))
+        return deq
+
+    def tobytes(self):
+        out = bytearray(b"GGUF" + struct.pack("<IQQ", self.version, len(self.tensors), len(self.kv)))
+        for key, vtype, payload in self.kv:
+            out += self._str(key) + struct.pack("<I", vtype) + payload
+        offsets, off = [], 0
+        for _, _, _, data in self.tensors:
+            offsets.append(off)
+            off += (len(data) + ALIGN - 1) // ALIGN * ALIGN
+        for (name, ne, ty, _), o in zip(self.tensors, offsets):
+            out += self._str(name) + struct.pack("<I", len(ne)) + struct.pack(f"<{len(ne)}Q", *ne)
+            out += struct.pack("<IQ", ty, o)
+        out += b"\0" * ((-len(out)) % ALIGN)
+        for (_, _, _, data), o in zip(self.tensors, offsets):
+            out += data + b"\0" * ((-len(data)) % ALIGN)
+        return bytes(out)
+
+    def write(self, path):
+        with open(path, "wb") as f:
+            f.write(self.tobytes())
+        self.tensors = []
+
+
+def hf_to_gguf_rows(w, n_head):
+    """llama.cpp's permute for llama Q/K: half-split rotation rows -> adjacent pairs."""
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
+
+
+def llama_metadata(g, arch, cfg):
+    g.add("general.architecture", STRING, arch)
+    g.add("general.name", STRING, cfg.get("name", "kvq-synthetic"))
+    g.add(f"{arch}.context_length", U32, cfg["ctx"])
+    g.add(f"{arch}.embedding_length", U32, cfg["dim"])
+    g.add(f"{arch}.block_count", U32, cfg["layers"])
+    g.add(f"{arch}.feed_forward_length", U32, cfg["hidden"])
+    g.add(f"{arch}.attention.head_count", U32, cfg["heads"])
+    g.add(f"{arch}.attention.head_count_kv", U32, cfg["kv_heads"])
+    g.add(f"{arch}.rope.freq_base", F32, cfg["rope_base"])
+    g.add(f"{arch}.rope.dimension_count", U32, cfg["dim"] // cfg["heads"])
+    g.add(f"{arch}.attention.layer_norm_rms_epsilon", F32, cfg["eps"])
+    if cfg.get("rope_scaling") == "linear":
+        g.add(f"{arch}.rope.scaling.type", STRING, "linear")
+        g.add(f"{arch}.rope.scaling.factor", F32, cfg["rope_factor"])
+
+
+def llama3_rope_factors(head_dim, base, factor, low=1.0, high=4.0, original=8192):
+    """convert_hf_to_gguf.py's rope_freqs for Llama 3 (per-frequency divisors)."""
+    freqs = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    low_wl, high_wl = original / low, original / high
+    out = []
+    for f in freqs:
+        wl = 2 * np.pi / f
+        if wl < high_wl:
+            out.append(1.0)
+        elif wl > low_wl:
+            out.append(factor)
+        else:
+            smooth = (original / wl - low) / (high - low)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def synthetic(cfg, seed=0):
+    """A GGUF Writer with random weights; returns (writer, weights in Hugging
+    Face layout as float32 after the storage type's rounding)."""
+    rng = np.random.default_rng(seed)
+    arch, ty = cfg["arch"], cfg.get("type", "F32")
+    d, hid, L, H, KV, V = cfg["dim"], cfg["hidden"], cfg["layers"], cfg["heads"], cfg["kv_heads"], cfg["vocab"]
+    hd = d // H
+    g = Writer()
+    llama_metadata(g, arch, cfg)
+    tok = cfg.get("tokenizer", "none")
+    if tok == "gpt2":
+        g.add("tokenizer.ggml.model", STRING, "gpt2")
+        g.add_array("tokenizer.ggml.tokens", STRING, [f"t{i}" for i in range(V)])
+    hf = {}
+
+    def mat(out_dim, in_dim, scale=None):
+        s = scale if scale is not None else 1.0 / np.sqrt(in_dim)
+        return (rng.standard_normal((out_dim, in_dim)) * s).astype(np.float32)
+
+    def norm(n):
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    hf["embed"] = g.tensor("token_embd.weight", mat(V, d, 1.0), ty)
+    if cfg.get("rope_scaling") == "llama3":
+        g.tensor("rope_freqs.weight", llama3_rope_factors(hd, cfg["rope_base"], cfg["rope_factor"]), "F32")
+    for l in range(L):
+        p = f"blk.{l}."
+        hf[f"{l}.attn_norm"] = g.tensor(p + "attn_norm.weight", norm(d), "F32")
+        wq, wk = mat(d, d), mat(KV * hd, d)
+        if arch == "llama":
+            # Stored permuted; the reference keeps HF's order (the rounding is per value, and Q8_0's blocks
+            # run along rows, which the row permutation keeps whole).
+            hf[f"{l}.wq"] = unpermute(g.tensor(p + "attn_q.weight", hf_to_gguf_rows(wq, H), ty), H)
+            hf[f"{l}.wk"] = unpermute(g.tensor(p + "attn_k.weight", hf_to_gguf_rows(wk, KV), ty), KV)
+        else:
+            hf[f"{l}.wq"] = g.tensor(p + "attn_q.weight", wq, ty)
+            hf[f"{l}.wk"] = g.tensor(p + "attn_k.weight", wk, ty)
+        hf[f"{l}.wv"] = g.tensor(p + "attn_v.weight", mat(KV * hd, d), ty)
+        if arch == "qwen2":
+            hf[f"{l}.bq"] = g.tensor(p + "attn_q.bias", (0.5 * rng.standard_normal(d)).astype(np.float32), "F32")
+            hf[f"{l}.bk"] = g.tensor(p + "attn_k.bias", (0.5 * rng.standard_normal(KV * hd)).astype(np.float32), "F32")
+            hf[f"{l}.bv"] = g.tensor(p + "attn_v.bias", (0.5 * rng.standard_normal(KV * hd)).astype(np.float32), "F32")
+        hf[f"{l}.wo"] = g.tensor(p + "attn_output.weight", mat(d, d), ty)
+        hf[f"{l}.ffn_norm"] = g.tensor(p + "ffn_norm.weight", norm(d), "F32")
+        hf[f"{l}.wg"] = g.tensor(p + "ffn_gate.weight", mat(hid, d), ty)
+        hf[f"{l}.wu"] = g.tensor(p + "ffn_up.weight", mat(hid, d), ty)
+        hf[f"{l}.wd"] = g.tensor(p + "ffn_down.weight", mat(d, hid), ty)
+    hf["out_norm"] = g.tensor("output_norm.weight", norm(d), "F32")
+    if cfg.get("tied", False):
+        hf["out"] = hf["embed"]
+    else:
+        hf["out"] = g.tensor("output.weight", mat(V, d), ty)
+    return g, hf
+
+
+def unpermute(w, n_head):
+    """Inverse of hf_to_gguf_rows."""
+    return (w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
+
+
+def read_llama2c(model_path, tok_path):
+    raw = open(model_path, "rb").read()
+    magic, version = struct.unpack_from("<II", raw, 0)
+    if magic == 0x616B3432:
+        if version != 1:
+            sys.exit(f"gguf_write: llama2.c export version {version} is not supported (0 and 1 are)")
+        dim, hid, L, H, KV, V, seq = struct.unpack_from("<7i", raw, 8)
+        shared, off, v1 = raw[36] != 0, 256, True
+    else:
+        dim, hid, L, H, KV, V, seq = struct.unpack_from("<7i", raw, 0)
+        shared, V, off, v1 = V > 0, abs(V), 28, False
+    hd, kv = dim // H, KV * (dim // H)
+    f = np.frombuffer(raw, dtype="<f4", offset=off)
+    pos = 0
+
+    def take(*shape):
+        nonlocal pos
+        n = int(np.prod(shape))
+        a = f[pos:pos + n].reshape(shape)
+        pos += n
+        return a
+
+    w = {}
+    if v1:
+        w["rms_att"], w["rms_ffn"], w["rms_final"] = take(L, dim), take(L, dim), take(dim)
+        w["emb"] = take(V, dim)
+        w["wq"], w["wk"], w["wv"], w["wo"] = take(L, dim, dim), take(L, kv, dim), take(L, kv, dim), take(L, dim, dim)
+        w["w1"], w["w2"], w["w3"] = take(L, hid, dim), take(L, dim, hid), take(L, hid, dim)
+    else:
+        w["emb"], w["rms_att"] = take(V, dim), take(L, dim)
+        w["wq"], w["wk"], w["wv"], w["wo"] = take(L, dim, dim), take(L, kv, dim), take(L, kv, dim), take(L, dim, dim)
+        w["rms_ffn"] = take(L, dim)
+        w["w1"], w["w2"], w["w3"] = take(L, hid, dim), take(L, dim, hid), take(L, hid, dim)
+        w["rms_final"] = take(dim)
+        take(seq, hd)  # the two unused RoPE tables
+    w["cls"] = w["emb"] if shared else take(V, dim)
+    cfg = dict(dim=dim, hidden=hid, layers=L, heads=H, kv_heads=KV, vocab=V, ctx=seq, shared=shared)
+    t = open(tok_path, "rb").read()
+    (max_len,) = struct.unpack_from("<i", t, 0)
+    o, pieces, scores = 4, [], []
+    for _ in range(V):
+        score, n = struct.unpack_from("<fi", t, o)
+        o += 8
+        pieces.append(t[o:o + n])
+        scores.append(score)
+        o += n
+    if o != len(t):
+        sys.exit(f"gguf_write: {tok_path}: {len(t) - o} trailing bytes after {V} pieces")
+    return cfg, w, pieces, scores
+
+
+def convert_llama2c(model_path, tok_path, out_path, ty="F32"):
+    cfg, w, pieces, scores = read_llama2c(model_path, tok_path)
+    g = Writer()
+    c = dict(cfg, rope_base=10000.0, eps=1e-5, name="stories260K (llama2.c)")
+    llama_metadata(g, "llama", c)
+    g.add("tokenizer.ggml.model", STRING, "llama")
+    # llama2.c's export turned sentencepiece's U+2581 into spaces; GGUF keeps U+2581.
+    g.add_array("tokenizer.ggml.tokens", STRING, [p.replace(b" ", "\u2581".encode()) for p in pieces])
+    g.add_array("tokenizer.ggml.scores", F32, scores)
+    types = [2 if i == 0 else 3 if i in (1, 2) else 6 if 3 <= i < 259 else 1 for i in range(len(pieces))]
+    g.add_array("tokenizer.ggml.token_type", I32, types)
+    g.add("tokenizer.ggml.bos_token_id", U32, 1)
+    g.add("tokenizer.ggml.eos_token_id", U32, 2)
+    g.add("tokenizer.ggml.unknown_token_id", U32, 0)
+    g.add("tokenizer.ggml.add_bos_token", BOOL, True)
+    g.tensor("token_embd.weight", w["emb"], ty)
+    for l in range(cfg["layers"]):
+        p = f"blk.{l}."
+        g.tensor(p + "attn_norm.weight", w["rms_att"][l])
+        g.tensor(p + "attn_q.weight", w["wq"][l], ty)  # llama2.c already rotates adjacent pairs
+        g.tensor(p + "attn_k.weight", w["wk"][l], ty)
+        g.tensor(p + "attn_v.weight", w["wv"][l], ty)
+        g.tensor(p + "attn_output.weight", w["wo"][l], ty)
+        g.tensor(p + "ffn_norm.weight", w["rms_ffn"][l])
+        g.tensor(p + "ffn_gate.weight", w["w1"][l], ty)
+        g.tensor(p + "ffn_down.weight", w["w2"][l], ty)
+        g.tensor(p + "ffn_up.weight", w["w3"][l], ty)
+    g.tensor("output_norm.weight", w["rms_final"])
+    if not cfg["shared"]:
+        g.tensor("output.weight", w["cls"], ty)
+    g.write(out_path)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("llama2c", help="a llama2.c checkpoint + tokenizer.bin as GGUF")
+    a.add_argument("model")
+    a.add_argument("tokenizer")
+    a.add_argument("out")
+    a.add_argument("--type", default="F32", choices=sorted(GGML))
+    s = sub.add_parser("synthetic", help="random weights with a real model's structure")
+    s.add_argument("out")
+    s.add_argument("--arch", default="llama", choices=["llama", "qwen2"])
+    s.add_argument("--dim", type=int, default=2048)
+    s.add_argument("--hidden", type=int, default=8192)
+    s.add_argument("--layers", type=int, default=16)
+    s.add_argument("--heads", type=int, default=32)
+    s.add_argument("--kv-heads", type=int, default=8)
+    s.add_argument("--vocab", type=int, default=32000)
+    s.add_argument("--ctx", type=int, default=131072)
+    s.add_argument("--rope-base", type=float, default=500000.0)
+    s.add_argument("--rope-scaling", default="llama3", choices=["none", "linear", "llama3"])
+    s.add_argument("--rope-factor", type=float, default=32.0)
+    s.add_argument("--eps", type=float, default=1e-5)
+    s.add_argument("--tied", action="store_true")
+    s.add_argument("--type", default="F16", choices=sorted(GGML))
+    s.add_argument("--tokenizer", default="none", choices=["none", "gpt2"])
+    s.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if args.cmd == "llama2c":
+        convert_llama2c(args.model, args.tokenizer, args.out, args.type)
+    else:
+        cfg = dict(arch=args.arch, dim=args.dim, hidden=args.hidden, layers=args.layers, heads=args.heads,
+                   kv_heads=args.kv_heads, vocab=args.vocab, ctx=args.ctx, rope_base=args.rope_base,
+                   rope_scaling=args.rope_scaling, rope_factor=args.rope_factor, eps=args.eps, tied=args.tied,
+                   type=args.type, tokenizer=args.tokenizer)
+        g, _ = synthetic(cfg, args.seed)
+        g.write(args.out)
+
+
+if __name__ == "__main__":
+    main()
