@@ -134,7 +134,7 @@ class Checkpoint {
  private:
   void LoadGguf(const std::string& path);
   std::unique_ptr<MappedFile> file_;
-  std::vector<float> owned_;  // GGUF: the weights in fp32
+  std::unique_ptr<float[]> owned_;  // GGUF: the weights in fp32 (first touched by the parallel dequantisation)
   std::shared_ptr<const Tokenizer> tokenizer_;
   std::string tokenizer_problem_;
   Config config_;

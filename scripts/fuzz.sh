@@ -3,14 +3,14 @@
 # undefined), writes their seed corpora and runs each for SECONDS (default
 # 30). Fails on any crash, leak, sanitizer report or timeout; a crashing
 # input is kept as build/fuzz/crashes/<target>/crash-*.
-# Usage: scripts/fuzz.sh [SECONDS] [TARGET...]   (targets: kvqp kvqc kvqs kvqr checkpoint tokenizer)
+# Usage: scripts/fuzz.sh [SECONDS] [TARGET...]   (targets: kvqp kvqc kvqs kvqr checkpoint tokenizer gguf)
 # A long run: scripts/fuzz.sh 600
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs=${1:-30}
 shift || true
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(kvqp kvqc kvqs kvqr checkpoint tokenizer)
+[ ${#targets[@]} -gt 0 ] || targets=(kvqp kvqc kvqs kvqr checkpoint tokenizer gguf)
 case "$secs" in ''|*[!0-9]*) echo "fuzz.sh: SECONDS must be a whole number, got '$secs'" >&2; exit 2 ;; esac
 KVQ_WITH_FUZZ=1 bash scripts/install_deps.sh
 B=build/fuzz
@@ -19,6 +19,15 @@ cmake --build "$B"
 shared=${KVQ_SHARED:-$(cd .. && pwd)/shared}
 rm -rf "$B/seeds"
 "$B/make_seeds" "$B/seeds" "$shared"
+# GGUF seeds (scripts/gguf_write.py, NumPy): small llama / qwen2 models, F16 / Q8_0 / BF16, a sentencepiece,
+# a BPE and no tokenizer; .npy token files.
+mkdir -p "$B/seeds/gguf"
+w="/usr/bin/python3 scripts/gguf_write.py synthetic"
+tiny="--dim 64 --hidden 64 --layers 1 --heads 2 --kv-heads 1 --vocab 300 --ctx 64"
+$w "$B/seeds/gguf/llama_f16.gguf" $tiny --type F16 --tokenizer llama
+$w "$B/seeds/gguf/llama3_q8.gguf" $tiny --type Q8_0 --rope-scaling llama3
+$w "$B/seeds/gguf/qwen2_bf16.gguf" $tiny --arch qwen2 --type BF16 --tied --tokenizer gpt2 --rope-scaling none
+/usr/bin/python3 -c "import numpy as np; np.save('$B/seeds/gguf/ids.npy', np.arange(40, dtype=np.int64))"
 passed=0; failed=0
 for t in "${targets[@]}"; do
   corpus="$B/corpus/$t"; crashes="$B/crashes/$t"

@@ -104,7 +104,7 @@ class Writer:
         self.tensors.append((name, ne, GGML[ty], data))
         return deq
 
-    def tobytes(self):
+    def _header(self):
         out = bytearray(b"GGUF" + struct.pack("<IQQ", self.version, len(self.tensors), len(self.kv)))
         for key, vtype, payload in self.kv:
             out += self._str(key) + struct.pack("<I", vtype) + payload
@@ -116,14 +116,20 @@ class Writer:
             out += self._str(name) + struct.pack("<I", len(ne)) + struct.pack(f"<{len(ne)}Q", *ne)
             out += struct.pack("<IQ", ty, o)
         out += b"\0" * ((-len(out)) % ALIGN)
-        for (_, _, _, data), o in zip(self.tensors, offsets):
-            out += data + b"\0" * ((-len(data)) % ALIGN)
         return bytes(out)
+
+    def _chunks(self):
+        yield self._header()
+        for _, _, _, data in self.tensors:
+            yield data + b"\0" * ((-len(data)) % ALIGN)
+
+    def tobytes(self):
+        return b"".join(self._chunks())
 
     def write(self, path):
         with open(path, "wb") as f:
-            f.write(self.tobytes())
-        self.tensors = []
+            for c in self._chunks():
+                f.write(c)
 
 
 def hf_to_gguf_rows(w, n_head):
@@ -165,9 +171,16 @@ def llama3_rope_factors(head_dim, base, factor, low=1.0, high=4.0, original=8192
     return np.array(out, dtype=np.float32)
 
 
-def synthetic(cfg, seed=0):
+class _Discard(dict):
+    def __setitem__(self, key, value):
+        if key == "embed":  # a tied output reads it
+            super().__setitem__(key, value)
+
+
+def synthetic(cfg, seed=0, keep_reference=True):
     """A GGUF Writer with random weights; returns (writer, weights in Hugging
-    Face layout as float32 after the storage type's rounding)."""
+    Face layout as float32 after the storage type's rounding; with
+    keep_reference=False only what the writer needs, for large models)."""
     rng = np.random.default_rng(seed)
     arch, ty = cfg["arch"], cfg.get("type", "F32")
     d, hid, L, H, KV, V = cfg["dim"], cfg["hidden"], cfg["layers"], cfg["heads"], cfg["kv_heads"], cfg["vocab"]
@@ -178,7 +191,16 @@ def synthetic(cfg, seed=0):
     if tok == "gpt2":
         g.add("tokenizer.ggml.model", STRING, "gpt2")
         g.add_array("tokenizer.ggml.tokens", STRING, [f"t{i}" for i in range(V)])
-    hf = {}
+    elif tok == "llama":  # sentencepiece layout: <unk>, <s>, </s>, 256 byte pieces, then words
+        letters = "abcdefghijklmnopqrstuvwxyz"
+        words = ["\u2581" + a for a in letters] + [a + b for a in letters for b in letters]
+        pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + words[:V - 259]
+        assert len(pieces) == V, "tokenizer llama needs 259 <= vocab <= 961"
+        g.add("tokenizer.ggml.model", STRING, "llama")
+        g.add_array("tokenizer.ggml.tokens", STRING, pieces)
+        g.add_array("tokenizer.ggml.scores", F32, [0.0] * 259 + [-float(i) for i in range(V - 259)])
+        g.add_array("tokenizer.ggml.token_type", I32, [2, 3, 3] + [6] * 256 + [1] * (V - 259))
+    hf = {} if keep_reference else _Discard()
 
     def mat(out_dim, in_dim, scale=None):
         s = scale if scale is not None else 1.0 / np.sqrt(in_dim)
@@ -214,7 +236,7 @@ def synthetic(cfg, seed=0):
         hf[f"{l}.wd"] = g.tensor(p + "ffn_down.weight", mat(d, hid), ty)
     hf["out_norm"] = g.tensor("output_norm.weight", norm(d), "F32")
     if cfg.get("tied", False):
-        hf["out"] = hf["embed"]
+        hf["out"] = hf.get("embed")
     else:
         hf["out"] = g.tensor("output.weight", mat(V, d), ty)
     return g, hf
@@ -333,7 +355,7 @@ def main():
     s.add_argument("--eps", type=float, default=1e-5)
     s.add_argument("--tied", action="store_true")
     s.add_argument("--type", default="F16", choices=sorted(GGML))
-    s.add_argument("--tokenizer", default="none", choices=["none", "gpt2"])
+    s.add_argument("--tokenizer", default="none", choices=["none", "gpt2", "llama"])
     s.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.cmd == "llama2c":
@@ -343,7 +365,7 @@ def main():
                    kv_heads=args.kv_heads, vocab=args.vocab, ctx=args.ctx, rope_base=args.rope_base,
                    rope_scaling=args.rope_scaling, rope_factor=args.rope_factor, eps=args.eps, tied=args.tied,
                    type=args.type, tokenizer=args.tokenizer)
-        g, _ = synthetic(cfg, args.seed)
+        g, _ = synthetic(cfg, args.seed, keep_reference=False)
         g.write(args.out)
 
 

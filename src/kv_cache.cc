@@ -196,8 +196,7 @@ void KvCache::prefill(int layer, int pos0, std::span<const float> k, std::span<c
   }
   const auto row = [](auto s, size_t i, size_t w) { return s.subspan(i * w, w); };
   DecodeAttentionOptions o = opts;
-  if (grouped) {
-    o.threads = 1;
+  if (grouped) {  // queries one after the other; each attend splits its coded groups over opts.threads
     for (size_t i = 0; i < n; ++i) {
       write(layer, pos0 + static_cast<int>(i), row(k, i, kvw), row(v, i, kvw));
       o.length = pos0 + static_cast<int64_t>(i) + 1;

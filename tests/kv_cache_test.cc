@@ -352,5 +352,58 @@ TEST(KvCache, FilesAreWrittenWholeOrNotAtAll) {
   std::filesystem::remove_all(dir);
 }
 
+// Chunked prefill (KvCache::prefill) gives every query of a block exactly
+// what decoding gives it: the same cache afterwards and, per query, the
+// bits of write + attend at its length; blocks continue a sequence; bad
+// input is refused before anything is written.
+TEST(KvCache, PrefillGivesEachQueryWhatDecodingGivesIt) {
+  const StaticRanges ranges = test::Ranges(5);
+  const test::Rows rows = test::MakeRows(70, 9);
+  constexpr int kHeads = 2 * test::kH, kQ = kHeads * test::kD;
+  test::Rng rng(3);
+  std::vector<float> q(70 * kQ);
+  for (float& x : q) x = static_cast<float>(rng.Gaussian());
+  for (const std::string& s : test::Schemes()) {
+    SCOPED_TRACE(s);
+    const StaticRanges* r = describe_kv_scheme(s).needs_ranges ? &ranges : nullptr;
+    KvCache dec(s, test::kL, 80, test::kH, test::kD, r), pre(s, test::kL, 80, test::kH, test::kD, r);
+    std::vector<float> want(q.size()), got(q.size());
+    for (int t = 0; t < 70; ++t) {
+      dec.write(0, t, rows.k[static_cast<size_t>(t)], rows.v[static_cast<size_t>(t)]);
+      dec.attend(0, {q.data() + t * kQ, kQ}, kHeads, {want.data() + t * kQ, kQ});
+      for (KvCache* c : {&dec, &pre}) c->write(1, t, rows.v[static_cast<size_t>(t)], rows.k[static_cast<size_t>(t)]);
+    }
+    for (const auto& [b0, b1] : {std::pair{0, 23}, std::pair{23, 24}, std::pair{24, 70}}) {
+      std::vector<float> k, v;
+      for (int t = b0; t < b1; ++t) {
+        k.insert(k.end(), rows.k[static_cast<size_t>(t)].begin(), rows.k[static_cast<size_t>(t)].end());
+        v.insert(v.end(), rows.v[static_cast<size_t>(t)].begin(), rows.v[static_cast<size_t>(t)].end());
+      }
+      DecodeAttentionOptions o;
+      o.threads = 2;
+      pre.prefill(0, b0, k, v, {q.data() + b0 * kQ, static_cast<size_t>((b1 - b0) * kQ)}, kHeads,
+                  {got.data() + b0 * kQ, static_cast<size_t>((b1 - b0) * kQ)}, o);
+    }
+    EXPECT_EQ(want, got);
+    EXPECT_EQ(dec.to_bytes(), pre.to_bytes());
+    // Refused before anything is written: a NaN in the last K row, a q of the wrong size, a gap.
+    const std::vector<uint8_t> before = pre.to_bytes();
+    std::vector<float> k(2 * test::kE, 0.5f), v(2 * test::kE, 0.5f), qq(2 * kQ, 0.1f), out(2 * kQ);
+    k.back() = std::nanf("");
+    EXPECT_NE(test::ErrorOf([&] { pre.prefill(0, 70, k, v, qq, kHeads, out); }).find("k: expected finite"),
+              std::string::npos);
+    k.back() = 0.5f;
+    EXPECT_NE(test::ErrorOf([&] { pre.prefill(0, 70, k, v, {qq.data(), kQ}, kHeads, out); }).find("q: expected 2 rows"),
+              std::string::npos);
+    EXPECT_NE(test::ErrorOf([&] { pre.prefill(0, 71, k, v, qq, kHeads, out); }).find("pos0: expected 0 or 70"),
+              std::string::npos);
+    std::vector<float> k22(22 * test::kE, 0.1f), q22(22 * kQ, 0.1f), o22(22 * kQ);
+    EXPECT_NE(test::ErrorOf([&] { pre.prefill(0, 70, k22, k22, q22, kHeads, o22); })
+                  .find("exceed the cache size 80"),
+              std::string::npos);
+    EXPECT_EQ(before, pre.to_bytes());
+  }
+}
+
 }  // namespace
 }  // namespace kvq
