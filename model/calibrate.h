@@ -22,7 +22,18 @@ struct CalibrationOptions {
   uint64_t seed = 1;         // sampler seed
   double temperature = 1.0;  // sampling temperature (> 0)
   double clip = 0.0;         // share of samples left outside each channel's range at each end
+  // Generate up to 16 sequences side by side (Transformer::forward_many: one
+  // sgemm per projection and step, each sequence sampled with its own
+  // generator seeded from `seed`): on large models the weights are read
+  // once per step instead of once per sequence and step. Other samples than
+  // the sequential default (which draws every sequence from one generator
+  // with matrix-vector products).
+  bool batched = false;
 };
+
+// Throws kvq::Error naming the option unless `o` is valid for a model of
+// `cfg` (what calibrate_static_ranges checks before it generates anything).
+void check_calibration_options(const Config& cfg, const CalibrationOptions& o);
 
 // Runs the fp32 model on the tokens it samples (sequences x length) and
 // takes every layer's K (in a grouped cache's tile frame) and V per channel

@@ -422,9 +422,25 @@ EvalReport run_eval(const EvalOptions& o) {
   for (CacheScheme s : o.schemes) {
     if (s.info().needs_ranges && !s.ranges) {
       if (!ranges) {
-        ranges = std::make_shared<const StaticRanges>(calibrate_static_ranges(ckpt, o.calibration));
+        // Sequences of max(ctx, 512) tokens, at most the model's context (a
+        // long-context model's full length would be a night's generation).
+        CalibrationOptions c = o.calibration;
+        if (c.length == 0) c.length = std::min(cfg.seq_len, std::max(ctx, 512));
+        const auto t_cal = std::chrono::steady_clock::now();
+        check_calibration_options(cfg, c);  // a bad option is one error line, before any message
+        if (o.progress) {
+          std::fprintf(stderr, "[kvq eval] calibrating: %d sequences of %d tokens from BOS%s\n", c.sequences, c.length,
+                       c.batched ? ", side by side" : " (--calib-batched: side by side, faster on large models)");
+        }
+        if (c.batched) set_blas_threads(threads);  // one sequence of sgemms: the BLAS takes every thread
+        ranges = std::make_shared<const StaticRanges>(calibrate_static_ranges(ckpt, c));
+        if (batched) set_blas_threads(1);
+        if (o.progress) {
+          std::fprintf(stderr, "[kvq eval] calibrated in %.1f s\n",
+                       std::chrono::duration<double>(std::chrono::steady_clock::now() - t_cal).count());
+        }
         rep.calibration_tokens = ranges->samples;
-        rep.calibration = o.calibration;
+        rep.calibration = c;
       }
       s.ranges = ranges;
     }
@@ -526,9 +542,10 @@ std::string format_report(const EvalReport& r) {
   if (r.calibration_tokens > 0) {
     std::snprintf(buf, sizeof buf,
                   "calibrated ranges: %lld tokens the model generated (%d sequences from BOS, temperature %g, seed "
-                  "%llu, clip %g), not the evaluation text\n",
+                  "%llu, clip %g%s), not the evaluation text\n",
                   static_cast<long long>(r.calibration_tokens), r.calibration.sequences, r.calibration.temperature,
-                  static_cast<unsigned long long>(r.calibration.seed), r.calibration.clip);
+                  static_cast<unsigned long long>(r.calibration.seed), r.calibration.clip,
+                  r.calibration.batched ? ", side by side" : "");
     os << buf;
   }
   return os.str();

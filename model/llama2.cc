@@ -225,17 +225,51 @@ std::span<const float> Transformer::run(std::span<const int> tokens, int pos0, P
   KVQ_CHECK_ARG(T > 0, "tokens: expected at least one token");
   KVQ_CHECK_ARG(pos0 >= 0 && pos0 + T <= max_seq_, "pos: positions ", pos0, "..", pos0 + T - 1,
                 " exceed the cache size ", max_seq_);
-  for (int t : tokens) {
-    KVQ_CHECK_ARG(t >= 0 && t < cfg_.vocab_size, "token: expected 0..", cfg_.vocab_size - 1, ", got ", t);
+  std::vector<Row> rows(static_cast<size_t>(T));
+  for (int t = 0; t < T; ++t) rows[static_cast<size_t>(t)] = {this, tokens[static_cast<size_t>(t)], pos0 + t};
+  return Run(rows, pass);
+}
+
+std::span<const float> Transformer::forward_many(std::span<Transformer* const> seqs, std::span<const int> tokens,
+                                                 int pos) {
+  KVQ_CHECK_ARG(!seqs.empty() && seqs.size() == tokens.size(), "tokens: expected one per sequence (", seqs.size(),
+                "), got ", tokens.size());
+  std::vector<Row> rows(seqs.size());
+  for (size_t b = 0; b < seqs.size(); ++b) {
+    Transformer* s = seqs[b];
+    KVQ_CHECK_ARG(s != nullptr && &s->w_ == &seqs[0]->w_, "seqs: expected sequences of one checkpoint");
+    KVQ_CHECK_ARG(s->policy_.window == 0, "seqs: forward_many runs without a window");
+    KVQ_CHECK_ARG(pos >= 0 && pos < s->max_seq_, "pos: ", pos, " exceeds the cache size ", s->max_seq_);
+    for (size_t c = 0; c < b; ++c) KVQ_CHECK_ARG(seqs[c] != s, "seqs: sequence ", b, " appears twice");
+    rows[b] = {s, tokens[b], pos};
   }
-  tokens_ = pos0 + T;
-  std::fill(bytes_at_.begin() + pos0, bytes_at_.begin() + pos0 + T, 0);
-  if (policy_.bank && pos0 == 0) {  // a new sequence: empty banks
-    for (LayerBank& lb : banks_) {
-      lb.bank = std::make_unique<ClusterBank>(cfg_.n_kv_heads, cfg_.head_size(), policy_.bank_options);
-      lb.banked_end = std::min(policy_.sinks, max_seq_);
-      lb.out_k.clear();
-      lb.out_v.clear();
+  return seqs[0]->Run(rows, Pass::kBlas);
+}
+
+// Rows of one pass: each a token at a position of a sequence (this one, or
+// with forward_many several, one row each). This object's buffers hold the
+// activations; each row's K/V go to its own sequence's cache.
+std::span<const float> Transformer::Run(std::span<const Row> rows, Pass pass) {
+  const int T = static_cast<int>(rows.size());
+  for (const Row& r : rows) {
+    KVQ_CHECK_ARG(r.token >= 0 && r.token < cfg_.vocab_size, "token: expected 0..", cfg_.vocab_size - 1, ", got ",
+                  r.token);
+  }
+  const bool single = std::all_of(rows.begin(), rows.end(), [this](const Row& r) { return r.seq == this; });
+  const int pos0 = rows.front().pos;
+  for (const Row& r : rows) {
+    Transformer& s = *r.seq;
+    if (single ? r.pos == pos0 : true) {  // once per sequence: the length it reaches, a new sequence's banks
+      s.tokens_ = single ? pos0 + T : r.pos + 1;
+      std::fill(s.bytes_at_.begin() + r.pos, s.bytes_at_.begin() + s.tokens_, 0);
+      if (s.policy_.bank && r.pos == 0) {  // a new sequence: empty banks
+        for (LayerBank& lb : s.banks_) {
+          lb.bank = std::make_unique<ClusterBank>(cfg_.n_kv_heads, cfg_.head_size(), s.policy_.bank_options);
+          lb.banked_end = std::min(s.policy_.sinks, s.max_seq_);
+          lb.out_k.clear();
+          lb.out_v.clear();
+        }
+      }
     }
   }
   const int dim = cfg_.dim, hid = cfg_.hidden_dim, kv_dim = cfg_.kv_dim();
@@ -249,7 +283,7 @@ std::span<const float> Transformer::run(std::span<const int> tokens, int pos0, P
   const float eps = cfg_.norm_eps;
   // The batched pass hands a layer's block to KvCache::prefill (row schemes,
   // no window); grouped caches and windows keep the per-token loop below.
-  const bool prefill = pass == Pass::kBlas && policy_.window == 0 && cache_.grouped() == nullptr;
+  const bool prefill = single && pass == Pass::kBlas && policy_.window == 0 && cache_.grouped() == nullptr;
   auto mm = [&](float* out, const float* in, const float* w, int n, int d) {
     if (pass == Pass::kBlas) {
       Gemm(out, in, w, T, n, d);
@@ -262,7 +296,7 @@ std::span<const float> Transformer::run(std::span<const int> tokens, int pos0, P
   auto row = [](std::vector<float>& v, int t, int width) { return v.data() + static_cast<size_t>(t) * static_cast<size_t>(width); };
 
   for (int t = 0; t < T; ++t) {
-    std::memcpy(row(x_, t, dim), w_.token_embedding + static_cast<size_t>(tokens[static_cast<size_t>(t)]) * dim,
+    std::memcpy(row(x_, t, dim), w_.token_embedding + static_cast<size_t>(rows[static_cast<size_t>(t)].token) * dim,
                 static_cast<size_t>(dim) * sizeof(float));
   }
   const size_t udim = static_cast<size_t>(dim), ukv = static_cast<size_t>(kv_dim), uhid = static_cast<size_t>(hid);
@@ -292,15 +326,16 @@ std::span<const float> Transformer::run(std::span<const int> tokens, int pos0, P
     // attends, so a window sees the cache exactly as token-by-token
     // decoding does (a streaming cache has no other past).
     for (int t = 0; t < T && !prefill; ++t) {
-      const int pos = pos0 + t;
+      Transformer& sq = *rows[static_cast<size_t>(t)].seq;
+      const int pos = rows[static_cast<size_t>(t)].pos;
       float* q = row(q_, t, dim);
       float* k = row(k_, t, kv_dim);
-      rope_.apply(q, cfg_.n_heads, pos);
-      rope_.apply(k, cfg_.n_kv_heads, pos);
-      if (observer_) observer_(l, pos, {q, udim}, {k, ukv}, {row(v_, t, kv_dim), ukv});
-      cache_.write(l, pos, {k, ukv}, {row(v_, t, kv_dim), ukv});
-      bytes_at_[static_cast<size_t>(pos)] += cache_.layer_bytes(l);
-      attention(l, pos, q, row(xb_, t, dim));
+      sq.rope_.apply(q, cfg_.n_heads, pos);
+      sq.rope_.apply(k, cfg_.n_kv_heads, pos);
+      if (sq.observer_) sq.observer_(l, pos, {q, udim}, {k, ukv}, {row(v_, t, kv_dim), ukv});
+      sq.cache_.write(l, pos, {k, ukv}, {row(v_, t, kv_dim), ukv});
+      sq.bytes_at_[static_cast<size_t>(pos)] += sq.cache_.layer_bytes(l);
+      sq.attention(l, pos, q, row(xb_, t, dim));
     }
     mm(xb2_.data(), xb_.data(), w_.wo + ul * udim * udim, dim, dim);
     for (size_t i = 0; i < uT * udim; ++i) x_[i] += xb2_[i];

@@ -200,6 +200,12 @@ class Transformer {
   // row schemes without a window, KvCache::prefill: the numbers of
   // forward_window up to floating-point summation order.
   std::span<const float> forward_batched(std::span<const int> tokens);
+  // One decoding step of several sequences at the same position: seqs[b]
+  // (each a Transformer of this checkpoint without a window, at length pos)
+  // takes tokens[b]; the projections run as one sgemm over the rows, each
+  // row's K/V go to its own sequence's cache. Returns seqs.size() x vocab
+  // logits in seqs[0]'s buffer (valid until its next call).
+  static std::span<const float> forward_many(std::span<Transformer* const> seqs, std::span<const int> tokens, int pos);
 
   // The KV cache (one type for every scheme).
   const KvCache& cache() const { return cache_; }
@@ -222,7 +228,12 @@ class Transformer {
 
  private:
   enum class Pass { kToken, kWindow, kBlas };
+  struct Row {
+    Transformer* seq;
+    int token, pos;
+  };
   std::span<const float> run(std::span<const int> tokens, int pos0, Pass pass);
+  std::span<const float> Run(std::span<const Row> rows, Pass pass);
   void attention(int layer, int pos, const float* q, float* out);
   void BankChunk(int layer, int t0, int t1);
   const Config& cfg_;

@@ -47,6 +47,35 @@ assert all(keys<=set(x) for x in r)
 assert r[0][\"delta_ppl\"]==0 and r[2][\"bits_per_element\"]==4.5
 "'
 
+# GGUF models (scripts/gguf_write.py writes them): the shipped model as GGUF
+# generates the same text; --tokens; a BPE model points to --tokens; bad options.
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+/usr/bin/python3 "$ROOT/scripts/gguf_write.py" llama2c "$MODEL" "$TOK" "$T/s.gguf"
+"$KVQ" generate --steps 40 >"$T/gen_a" 2>/dev/null
+"$KVQ" generate --model "$T/s.gguf" --steps 40 >"$T/gen_b" 2>"$T/err"; rc=$?
+check "generate on the GGUF gives the llama2.c text" '[ $rc -eq 0 ] && [ -s "$T/gen_a" ] && cmp -s "$T/gen_a" "$T/gen_b"'
+/usr/bin/python3 -c "import numpy as np; np.arange(1, 100, dtype=np.uint32).tofile('$T/ids.bin')"
+"$KVQ" eval --model "$T/s.gguf" --tokens "$T/ids.bin" --kv q8_0 --ctx 32 --json "$T/t.json" >"$T/out" 2>"$T/err"; rc=$?
+check "eval --tokens on a GGUF: 3 windows, batched" '[ $rc -eq 0 ] && /usr/bin/python3 -c "
+import json
+j=json.load(open(\"$T/t.json\"))
+assert j[\"windows\"]==3 and j[\"forward\"]==\"batched\" and j[\"gemm_peak_gflops\"]>0 and j[\"model_config\"][\"arch\"]==\"llama\", j
+"'
+"$KVQ" eval --model "$T/s.gguf" --tokens "$T/ids.bin" --text "$T/empty.txt" >/dev/null 2>"$T/err"; rc=$?
+check "--tokens with --text exits 2" '[ $rc -eq 2 ] && grep -q "either --text or --tokens" "$T/err"'
+"$KVQ" eval --model "$T/s.gguf" --forward fast >/dev/null 2>"$T/err"; rc=$?
+check "--forward fast exits 2" '[ $rc -eq 2 ] && grep -q "forward" "$T/err"'
+head -c 3 "$T/ids.bin" > "$T/odd.bin"
+"$KVQ" eval --model "$T/s.gguf" --tokens "$T/odd.bin" >/dev/null 2>"$T/err"; rc=$?
+check "a 3-byte token file exits 2" '[ $rc -eq 2 ] && grep -q "whole number of little-endian uint32" "$T/err"'
+/usr/bin/python3 "$ROOT/scripts/gguf_write.py" synthetic "$T/q.gguf" --arch qwen2 --dim 64 --hidden 64 --layers 1 \
+  --heads 2 --kv-heads 1 --vocab 300 --ctx 64 --tokenizer gpt2 --rope-scaling none
+"$KVQ" eval --model "$T/q.gguf" --ctx 16 >/dev/null 2>"$T/err"; rc=$?
+check "a BPE GGUF points to --tokens" '[ $rc -eq 2 ] && grep -q "byte-level BPE" "$T/err" && grep -q -- "--tokens" "$T/err"'
+head -c 3000 "$T/s.gguf" > "$T/cut.gguf"
+"$KVQ" eval --model "$T/cut.gguf" >/dev/null 2>"$T/err"; rc=$?
+check "a truncated GGUF exits 2" '[ $rc -eq 2 ] && grep -q "GGUF truncated\|past the end\|bytes left can hold" "$T/err"'
+
 # Grouped low-bit schemes: by name, by --k/--v, presets; steady-state bits
 # in the table and both bit counts in JSON; calibration stated.
 "$KVQ" eval --kv k4v3g16r4,kvq-4.5 --ctx 64 --max-windows 2 --json "$T/g.json" >"$T/out" 2>"$T/err"; rc=$?

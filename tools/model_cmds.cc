@@ -178,6 +178,9 @@ void AddEvalCommand(CLI::App& app, EvalCliOptions& o) {
   c->add_option("--calib-seed", o.calibration.seed, "calibrated schemes: sampler seed")->capture_default_str();
   c->add_option("--calib-temperature", o.calibration.temperature, "calibrated schemes: sampling temperature")
       ->capture_default_str();
+  c->add_flag("--calib-batched", o.calibration.batched,
+              "calibrated schemes: generate up to 16 sequences side by side (one sgemm per step: minutes instead of "
+              "an hour on a 1B model; other samples, hence other ranges, than the default)");
   c->add_option("--calib-clip", o.calibration.clip,
                 "calibrated schemes: share of samples left outside each channel's range at each end")
       ->capture_default_str();
