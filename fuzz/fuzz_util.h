@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "kvq/kv_cache.h"
+#include "model/llama2.h"
 #include "src/container.h"
 
 namespace kvq::fuzz {
@@ -142,6 +143,23 @@ inline void AttendEveryLayer(const KvCache& c, bool finite) {
       if (finite && !std::isfinite(x)) __builtin_trap();
     }
   }
+}
+
+// A loaded checkpoint (llama2.c or GGUF): reads both ends of every weight
+// table it hands out, so ASan sees any table that runs past its storage.
+inline void ReadWeightEnds(const model::Checkpoint& c) {
+  const model::Config& cfg = c.config();
+  const model::Weights& w = c.weights();
+  const size_t d = static_cast<size_t>(cfg.dim), v = static_cast<size_t>(cfg.vocab_size),
+               L = static_cast<size_t>(cfg.n_layers), h = static_cast<size_t>(cfg.hidden_dim),
+               kv = static_cast<size_t>(cfg.kv_dim());
+  volatile float sink = 0;
+  auto ends = [&](const float* p, size_t n) { sink = sink + p[0] + p[n - 1]; };
+  ends(w.token_embedding, v * d), ends(w.wcls, v * d), ends(w.rms_final, d);
+  ends(w.rms_att, L * d), ends(w.rms_ffn, L * d), ends(w.wq, L * d * d), ends(w.wo, L * d * d);
+  ends(w.wk, L * kv * d), ends(w.wv, L * kv * d), ends(w.w1, L * h * d), ends(w.w2, L * d * h), ends(w.w3, L * h * d);
+  if (w.bq != nullptr) ends(w.bq, L * d), ends(w.bk, L * kv), ends(w.bv, L * kv);
+  (void)sink;
 }
 
 }  // namespace kvq::fuzz

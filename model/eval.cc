@@ -15,6 +15,7 @@
 #include <sstream>
 
 #include "kvq/error.h"
+#include "kvq/file.h"
 #include "model/parallel.h"
 #include "model/tokens.h"
 
@@ -60,19 +61,8 @@ std::vector<int> tokenize_stories(const Tokenizer& tok, const std::string& text,
 }
 
 std::string read_text_file(const std::string& path) {
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) Fail("text '", path, "': cannot open (", std::strerror(errno), ")");
-  if (!S_ISREG(st.st_mode)) Fail("text '", path, "': not a regular file");
-  if (static_cast<uint64_t>(st.st_size) > kMaxTextBytes) {
-    Fail("text '", path, "': ", static_cast<uint64_t>(st.st_size), " bytes, more than the limit of ", kMaxTextBytes,
-         " (256 MiB)");
-  }
-  std::ifstream f(path, std::ios::binary);
-  if (!f) Fail("text '", path, "': cannot open");
-  std::string out(static_cast<size_t>(st.st_size), '\0');
-  f.read(out.data(), static_cast<std::streamsize>(out.size()));
-  out.resize(static_cast<size_t>(f.gcount()));  // a file that shrank meanwhile
-  return out;
+  const std::vector<uint8_t> b = read_file_whole(path, kMaxTextBytes, "text");
+  return std::string(b.begin(), b.end());
 }
 
 std::shared_ptr<const Tokenizer> load_tokenizer(const Checkpoint& ckpt, const std::string& path) {

@@ -9,6 +9,7 @@
 #include <limits>
 
 #include "kvq/error.h"
+#include "kvq/ggml_quants.h"
 #include "kvq/half.h"
 
 namespace kvq::model {
@@ -373,15 +374,15 @@ void dequantize_ggml(uint32_t type, const uint8_t* in, size_t n, float* out) {
       }
       return;
     }
-    case GgmlType::kQ8_0:
-      for (size_t b = 0; b < n / 32; ++b) {
-        const uint8_t* blk = in + b * 34;
-        uint16_t d16;
-        std::memcpy(&d16, blk, 2);
-        const float d = f16_to_f32_ref(d16);
-        for (int j = 0; j < 32; ++j) out[b * 32 + static_cast<size_t>(j)] = d * static_cast<float>(static_cast<int8_t>(blk[2 + j]));
+    case GgmlType::kQ8_0: {  // ggml's block_q8_0 (kvq/ggml_quants.h), copied out: the file need not align it
+      std::vector<ggml::BlockQ8_0> blk(std::min<size_t>(n / 32, 4096));
+      for (size_t b = 0; b < n / 32; b += blk.size()) {
+        const size_t m = std::min(blk.size(), n / 32 - b);
+        std::memcpy(blk.data(), in + b * sizeof(ggml::BlockQ8_0), m * sizeof(ggml::BlockQ8_0));
+        ggml::dequantize_row_q8_0({blk.data(), m}, {out + b * 32, m * 32});
       }
       return;
+    }
   }
   KVQ_ASSERT(false);
 }

@@ -258,17 +258,16 @@ std::span<const float> Transformer::Run(std::span<const Row> rows, Pass pass) {
   const bool single = std::all_of(rows.begin(), rows.end(), [this](const Row& r) { return r.seq == this; });
   const int pos0 = rows.front().pos;
   for (const Row& r : rows) {
+    if (single && &r != &rows.front()) break;  // once per sequence: the length it reaches, a new sequence's banks
     Transformer& s = *r.seq;
-    if (single ? r.pos == pos0 : true) {  // once per sequence: the length it reaches, a new sequence's banks
-      s.tokens_ = single ? pos0 + T : r.pos + 1;
-      std::fill(s.bytes_at_.begin() + r.pos, s.bytes_at_.begin() + s.tokens_, 0);
-      if (s.policy_.bank && r.pos == 0) {  // a new sequence: empty banks
-        for (LayerBank& lb : s.banks_) {
-          lb.bank = std::make_unique<ClusterBank>(cfg_.n_kv_heads, cfg_.head_size(), s.policy_.bank_options);
-          lb.banked_end = std::min(s.policy_.sinks, s.max_seq_);
-          lb.out_k.clear();
-          lb.out_v.clear();
-        }
+    s.tokens_ = single ? pos0 + T : r.pos + 1;
+    std::fill(s.bytes_at_.begin() + r.pos, s.bytes_at_.begin() + s.tokens_, 0);
+    if (s.policy_.bank && r.pos == 0) {  // a new sequence: empty banks
+      for (LayerBank& lb : s.banks_) {
+        lb.bank = std::make_unique<ClusterBank>(cfg_.n_kv_heads, cfg_.head_size(), s.policy_.bank_options);
+        lb.banked_end = std::min(s.policy_.sinks, s.max_seq_);
+        lb.out_k.clear();
+        lb.out_v.clear();
       }
     }
   }
@@ -311,12 +310,15 @@ std::span<const float> Transformer::Run(std::span<const Row> rows, Pass pass) {
       AddBias(k_.data(), w_.bk + ul * ukv, T, kv_dim);
       AddBias(v_.data(), w_.bv + ul * ukv, T, kv_dim);
     }
-    if (prefill) {
-      for (int t = 0; t < T; ++t) {
-        rope_.apply(row(q_, t, dim), cfg_.n_heads, pos0 + t);
-        rope_.apply(row(k_, t, kv_dim), cfg_.n_kv_heads, pos0 + t);
-        if (observer_) observer_(l, pos0 + t, {row(q_, t, dim), udim}, {row(k_, t, kv_dim), ukv}, {row(v_, t, kv_dim), ukv});
+    for (int t = 0; t < T; ++t) {
+      const Row& r = rows[static_cast<size_t>(t)];
+      r.seq->rope_.apply(row(q_, t, dim), cfg_.n_heads, r.pos);
+      r.seq->rope_.apply(row(k_, t, kv_dim), cfg_.n_kv_heads, r.pos);
+      if (r.seq->observer_) {
+        r.seq->observer_(l, r.pos, {row(q_, t, dim), udim}, {row(k_, t, kv_dim), ukv}, {row(v_, t, kv_dim), ukv});
       }
+    }
+    if (prefill) {
       DecodeAttentionOptions o;
       o.threads = 1;
       cache_.prefill(l, pos0, {k_.data(), uT * ukv}, {v_.data(), uT * ukv}, {q_.data(), uT * udim}, cfg_.n_heads,
@@ -328,14 +330,9 @@ std::span<const float> Transformer::Run(std::span<const Row> rows, Pass pass) {
     for (int t = 0; t < T && !prefill; ++t) {
       Transformer& sq = *rows[static_cast<size_t>(t)].seq;
       const int pos = rows[static_cast<size_t>(t)].pos;
-      float* q = row(q_, t, dim);
-      float* k = row(k_, t, kv_dim);
-      sq.rope_.apply(q, cfg_.n_heads, pos);
-      sq.rope_.apply(k, cfg_.n_kv_heads, pos);
-      if (sq.observer_) sq.observer_(l, pos, {q, udim}, {k, ukv}, {row(v_, t, kv_dim), ukv});
-      sq.cache_.write(l, pos, {k, ukv}, {row(v_, t, kv_dim), ukv});
+      sq.cache_.write(l, pos, {row(k_, t, kv_dim), ukv}, {row(v_, t, kv_dim), ukv});
       sq.bytes_at_[static_cast<size_t>(pos)] += sq.cache_.layer_bytes(l);
-      sq.attention(l, pos, q, row(xb_, t, dim));
+      sq.attention(l, pos, row(q_, t, dim), row(xb_, t, dim));
     }
     mm(xb2_.data(), xb_.data(), w_.wo + ul * udim * udim, dim, dim);
     for (size_t i = 0; i < uT * udim; ++i) x_[i] += xb2_[i];

@@ -1,14 +1,11 @@
 // Token-id files (tokens.h): bytes a user hands us, every count checked.
 #include "model/tokens.h"
 
-#include <sys/stat.h>
-
-#include <cerrno>
 #include <cstring>
-#include <fstream>
 #include <limits>
 
 #include "kvq/error.h"
+#include "kvq/file.h"
 
 namespace kvq::model {
 
@@ -129,15 +126,7 @@ std::vector<int> parse_token_ids(std::span<const uint8_t> bytes, bool npy, int v
 }
 
 std::vector<int> read_token_file(const std::string& path, int vocab_size) {
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) Fail("tokens '", path, "': cannot open (", std::strerror(errno), ")");
-  if (!S_ISREG(st.st_mode)) Fail("tokens '", path, "': not a regular file");
-  if (static_cast<uint64_t>(st.st_size) > (uint64_t{1} << 30)) Fail("tokens '", path, "': larger than 1 GiB");
-  std::ifstream f(path, std::ios::binary);
-  std::vector<uint8_t> b(static_cast<size_t>(st.st_size));
-  if (!f.read(reinterpret_cast<char*>(b.data()), static_cast<std::streamsize>(b.size()))) {
-    Fail("tokens '", path, "': cannot read");
-  }
+  const std::vector<uint8_t> b = read_file_whole(path, uint64_t{1} << 30, "tokens");
   const bool npy = path.size() >= 4 && path.compare(path.size() - 4, 4, ".npy") == 0;
   return parse_token_ids(b, npy, vocab_size, path);
 }

@@ -6,6 +6,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <fstream>
 
 #include "kvq/error.h"
 
@@ -40,6 +41,20 @@ void write_file_whole(const std::string& path, std::span<const uint8_t> bytes, c
     ::unlink(tmp.c_str());
     Fail(arg, ": cannot write '", path, "' (", std::strerror(e), "); it is unchanged");
   }
+}
+
+std::vector<uint8_t> read_file_whole(const std::string& path, uint64_t max_bytes, const char* arg) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) Fail(arg, " '", path, "': cannot open (", std::strerror(errno), ")");
+  if (!S_ISREG(st.st_mode)) Fail(arg, " '", path, "': not a regular file");
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size > max_bytes) Fail(arg, " '", path, "': ", size, " bytes, more than the limit of ", max_bytes);
+  std::ifstream f(path, std::ios::binary);
+  if (!f) Fail(arg, " '", path, "': cannot open");
+  std::vector<uint8_t> out(static_cast<size_t>(size));
+  f.read(reinterpret_cast<char*>(out.data()), static_cast<std::streamsize>(out.size()));
+  out.resize(static_cast<size_t>(f.gcount()));  // a file that shrank meanwhile
+  return out;
 }
 
 }  // namespace kvq

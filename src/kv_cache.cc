@@ -368,17 +368,7 @@ void KvCache::save(const std::string& path, int64_t tokens, const KvCacheMeta& m
 }
 
 KvCache KvCache::load(const std::string& path, const KvCacheExpect& expect, KvCacheMeta* meta) {
-  struct stat st {};
-  KVQ_CHECK_ARG(::stat(path.c_str(), &st) == 0, "path '", path, "': cannot open (", std::strerror(errno), ")");
-  KVQ_CHECK_ARG(S_ISREG(st.st_mode), "path '", path, "': not a regular file");
-  KVQ_CHECK_ARG(static_cast<uint64_t>(st.st_size) <= (uint64_t{1} << 40), "path '", path, "': ", st.st_size,
-                " bytes is past the 1 TiB a saved cache may hold");
-  std::ifstream f(path, std::ios::binary);
-  KVQ_CHECK_ARG(f.good(), "path '", path, "': cannot open");
-  std::vector<uint8_t> bytes(static_cast<size_t>(st.st_size));
-  f.read(reinterpret_cast<char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
-  KVQ_CHECK_ARG(f.gcount() == static_cast<std::streamsize>(bytes.size()), "path '", path, "': short read");
-  return from_bytes(bytes, expect, meta);
+  return from_bytes(read_file_whole(path, uint64_t{1} << 40, "path"), expect, meta);  // a saved cache: <= 1 TiB
 }
 
 // ---- token ranges (the prefix store's chunks) ------------------------------------

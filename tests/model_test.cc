@@ -138,21 +138,29 @@ TEST(Model, CacheSchemeListsTakeGroupedNamesAndAllHasThePresets) {
 // Calibration samples the model's own text: deterministic for a seed, a
 // different seed gives different ranges, and every channel's range and
 // weight is finite (never the evaluation text: no text is read at all).
+// Calibrates twice: the same ranges, one sample per generated token, valid
+// for the model, every K weight finite and >= 0.
+StaticRanges DeterministicRanges(const Checkpoint& ckpt, const CalibrationOptions& o) {
+  const StaticRanges a = calibrate_static_ranges(ckpt, o), b = calibrate_static_ranges(ckpt, o);
+  EXPECT_EQ(a.k_lo, b.k_lo);
+  EXPECT_EQ(a.v_hi, b.v_hi);
+  EXPECT_EQ(a.k_weight, b.k_weight);
+  EXPECT_EQ(a.samples, int64_t{o.sequences} * o.length);
+  const Config& c = ckpt.config();
+  a.validate(c.n_layers, c.n_kv_heads, c.head_size());
+  EXPECT_EQ(a.k_weight.size(), a.k_lo.size());
+  for (float w : a.k_weight) EXPECT_TRUE(std::isfinite(w) && w >= 0);
+  return a;
+}
+
 TEST(Model, CalibrationIsDeterministicAndReadsNoText) {
   KVQ_MODEL_FILES();
   const Checkpoint ckpt(model_path);
   CalibrationOptions o;
   o.sequences = 3;
   o.length = 40;
-  const StaticRanges a = calibrate_static_ranges(ckpt, o), b = calibrate_static_ranges(ckpt, o);
-  EXPECT_EQ(a.k_lo, b.k_lo);
-  EXPECT_EQ(a.v_hi, b.v_hi);
-  EXPECT_EQ(a.k_weight, b.k_weight);
-  EXPECT_EQ(a.samples, 3 * 40);
+  const StaticRanges a = DeterministicRanges(ckpt, o);
   const Config& c = ckpt.config();
-  a.validate(c.n_layers, c.n_kv_heads, c.head_size());
-  ASSERT_EQ(a.k_weight.size(), a.k_lo.size());
-  for (float w : a.k_weight) EXPECT_TRUE(std::isfinite(w) && w >= 0);
   o.seed = 2;
   EXPECT_NE(calibrate_static_ranges(ckpt, o).k_lo, a.k_lo);
   o.clip = 0.3;
@@ -163,6 +171,76 @@ TEST(Model, CalibrationIsDeterministicAndReadsNoText) {
   o.temperature = 1;
   o.length = c.seq_len + 1;
   EXPECT_NE(test::ErrorOf([&] { calibrate_static_ranges(ckpt, o); }).find("length"), std::string::npos);
+}
+
+// forward_many: several sequences stepped together (one sgemm per
+// projection) give each sequence what it gets alone, up to summation order,
+// and fill each one's own cache.
+TEST(Model, SequencesSideBySideAreTheSequencesAlone) {
+  KVQ_MODEL_FILES();
+  const Checkpoint ckpt(model_path);
+  const int V = ckpt.config().vocab_size, T = 24;
+  for (const char* scheme : {"fp32", "q4_0", "k4v3g16r4"}) {
+    SCOPED_TRACE(scheme);
+    std::vector<std::unique_ptr<Transformer>> many, alone;
+    std::vector<Transformer*> seqs;
+    for (int b = 0; b < 3; ++b) {
+      many.push_back(std::make_unique<Transformer>(ckpt, CacheScheme(scheme), T));
+      alone.push_back(std::make_unique<Transformer>(ckpt, CacheScheme(scheme), T));
+      seqs.push_back(many.back().get());
+    }
+    float worst = 0;
+    for (int pos = 0; pos < T; ++pos) {
+      const std::vector<int> tokens = {1 + pos, 100 + 3 * pos, 400 - pos};
+      const std::span<const float> got = Transformer::forward_many(seqs, tokens, pos);
+      ASSERT_EQ(got.size(), 3u * static_cast<size_t>(V));
+      const std::vector<float> g(got.begin(), got.end());
+      for (size_t b = 0; b < 3; ++b) {
+        const std::span<const float> want = alone[b]->forward(tokens[b], pos);
+        for (int i = 0; i < V; ++i) worst = std::max(worst, std::fabs(want[static_cast<size_t>(i)] - g[b * V + static_cast<size_t>(i)]));
+      }
+    }
+    // fp32: summation order only; a quantized cache may also round a K or V
+    // value that moved by an ulp to the neighbouring code.
+    std::printf("%s: max |logit difference| %.3g\n", scheme, worst);
+    EXPECT_LT(worst, std::string(scheme) == "fp32" ? 1e-4f : 5e-2f);
+    for (size_t b = 0; b < 3; ++b) EXPECT_EQ(many[b]->cache().tokens(), T);
+  }
+  std::vector<std::unique_ptr<Transformer>> two;
+  for (int b = 0; b < 2; ++b) two.push_back(std::make_unique<Transformer>(ckpt, CacheScheme("fp32"), 8));
+  std::vector<Transformer*> dup = {two[0].get(), two[0].get()};
+  EXPECT_NE(test::ErrorOf([&] { Transformer::forward_many(dup, std::vector<int>{1, 1}, 0); }).find("appears twice"),
+            std::string::npos);
+  std::vector<Transformer*> pair = {two[0].get(), two[1].get()};
+  EXPECT_NE(test::ErrorOf([&] { Transformer::forward_many(pair, std::vector<int>{1}, 0); }).find("one per sequence"),
+            std::string::npos);
+}
+
+// --calib-batched: the sequences side by side (17: two rounds of up to 16),
+// deterministic, every sample written, other samples than one after the other.
+TEST(Model, CalibrationSideBySideIsDeterministic) {
+  KVQ_MODEL_FILES();
+  const Checkpoint ckpt(model_path);
+  CalibrationOptions o;
+  o.sequences = 17;
+  o.length = 24;
+  o.batched = true;
+  const StaticRanges a = DeterministicRanges(ckpt, o);
+  o.batched = false;
+  EXPECT_NE(calibrate_static_ranges(ckpt, o).k_lo, a.k_lo);
+}
+
+// eval calibrates on sequences of max(ctx, 512) tokens, not the model's
+// whole context.
+TEST(Model, EvalCalibratesOnMaxOfCtxAnd512Tokens) {
+  KVQ_MODEL_FILES();
+  EvalOptions o = DevTextOptions(model_path, tok_path, text_path, {CacheScheme("kvq-4.5")});
+  o.ctx = 32;
+  o.max_windows = 1;
+  o.calibration.sequences = 1;
+  const EvalReport r = run_eval(o);
+  EXPECT_EQ(r.calibration.length, 512);
+  EXPECT_EQ(r.calibration_tokens, 512);
 }
 
 // The model card reports 1.2968 on TinyStories validation; the full dev text

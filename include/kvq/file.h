@@ -9,9 +9,16 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <vector>
 
 namespace kvq {
 
 void write_file_whole(const std::string& path, std::span<const uint8_t> bytes, const char* arg = "path");
+
+// The whole of a regular file of at most max_bytes (checked by stat before
+// anything is allocated); a kvq::Error "<arg> '<path>': ..." when it cannot
+// be opened, is not a regular file (a FIFO, /dev/zero, a directory) or is
+// larger. A file that shrinks while it is read is returned as read.
+std::vector<uint8_t> read_file_whole(const std::string& path, uint64_t max_bytes, const char* arg = "path");
 
 }  // namespace kvq
