@@ -8,11 +8,15 @@
 #include <omp.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "hwy/targets.h"
 #include "kvq/affine.h"
+#include "kvq/error.h"
+#include "kvq/targets.h"
 #include "kvq/tensor.h"
 
 namespace {
@@ -109,10 +113,28 @@ KVQ_CODEC_BENCH(BM_dequantize_kv_cache_fp8);
 }  // namespace
 
 int main(int argc, char** argv) {
+  // --kvq_targets=NAME (before Google Benchmark's flags): as KVQ_TARGETS.
+  std::string targets;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a.rfind("--kvq_targets=", 0) != 0) continue;
+    targets = a.substr(14);
+    for (int j = i; j + 1 < argc; ++j) argv[j] = argv[j + 1];
+    --argc, --i;
+  }
   benchmark::Initialize(&argc, argv);
-  int64_t best = 0;
-  for (int64_t t : hwy::SupportedAndGeneratedTargets()) best = best ? best : t;
-  benchmark::AddCustomContext("simd_target", hwy::TargetName(best));
+  try {
+    kvq::apply_simd_targets_from_env();
+    if (!targets.empty()) kvq::set_simd_targets(targets, "--kvq_targets");
+  } catch (const kvq::Error& e) {
+    std::fprintf(stderr, "kvq_bench: error: %s\n", e.what());
+    return 2;
+  }
+  // The target the kernels ran on and the CPU's SIMD flags, in the JSON context and on stderr.
+  const std::string target = kvq::dispatched_simd_target(), flags = kvq::cpu_simd_flags();
+  benchmark::AddCustomContext("simd_target", target);
+  benchmark::AddCustomContext("cpu_simd_flags", flags);
+  std::fprintf(stderr, "kvq_bench: SIMD target %s; CPU flags: %s\n", target.c_str(), flags.c_str());
   benchmark::AddCustomContext("tensor_shape", "(1, 32, 8192, 128) f32, 128 MiB");
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();

@@ -19,6 +19,7 @@
 #include "kvq/cluster_outliers.h"
 #include "kvq/grouped_kv.h"
 #include "kvq/kv_cache.h"
+#include "kvq/targets.h"
 #include "kvq/sorted_profile.h"
 #include "kvq/stats.h"
 #include "model/eval.h"
@@ -213,6 +214,14 @@ PYBIND11_MODULE(_kvq, m) {
       PyErr_SetString(error.ptr(), e.what());
     }
   });
+
+  // ---- SIMD targets (kvq/targets.h) ------------------------------------------
+  m.def("simd_target", [] {
+    apply_simd_targets_from_env();
+    return dispatched_simd_target();
+  });
+  m.def("set_simd_targets", [](const std::string& name) { set_simd_targets(name, "name"); });
+  m.def("supported_simd_targets", &supported_simd_targets);
 
   // ---- I2 part 1 --------------------------------------------------------------
   m.def("quantize_kv_cache", [](const py::array& x, const std::string& dtype, const std::string& mode) {

@@ -25,6 +25,7 @@
 #include <hwy/highway.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -60,7 +61,29 @@ struct UnpackTables {
   }
 };
 constexpr UnpackTables kUnpack;
+
+// Unpacking tables of the wide path, per width b (1..7): 16-bit lane i (of
+// up to 16; every 128-bit block of the vector holds the same 16 source bytes)
+// takes the two bytes from byte (i b) / 8; the product with 2^(16 - s - b),
+// s = (i b) % 8, moves its code to the top bits and a shift by 16 - b brings
+// it down.
+struct WideTables {
+  alignas(32) uint8_t idx[8][32];
+  alignas(32) uint16_t mul[8][16];
+  constexpr WideTables() : idx(), mul() {
+    for (int b = 1; b <= 7; ++b) {
+      for (int i = 0; i < 16; ++i) {
+        idx[b][2 * i] = static_cast<uint8_t>(i * b / 8);
+        idx[b][2 * i + 1] = static_cast<uint8_t>(i * b / 8 + 1);
+        mul[b][i] = static_cast<uint16_t>(1u << (16 - (i * b) % 8 - b));
+      }
+    }
+  }
+};
+constexpr WideTables kWide;
 }  // namespace
+std::atomic<int> g_dot_path{0};  // DotPath, for tests
+void SetDotPathForTest(DotPath p) { g_dot_path.store(static_cast<int>(p), std::memory_order_relaxed); }
 }  // namespace kvq::grouped
 #endif
 
@@ -95,6 +118,22 @@ struct Work {
   int32_t *wd;  // [q head][digit][hd/4] packed W digits (4 bytes a quad)
   int32_t *pd;  // [q head][digit][G/4] packed P digits (4 tokens a word)
   int32_t *psumi;  // [q head] sum of P^ of the group
+  // The wide path: weights and codes as 16-bit integers.
+  bool wide = false;
+  hwy::AlignedFreeUniquePtr<int16_t[]> s16;
+  int16_t* w16;  // [q head][hd]: W^ of the tile (128 hi + lo)
+  int16_t* p16;  // [q head][G]: P^ of the group
+  int16_t* kc;   // [hd / 4][64]: one tile's K codes of one head
+  int16_t* vc;   // [G / 4][4 vw]: one V channel block's codes of one head
+  void InitWide(size_t vw) {
+    wide = true;
+    const size_t n = nh * hd + nh * G + hd * 16 + G * vw;
+    s16 = hwy::AllocateAligned<int16_t>(n + 64);
+    std::fill(s16.get(), s16.get() + n + 64, int16_t{0});
+    w16 = s16.get(), p16 = w16 + nh * hd, kc = p16 + nh * G;
+    kc = reinterpret_cast<int16_t*>((reinterpret_cast<uintptr_t>(kc) + 63) & ~uintptr_t{63});
+    vc = kc + hd * 16;
+  }
   void Init(size_t hd_, size_t G_, size_t nh_, size_t nkv) {
     hd = hd_, G = G_, nh = nh_;
     // Each array starts on a 64-byte boundary (16 floats).
@@ -229,10 +268,12 @@ void TileWeights(D d, const Call& c, size_t qh, Work& w) {
     const auto wf = hn::MulAdd(hn::LoadU(d, a + i), hn::LoadU(d, w.cos2 + i), hn::Mul(hn::LoadU(d, b + i), hn::LoadU(d, w.sin2 + i)));
     const auto wi = hn::NearestInt(wf);
     if (c.k_digits == 1) {
-      hn::StoreU(hn::DemoteTo(d8, wi), d8, lo + i);
+      const auto d0 = hn::DemoteTo(d8, wi);
+      hn::StoreU(d0, d8, lo + i);
     } else {
-      hn::StoreU(hn::DemoteTo(d8, hn::And(wi, m7)), d8, lo + i);
-      hn::StoreU(hn::DemoteTo(d8, hn::ShiftRight<7>(wi)), d8, hi + i);
+      const auto d0 = hn::DemoteTo(d8, hn::And(wi, m7)), d1 = hn::DemoteTo(d8, hn::ShiftRight<7>(wi));
+      hn::StoreU(d0, d8, lo + i);
+      hn::StoreU(d1, d8, hi + i);
     }
   }
   // C / sigma = sum_i (W_i / sigma) lo_i / step_i (the rotated query times lo).
@@ -270,16 +311,22 @@ void SoftmaxStep(const Call& c, size_t qh, Work& w) {
   auto vsum = hn::Zero(di);
   const auto vmn = hn::Set(d, mn), vinv = hn::Set(d, inv);
   const auto m7 = hn::Set(di, 127);
+  const hn::Rebind<int16_t, DF> d16;
+  int16_t* p16 = w.p16 + qh * G;
   for (size_t t = 0; t < G; t += N) {
     const auto e = hn::Exp(d, hn::Sub(hn::LoadU(d, s + t), vmn));
     // p <= pmax, so P^ <= kMaxP (both exps within a few ulp of exact).
     const auto pi = hn::NearestInt(hn::Mul(e, vinv));
     vsum = hn::Add(vsum, pi);
     if (c.v_digits == 1) {
-      hn::StoreU(hn::DemoteTo(d8, pi), d8, lo + t);
+      const auto d0 = hn::DemoteTo(d8, pi);
+      hn::StoreU(d0, d8, lo + t);
+      if (w.wide) hn::StoreU(hn::PromoteTo(d16, d0), d16, p16 + t);
     } else {
-      hn::StoreU(hn::DemoteTo(d8, hn::And(pi, m7)), d8, lo + t);
-      hn::StoreU(hn::DemoteTo(d8, hn::ShiftRight<7>(pi)), d8, hi + t);
+      const auto d0 = hn::DemoteTo(d8, hn::And(pi, m7)), d1 = hn::DemoteTo(d8, hn::ShiftRight<7>(pi));
+      hn::StoreU(d0, d8, lo + t);
+      hn::StoreU(d1, d8, hi + t);
+      if (w.wide) hn::StoreU(hn::Add(hn::ShiftLeft<7>(hn::PromoteTo(d16, d1)), hn::PromoteTo(d16, d0)), d16, p16 + t);
     }
   }
   const int32_t psum = hn::GetLane(hn::SumOfLanes(di, vsum));
@@ -349,7 +396,7 @@ void AccumulateVPortable(const Call& c, const uint8_t* rec, size_t h, size_t rep
       const size_t qh = h * rep + r;
       const int8_t* lo = reinterpret_cast<const int8_t*>(w.pd + qh * 2 * (G / 4));
       const int8_t* hi = lo + G;
-      int32_t s[16] = {};
+      int64_t s[16] = {};  // exact: a long group of 8-bit codes can pass 2^31
       for (size_t r4 = 0; r4 < G / 4; ++r4) {
         UnpackCodes(rec + c.layout.voperand(h, x, r4), 4 * vw, vb, u);
         for (size_t n = 0; n < vw; ++n) {
@@ -364,6 +411,200 @@ void AccumulateVPortable(const Call& c, const uint8_t* rec, size_t h, size_t rep
     }
   }
 }
+
+#if HWY_TARGET != HWY_SCALAR && !HWY_HAVE_SCALABLE
+#undef KVQ_WIDE
+#define KVQ_WIDE 1
+// ---- wide integer dot products (every fixed-width target; AVX3_DL uses VNNI when it can) ----
+// Codes unpacked to 16-bit lanes, weights as 16-bit integers (the digits'
+// value 128 hi + lo, as the scalar loops above form it), multiplied by
+// ReorderWidenMulAccumulate (vpmaddwd on x86, smull/smlal on NEON) and
+// paired by RearrangeToOddPlusEven: the same exact integer sums as
+// ScoresPortable / AccumulateVPortable, then the same float operations, so
+// the same scores and outputs bit for bit (tested).
+using D16 = hn::CappedTag<int16_t, 16>;
+using D32 = hn::Repartition<int32_t, D16>;
+using DF2 = hn::Repartition<float, D16>;  // half as many lanes as D16
+constexpr size_t kN16 = hn::MaxLanes(D16());
+using V32 = hn::Vec<D32>;
+
+// TileWeights for the wide path, for the RB query heads [qh0, qh0 + RB) of
+// one KV head (the rotation and lo / step loaded once): the weights as
+// 16-bit integers (w.w16; |W^| <= kMaxW by the choice of sigma, so the
+// digits' value 128 hi + lo is W^ itself) and C, in one pass.
+template <int RB, class D>
+HWY_INLINE void TileWeightsWideBlock(D d, size_t h, size_t qh0, Work& w) {
+  const hn::Rebind<int16_t, D> d16;
+  const size_t N = hn::Lanes(d), hd = w.hd;
+  const float* lam = w.lam + h * hd;
+  hn::Vec<D> s[RB];
+  for (int r = 0; r < RB; ++r) s[r] = hn::Zero(d);
+  for (size_t i = 0; i < hd; i += N) {
+    const auto c2 = hn::LoadU(d, w.cos2 + i), s2 = hn::LoadU(d, w.sin2 + i), l = hn::LoadU(d, lam + i);
+    for (int r = 0; r < RB; ++r) {
+      const size_t qh = qh0 + static_cast<size_t>(r);
+      const auto wf = hn::MulAdd(hn::LoadU(d, w.a + qh * hd + i), c2, hn::Mul(hn::LoadU(d, w.b + qh * hd + i), s2));
+      hn::StoreU(hn::DemoteTo(d16, hn::NearestInt(wf)), d16, w.w16 + qh * hd + i);
+      s[r] = hn::MulAdd(wf, l, s[r]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) {
+    const size_t qh = qh0 + static_cast<size_t>(r);
+    w.cst[qh] = hn::GetLane(hn::SumOfLanes(d, s[r])) * w.sigma[qh];
+  }
+}
+
+template <class D>
+void TileWeightsWide(D d, size_t h, size_t rep, Work& w) {
+  size_t r = 0;
+  for (; r + 4 <= rep; r += 4) TileWeightsWideBlock<4>(d, h, h * rep + r, w);
+  for (; r + 2 <= rep; r += 2) TileWeightsWideBlock<2>(d, h, h * rep + r, w);
+  for (; r < rep; ++r) TileWeightsWideBlock<1>(d, h, h * rep + r, w);
+}
+
+// The n codes (a multiple of kN16) of `bits` bits packed from p on (whole
+// operands back to back), one 16-bit lane each, to out (aligned). A vector
+// reads 16 bytes from its first source byte: the last ones, within 16 bytes
+// of `end` (the record's end), read from a copy.
+HWY_INLINE void UnpackWide(const uint8_t* p, size_t n, int bits, const uint8_t* end, int16_t* HWY_RESTRICT out) {
+  const D16 d16;
+  const hn::RebindToUnsigned<D16> du16;
+  const hn::Repartition<uint8_t, D16> du8;
+  constexpr size_t N = kN16;
+  const size_t step = N * static_cast<size_t>(bits) / 8;  // source bytes per vector
+  const size_t safe = end - p >= 16 ? (static_cast<size_t>(end - p) - 16) / step + 1 : 0;  // vectors read in place
+  const size_t nv = n / N;
+  HWY_ALIGN uint8_t copy[48];
+  if (bits == 8) {
+    const hn::Rebind<uint8_t, D16> d8;
+    for (size_t v = 0; v < nv; ++v) hn::Store(hn::BitCast(d16, hn::PromoteTo(du16, hn::LoadU(d8, p + v * N))), d16, out + v * N);
+    return;
+  }
+  const auto idx = hn::LoadU(du8, kWide.idx[bits]);
+  const auto mul = hn::LoadU(du16, kWide.mul[bits]);
+  const int shift = 16 - bits;
+  for (size_t v = 0; v < nv; ++v) {
+    const uint8_t* src = p + v * step;
+    if (HWY_UNLIKELY(v >= safe)) {  // step <= 14 bytes are this vector's
+      std::memset(copy, 0, sizeof(copy));
+      std::memcpy(copy, src, step);
+      src = copy;
+    }
+    const auto x = hn::BitCast(du16, hn::TableLookupBytes(hn::LoadDup128(du8, src), idx));
+    hn::Store(hn::BitCast(d16, hn::ShiftRightSame(hn::Mul(x, mul), shift)), d16, out + v * N);
+  }
+}
+
+// Four 16-bit weights, repeated over the vector.
+HWY_INLINE hn::Vec<D16> Repeat4(const int16_t* p) {
+  const D16 d16;
+  const hn::Repartition<int64_t, D16> d64;
+  int64_t bits;
+  std::memcpy(&bits, p, 8);
+  return hn::BitCast(d16, hn::Set(d64, bits));
+}
+
+// Vectors a, b of pair sums (lane m: codes 2m, 2m + 1) -> the sums of
+// pairs (2i, 2i + 1): a's in the lower half, b's in the upper.
+HWY_INLINE V32 SumPairs(V32 a, V32 b) {
+  const D32 d32;
+  return hn::Add(hn::ConcatEven(d32, b, a), hn::ConcatOdd(d32, b, a));
+}
+
+// NV vectors of codes per operand (64 / kN16).
+template <size_t NV>
+void ScoresWide(const Call& c, const uint8_t* tile, const uint8_t* end, size_t h, size_t rep, size_t j, Work& w) {
+  const D16 d16;
+  const D32 d32;
+  const DF2 df;
+  constexpr size_t N = kN16;
+  const size_t hd = w.hd, nq = hd / 4;
+  const uint32_t* ko = c.k_quad_off + h * nq;
+  int16_t* HWY_RESTRICT kc = w.kc;
+  // A run's quads are back to back: one unpack per run.
+  for (size_t ri = w.run_begin[h]; ri < w.run_begin[h + 1]; ++ri) {
+    const Run& run = w.runs[ri];
+    UnpackWide(tile + ko[run.k0], 64 * (run.k1 - run.k0), run.bits, end, kc + 64 * run.k0);
+  }
+  for (size_t r = 0; r < rep; ++r) {
+    const size_t qh = h * rep + r;
+    const int16_t* wq = w.w16 + qh * hd;
+    V32 s0[NV], s1[NV];
+    for (size_t v = 0; v < NV; ++v) s0[v] = s1[v] = hn::Zero(d32);
+    for (size_t k = 0; k < nq; ++k) {
+      const auto wv = Repeat4(wq + 4 * k);
+      const int16_t* codes = kc + 64 * k;
+      for (size_t v = 0; v < NV; ++v) s0[v] = hn::ReorderWidenMulAccumulate(d32, hn::Load(d16, codes + v * N), wv, s0[v], s1[v]);
+    }
+    // Token l of the tile: pairs 2l and 2l + 1 (its four channels).
+    float* out = w.scores + qh * w.G + j * kTile;
+    const auto sigma = hn::Set(df, w.sigma[qh]), cst = hn::Set(df, w.cst[qh]);
+    for (size_t u = 0; u < NV / 2; ++u) {
+      const V32 t = SumPairs(hn::RearrangeToOddPlusEven(s0[2 * u], s1[2 * u]), hn::RearrangeToOddPlusEven(s0[2 * u + 1], s1[2 * u + 1]));
+      hn::StoreU(hn::Add(hn::Mul(hn::ConvertTo(df, t), sigma), cst), df, out + u * (N / 2));
+    }
+  }
+}
+
+// FinishV for the channels [c0, c0 + Lanes(DF2)) from a vector of sums (the
+// same operations, lane by lane).
+HWY_INLINE void FinishVVec(size_t qh, size_t h, size_t c0, hn::Vec<DF2> sums, Work& w) {
+  const DF2 d;
+  float* HWY_RESTRICT acc = w.acc + qh * w.hd + c0;
+  const auto al = hn::Set(d, w.al[qh]), sp = hn::Set(d, w.sp[qh]), ps = hn::Set(d, static_cast<float>(w.psumi[qh]));
+  const auto t = hn::MulAdd(hn::LoadU(d, w.vst + h * w.hd + c0), sums, hn::Mul(hn::LoadU(d, w.vlo + h * w.hd + c0), ps));
+  hn::StoreU(hn::MulAdd(hn::LoadU(d, acc), al, hn::Mul(sp, t)), d, acc);
+}
+
+// NV vectors of codes per operand (4 vw / kN16).
+template <size_t NV>
+void AccumulateVWide(const Call& c, const uint8_t* rec, const uint8_t* end, size_t h, size_t rep, Work& w) {
+  const D16 d16;
+  const D32 d32;
+  const DF2 df;
+  constexpr size_t N = kN16, ncodes = NV * N, vw = ncodes / 4;
+  const size_t hd = w.hd, G = w.G, nops = G / 4;
+  // Quads per int32 pass: 64 quads of 255 x 16383 x 4 stay below 2^31.
+  constexpr size_t kPass = 64;
+  for (size_t x = 0; x < hd / vw; ++x) {
+    UnpackWide(rec + c.layout.voperand(h, x, 0), nops * ncodes, c.v_bits, end, w.vc);  // the block's operands, back to back
+    for (size_t r = 0; r < rep; ++r) {
+      const size_t qh = h * rep + r;
+      const int16_t* pq = w.p16 + qh * G;
+      int64_t tot[16] = {};
+      for (size_t q0 = 0; q0 < nops; q0 += kPass) {
+        V32 s0[NV], s1[NV];
+        for (size_t v = 0; v < NV; ++v) s0[v] = s1[v] = hn::Zero(d32);
+        const size_t q1 = std::min(nops, q0 + kPass);
+        for (size_t r4 = q0; r4 < q1; ++r4) {
+          const auto pv = Repeat4(pq + 4 * r4);
+          const int16_t* codes = w.vc + r4 * ncodes;
+          for (size_t v = 0; v < NV; ++v) s0[v] = hn::ReorderWidenMulAccumulate(d32, hn::Load(d16, codes + v * N), pv, s0[v], s1[v]);
+        }
+        // Channel n of the block: pairs 2n and 2n + 1 (its four tokens).
+        for (size_t u = 0; u < NV / 2; ++u) {
+          const V32 ch = SumPairs(hn::RearrangeToOddPlusEven(s0[2 * u], s1[2 * u]), hn::RearrangeToOddPlusEven(s0[2 * u + 1], s1[2 * u + 1]));
+          if (nops <= kPass) {  // one pass: the exact sums
+            FinishVVec(qh, h, x * vw + u * (N / 2), hn::ConvertTo(df, ch), w);
+          } else {
+            HWY_ALIGN int32_t part[N / 2];
+            hn::Store(ch, d32, part);
+            for (size_t i = 0; i < N / 2; ++i) tot[u * (N / 2) + i] += part[i];
+          }
+        }
+      }
+      if (nops > kPass) {
+        float sums[16];
+        for (size_t n = 0; n < vw; ++n) sums[n] = static_cast<float>(tot[n]);
+        FinishV(qh, h, x * vw, vw, sums, w);
+      }
+    }
+  }
+}
+#else
+#undef KVQ_WIDE
+#define KVQ_WIDE 0
+#endif  // wide path
 
 #if HWY_TARGET == HWY_AVX3_DL
 // ---- AVX-512 VNNI + VBMI ----
@@ -599,13 +840,25 @@ void AttendImpl(const Call& c) {
     }
   }
   w.run_begin.push_back(w.runs.size());
+  // Which integer dot products: VNNI (AVX3_DL, head_dim % 16 == 0), else the
+  // wide path; tests can force the wide or the scalar loops (SetDotPathForTest).
+  const DotPath forced = static_cast<DotPath>(g_dot_path.load(std::memory_order_relaxed));
 #if HWY_TARGET == HWY_AVX3_DL
-  const bool vnni = hd % 16 == 0;
+  const bool vnni = hd % 16 == 0 && forced == DotPath::kAuto;
+#else
+  const bool vnni = false;
 #endif
+  const bool scalar = forced == DotPath::kScalar || !KVQ_WIDE;
+  if (!vnni && !scalar) w.InitWide(c.layout.vw);
+  // Software prefetches pay on the VNNI path (measured); the wide path leaves
+  // the stream to the hardware prefetcher.
+  const bool prefetch = !w.wide;
   for (int64_t g = c.g0; g < c.g1; ++g) {
     const uint8_t* rec = c.groups[g];
+    const uint8_t* end = rec + c.layout.bytes();
+    (void)end;  // the wide path reads within it
     // The next record's parameters (the rest streams in order).
-    if (g + 1 < c.g1) {
+    if (prefetch && g + 1 < c.g1) {
       const uint8_t* nx = c.groups[g + 1];
       for (size_t off = 0; off < c.layout.codes() + 256; off += 64) hwy::Prefetch(nx + off);
     }
@@ -622,6 +875,17 @@ void AttendImpl(const Call& c) {
         for (size_t h = 0; h < H; ++h) TileWeightsDl(c, h, rep, w);
       } else
 #endif
+#if KVQ_WIDE
+      if (w.wide) {
+        for (size_t h = 0; h < H; ++h) {
+          if (hd % 16 == 0) {
+            TileWeightsWide(DF(), h, rep, w);
+          } else {
+            TileWeightsWide(hn::CappedTag<float, 8>(), h, rep, w);
+          }
+        }
+      } else
+#endif
       if (hd % 16 == 0) {
         for (size_t qh = 0; qh < nh; ++qh) TileWeights(DF(), c, qh, w);
       } else {  // head_dim 8, 24, ...: vectors of at most 8 lanes
@@ -632,7 +896,7 @@ void AttendImpl(const Call& c) {
         // The next tile's codes of this head, a head at a time (a burst of
         // prefetches fills the miss buffers and stalls); after the last
         // tile, the V codes that follow.
-        PrefetchRange(tile + H * L.ktile, L.ktile);
+        if (prefetch) PrefetchRange(tile + H * L.ktile, L.ktile);
 #if HWY_TARGET == HWY_AVX3_DL
         if (vnni) {
           if (c.k_digits == 1) {
@@ -643,19 +907,35 @@ void AttendImpl(const Call& c) {
           continue;
         }
 #endif
+#if KVQ_WIDE
+        if (w.wide) {
+          ScoresWide<64 / kN16>(c, tile, end, h, rep, j, w);
+          continue;
+        }
+#endif
         ScoresPortable(c, tile, h, rep, j, w);
       }
     }
     for (size_t qh = 0; qh < nh; ++qh) SoftmaxStep(c, qh, w);
     const size_t vhead = L.vblocks() * L.vquads() * L.vop;
     for (size_t h = 0; h < H; ++h) {
-      if (h + 1 < H) PrefetchRange(rec + L.voperand(h + 1, 0, 0), vhead);
+      if (prefetch && h + 1 < H) PrefetchRange(rec + L.voperand(h + 1, 0, 0), vhead);
 #if HWY_TARGET == HWY_AVX3_DL
       if (vnni) {
         if (c.v_digits == 1) {
           AccumulateVVnni<1>(c, rec, h, rep, w);
         } else {
           AccumulateVVnni<2>(c, rec, h, rep, w);
+        }
+        continue;
+      }
+#endif
+#if KVQ_WIDE
+      if (w.wide) {
+        if (L.vw == 16) {
+          AccumulateVWide<64 / kN16>(c, rec, end, h, rep, w);
+        } else {
+          AccumulateVWide<32 / kN16>(c, rec, end, h, rep, w);
         }
         continue;
       }

@@ -171,6 +171,12 @@ struct Call {
 // One thread; never throws.
 void Attend(const Call& c);
 
+// Which integer dot products Attend uses: kAuto (VNNI on AVX3_DL when
+// head_dim % 16 == 0, else the wide 16-bit path), or, for tests, the wide
+// path or the scalar loops on every target. Process-wide.
+enum class DotPath : int { kAuto = 0, kWide = 1, kScalar = 2 };
+void SetDotPathForTest(DotPath p);
+
 // n codes of `bits` bits (1..8) packed as an operand is, LSB first -> a
 // byte each (the portable kernel and the cache's reads of open codes).
 void UnpackCodes(const uint8_t* p, size_t n, int bits, uint8_t* out);

@@ -1,5 +1,6 @@
 // One KV cache for every scheme (see kvq/kv_cache.h).
 #include "kvq/kv_cache.h"
+#include "kvq/targets.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -130,6 +131,7 @@ KvCache::KvCache(const std::string& scheme, int n_layers, int max_seq, int n_kv_
       n_kv_heads_(n_kv_heads),
       head_dim_(head_dim),
       rope_(rope.canonical()) {
+  apply_simd_targets_from_env();
   KVQ_CHECK_ARG(n_layers >= 1 && max_seq >= 1 && n_kv_heads >= 1 && head_dim >= 1, "cache: expected n_layers, ",
                 "max_seq, n_kv_heads and head_dim >= 1, got ", n_layers, ", ", max_seq, ", ", n_kv_heads, ", ", head_dim);
   rope.validate("rope");

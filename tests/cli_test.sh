@@ -258,6 +258,12 @@ check "--prompt-cache alone uses the default directory" '[ $rc -eq 0 ] && ls "$T
 
 "$KVQ" demo --tokens 64 --heads 2 --head-dim 64 >"$T/demo" 2>&1; rc=$?
 check "demo runs" '[ $rc -eq 0 ] && grep -q "^int8" "$T/demo" && grep -q "^fp8" "$T/demo"'
+# KVQ_TARGETS: the weakest supported target runs when named; an unknown name is exit 2, named.
+weakest=$(sed -n 's/.*SIMD target [^ ]* (of: \([^)]*\)).*/\1/p' "$T/demo" | awk '{print $NF}')
+KVQ_TARGETS="$weakest" "$KVQ" demo --tokens 64 --heads 2 --head-dim 64 >"$T/demo2" 2>&1; rc=$?
+check "KVQ_TARGETS=$weakest runs on $weakest" '[ -n "$weakest" ] && [ $rc -eq 0 ] && grep -q "SIMD target $weakest " "$T/demo2"'
+KVQ_TARGETS=AVX9 "$KVQ" demo --tokens 64 >/dev/null 2>"$T/err"; rc=$?
+check "KVQ_TARGETS=AVX9 exits 2 naming it" '[ $rc -eq 2 ] && grep -q "KVQ_TARGETS: unknown SIMD target .AVX9." "$T/err"'
 "$KVQ" nosuchcommand >/dev/null 2>&1; rc=$?
 check "unknown subcommand exits 2" '[ $rc -eq 2 ]'
 

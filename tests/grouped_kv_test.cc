@@ -16,6 +16,7 @@
 
 #include "kvq/attention.h"
 #include "kvq/half.h"
+#include "src/grouped_attention.h"
 #include "src/grouped_encode.h"
 #include "tests/test_util.h"
 
@@ -640,6 +641,59 @@ TEST(GroupedKv, FusedKernelMatchesTheReferenceWithinItsBoundOnEveryTarget) {
         }
         EXPECT_LT(std::sqrt(err2 / ref2), 0.15);
       }
+    }
+  });
+}
+
+// The wide 16-bit dot products (every fixed-width target: vpmaddwd on x86,
+// smull on NEON) against the scalar integer loops on every target: the same
+// exact integer sums, then the same float operations, so the outputs are
+// equal bit for bit. Widths 2..8 (per-channel K bits in runs), one and two
+// digits, head_dim 8..512 (V blocks of 8 and 16 channels), groups of 16..512
+// (long groups of 8-bit V codes: sums past 2^31 across passes), sinks,
+// windows, calibrated and p8 parameters, GQA 1..8, lengths around hand-overs.
+TEST(GroupedKv, WideDotsEqualTheScalarLoopsBitForBitOnEveryTarget) {
+  struct Case {
+    const char* scheme;
+    int H, hd, nq, N;
+  };
+  std::vector<Case> cases = {{"k4v4g16", 1, 8, 1, 40},         {"k3v2g32r5s3", 2, 8, 8, 150},
+                             {"k2v3g64r16", 4, 64, 16, 300},    {"k8v8g16", 2, 128, 8, 100},
+                             {"k8v8g512", 1, 16, 2, 1100},      {"k5v6g48s1", 1, 32, 4, 200},
+                             {"k7v7g32", 2, 24, 4, 99},         {"k4v3c", 2, 16, 8, 77},
+                             {"k4av4cr9s2", 1, 64, 4, 100},     {"k2v2g16p8mo4x1w3r4", 2, 16, 4, 90},
+                             {"k3av2g32p8o4x2r5", 2, 16, 16, 150}, {"k6v5g128", 1, 512, 1, 300}};
+  for (const auto& [preset, g] : grouped_kv_presets()) cases.push_back({preset.c_str(), 2, 128, 8, g.group * 2 + 37});
+  test::ForEachTarget([&](const char* target) {
+    for (const Case& cs : cases) {
+      SCOPED_TRACE(cs.scheme);
+      const GroupedKvScheme g = parse_grouped_kv_scheme(cs.scheme);
+      const StaticRanges ranges = SyntheticRanges(1, cs.H, cs.hd, 2.5f, 5);
+      GroupedKvCache c(g, 1, cs.N, cs.H, cs.hd, &ranges);
+      test::Rng rng(static_cast<uint64_t>(cs.N) + 7);
+      const int E = cs.H * cs.hd;
+      std::vector<float> q(static_cast<size_t>(cs.nq * cs.hd)), a(q.size()), b(q.size());
+      for (float& x : q) x = static_cast<float>(rng.Gaussian()) * 2.0f;
+      int checked = 0;
+      for (int t = 0; t < cs.N; ++t) {
+        std::vector<float> k(static_cast<size_t>(E)), v(k.size());
+        for (int i = 0; i < E; ++i) {
+          k[static_cast<size_t>(i)] = ranges.k_lo[static_cast<size_t>(i)] + 2.5f + static_cast<float>(rng.Gaussian()) * (i % 7 == 2 ? 3.0f : 1.0f);
+          v[static_cast<size_t>(i)] = static_cast<float>(rng.Gaussian()) * (i % 5 == 1 ? 40.0f : 1.0f);
+        }
+        c.write(0, t, k, v);
+        const int T = t + 1;
+        if (!(T % 29 == 0 || T == cs.N || (T - g.recent - g.sinks) % g.group == 0)) continue;
+        SCOPED_TRACE(T);
+        grouped::SetDotPathForTest(grouped::DotPath::kWide);
+        c.attend(0, q, cs.nq, a, 2);
+        grouped::SetDotPathForTest(grouped::DotPath::kScalar);
+        c.attend(0, q, cs.nq, b, 2);
+        grouped::SetDotPathForTest(grouped::DotPath::kAuto);
+        ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << target;
+        ++checked;
+      }
+      EXPECT_GT(checked, 0);
     }
   });
 }

@@ -8,11 +8,13 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "CLI/CLI.hpp"
 #include "hwy/targets.h"
 #include "kvq/affine.h"
+#include "kvq/targets.h"
 #include "tools/commands.h"
 
 namespace kvq::tools {
@@ -56,9 +58,11 @@ int RunDemo(const DemoOptions& o) {
     const double g = std::sqrt(-2 * std::log(uniform())) * std::cos(2 * M_PI * uniform());
     p[i] = static_cast<float>(((i % o.head_dim) % 37 == 5 ? 20.0 : 1.0) * g);
   }
-  std::printf("kvq demo: synthetic K/V %s f32 (%.1f MiB), outlier channels x20, SIMD target %s, %d threads\n",
-              shape_str(shape).c_str(), static_cast<double>(x.nbytes()) / (1 << 20),
-              hwy::TargetName(hwy::SupportedAndGeneratedTargets().front()), omp_get_max_threads());
+  std::string targets;
+  for (const std::string& t : supported_simd_targets()) targets += (targets.empty() ? "" : " ") + t;
+  std::printf("kvq demo: synthetic K/V %s f32 (%.1f MiB), outlier channels x20, SIMD target %s (of: %s), %d threads\n",
+              shape_str(shape).c_str(), static_cast<double>(x.nbytes()) / (1 << 20), dispatched_simd_target().c_str(),
+              targets.c_str(), omp_get_max_threads());
   std::printf("%-6s %6s %10s %12s %12s %10s %10s %12s %12s %10s\n", "mode", "bits", "scale", "max|err|",
               "mean|err|", "NMSE", "SNR(dB)", "quant GB/s", "dequant GB/s", "memcpy GB/s");
   Tensor copy = Tensor::Uninitialized(shape, DType::F32);

@@ -6,6 +6,7 @@
 
 #include "CLI/CLI.hpp"
 #include "kvq/error.h"
+#include "kvq/targets.h"
 #include "tools/commands.h"
 
 int main(int argc, char** argv) {
@@ -30,6 +31,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
+    kvq::apply_simd_targets_from_env();
     if (app.got_subcommand("demo")) return kvq::tools::RunDemo(demo);
     if (app.got_subcommand("eval")) return kvq::tools::RunEval(eval);
     if (app.got_subcommand("receipts")) return kvq::tools::RunReceipts(receipts);

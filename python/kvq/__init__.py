@@ -55,6 +55,7 @@ __all__ = [
     "dequantize_cluster_outliers", "dequantize_kv_cache", "fit_sorted_profile", "grouped_kv_presets", "kv_scheme_info",
     "kv_schemes",
     "quantization_error_per_token", "static_ranges_from_samples", "quantize_cluster_outliers", "quantize_kv_cache", "spearman",
+    "set_simd_targets", "simd_target", "supported_simd_targets",
 ]
 
 Error.__doc__ = ("kvq's error: a bad argument (wrong shape, dtype or mode, NaN/Inf, empty or out-of-range input, "
@@ -65,6 +66,27 @@ DEFAULT_KS_MAX = _kvq.DEFAULT_KS_MAX
 """Default KS gate of fit_sorted_profile (an effect size, see SortedProfileEncoding)."""
 
 _MODES = ("int8", "fp8")
+
+
+# ---- SIMD targets ---------------------------------------------------------------
+
+def simd_target():
+    """The Highway target kvq's kernels dispatch to now (e.g. "AVX3_DL", "AVX2", "NEON").
+
+    KVQ_TARGETS (read once) or set_simd_targets limits it."""
+    return _kvq.simd_target()
+
+
+def set_simd_targets(name):
+    """Limits dispatch to the Highway target `name` and the weaker ones below it ("" = all).
+
+    Raises kvq.Error for an unknown name or one this CPU cannot run."""
+    _kvq.set_simd_targets(str(name))
+
+
+def supported_simd_targets():
+    """Every compiled target this CPU supports now, best first."""
+    return list(_kvq.supported_simd_targets())
 
 
 # ---- array plumbing ------------------------------------------------------------

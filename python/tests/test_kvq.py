@@ -628,3 +628,25 @@ def test_restored_cache_resident_memory_is_the_bytes_reported():
                         "--heads", "8", "kvq-4.5", "kvq-2.5", "q4_0"], capture_output=True, text=True)
     assert p.returncode == 0, p.stdout + p.stderr
     assert p.stdout.count("| kvq-") == 2
+
+
+# ---- SIMD targets ------------------------------------------------------------------
+
+def test_simd_targets_select_the_dispatched_target_and_refuse_unknown_names():
+    targets = kvq.supported_simd_targets()
+    assert targets and kvq.simd_target() == targets[0]
+    try:
+        kvq.set_simd_targets(targets[-1].lower())
+        assert kvq.simd_target() == targets[-1]
+        assert kvq.supported_simd_targets() == targets[-1:]
+        cache = kvq.KvCache("k4v3g16", 1, 32, 1, 16)
+        for t in range(32):
+            cache.write(0, t, np.full(16, 0.5, np.float32), np.full(16, 0.25, np.float32))
+        out = np.asarray(cache.attend(np.ones((1, 16), np.float32), 0))
+        assert abs(float(out.reshape(-1)[3]) - 0.25) < 1e-2
+        with pytest.raises(ValueError, match="unknown SIMD target 'AVX9'"):
+            kvq.set_simd_targets("AVX9")
+        assert kvq.simd_target() == targets[-1]
+    finally:
+        kvq.set_simd_targets("")
+    assert kvq.simd_target() == targets[0]
