@@ -6,6 +6,11 @@
       --benchmark_report_aggregates_only=true --benchmark_format=json >attn.json
   /usr/bin/python3 scripts/attention_table.py attn.json
 
+One file per SIMD target (kvq_bench --kvq_targets=AVX2 ..., or KVQ_TARGETS):
+  scripts/attention_table.py avx3_dl.json avx2.json ...
+prints one set of tables per file, each under the target that ran and the
+CPU's SIMD flags (the JSON context kvq_bench writes).
+
 Medians of the repetitions; ratios are against the fp32 / fp16 / q4_0 rows
 of the same file (warm rows against warm, cold rows against cold). With
 BM_attention_geometry rows (--benchmark_filter=attention_geometry) it also
@@ -26,8 +31,10 @@ TS = [1024, 4096, 16384, 65536]
 def load(path):
     rows, geo, writes = {}, {}, {}
     try:
-        benchmarks = json.load(open(path))["benchmarks"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        doc = json.load(open(path))
+        benchmarks = doc["benchmarks"]
+        context = doc.get("context", {}) if isinstance(doc, dict) else {}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         sys.exit(f"{path}: not kvq_bench JSON output ({e})")
     for b in benchmarks:
         if b.get("aggregate_name", "median") != "median":
@@ -45,15 +52,27 @@ def load(path):
         if not m or b.get("time_unit", "us") != "us":
             continue
         rows[(bool(m.group(1)), bool(m.group(2)), m.group(3), int(m.group(4)))] = b
-    return rows, geo, writes
+    return rows, geo, writes, context
 
 
 def main():
-    if len(sys.argv) != 2:
-        sys.exit("usage: attention_table.py KVQ_BENCH_JSON")
-    rows, geo, writes = load(sys.argv[1])
-    if not rows and not geo and not writes:
-        sys.exit("no BM_decode_attention medians in " + sys.argv[1])
+    if len(sys.argv) < 2:
+        sys.exit("usage: attention_table.py KVQ_BENCH_JSON...")
+    loaded = [load(path) for path in sys.argv[1:]]
+    for path, (rows, geo, writes, _) in zip(sys.argv[1:], loaded):
+        if not rows and not geo and not writes:
+            sys.exit("no BM_decode_attention medians in " + path)
+    for i, (rows, geo, writes, context) in enumerate(loaded):
+        if i:
+            print()
+        if "simd_target" in context:
+            print(f"SIMD target {context['simd_target']}; CPU flags: {context.get('cpu_simd_flags', '?')}; "
+                  f"{context.get('num_cpus', '?')} CPUs at {context.get('mhz_per_cpu', '?')} MHz")
+            print()
+        tables(rows, geo, writes)
+
+
+def tables(rows, geo, writes):
     if writes:
         write_table(writes, rows)
     elif rows:

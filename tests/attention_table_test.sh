@@ -58,6 +58,15 @@ check "geometry row without fp32 / fp16" 'grep -q "^| 32/32 | 64 | 16384 | 1 | �
 } >"$T/w.json"
 /usr/bin/python3 "$TABLE" "$T/w.json" >"$T/out" 2>"$T/err"; rc=$?
 check "write rows: a share of the decode step" '[ $rc -eq 0 ] && grep -q "^| kvq-4.5 | 15.00 | 400 | 3.8% |$" "$T/out" && grep -q "^| memcpy | 0.40 | – | – |$" "$T/out"'
+# One file per SIMD target: one set of tables each, under the target and the CPU flags.
+for tg in AVX2 AVX3_DL; do
+  { echo '{"context": {"simd_target": "'$tg'", "cpu_simd_flags": "avx2 fma"}, "benchmarks": ['
+    row BM_decode_attention/fp32/16384/real_time median 4000 32 1; echo ,
+    row BM_decode_attention/q4_0/16384/real_time median $([ $tg = AVX2 ] && echo 2000 || echo 1000) 4.5 1
+    echo ']}'; } >"$T/$tg.json"
+done
+/usr/bin/python3 "$TABLE" "$T/AVX2.json" "$T/AVX3_DL.json" >"$T/out" 2>"$T/err"; rc=$?
+check "per-target files: a header each, in order, with its own ratios" '[ $rc -eq 0 ] && [ "$(grep -c "^SIMD target" "$T/out")" -eq 2 ] && grep -q "^SIMD target AVX2; CPU flags: avx2 fma" "$T/out" && [ "$(grep "^| q4_0 " "$T/out" | awk -F"|" "{print \$10}" | tr -d " " | tr "\n" ,)" = "0.50,0.25," ]'
 echo '{"benchmarks": []}' >"$T/empty.json"
 /usr/bin/python3 "$TABLE" "$T/empty.json" >/dev/null 2>"$T/err"; rc=$?
 check "no rows: exit 1 with a message" '[ $rc -eq 1 ] && grep -q "no BM_decode_attention medians" "$T/err"'
