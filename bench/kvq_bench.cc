@@ -113,10 +113,15 @@ KVQ_CODEC_BENCH(BM_dequantize_kv_cache_fp8);
 }  // namespace
 
 int main(int argc, char** argv) {
-  // --kvq_targets=NAME (before Google Benchmark's flags): as KVQ_TARGETS.
+  // --kvq_targets=NAME (before Google Benchmark's flags): as KVQ_TARGETS;
+  // --kvq_list_targets: prints the supported targets, best first, and exits.
   std::string targets;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
+    if (a == "--kvq_list_targets") {
+      for (const std::string& t : kvq::supported_simd_targets()) std::printf("%s\n", t.c_str());
+      return 0;
+    }
     if (a.rfind("--kvq_targets=", 0) != 0) continue;
     targets = a.substr(14);
     for (int j = i; j + 1 < argc; ++j) argv[j] = argv[j + 1];

@@ -17,6 +17,14 @@ if [ "${KVQ_WITH_TORCH:-0}" = "1" ]; then PKGS+=(python3-torch); fi
 # The fuzz targets (scripts/fuzz.sh) need clang and its libFuzzer runtime.
 if [ "${KVQ_WITH_FUZZ:-0}" = "1" ]; then PKGS+=(clang libclang-rt-14-dev); fi
 
+# The aarch64 cross build run under qemu (scripts/arm_test.sh): the cross
+# compiler, qemu-user and the arm64 multiarch libraries the core links.
+ARM=0
+if [ "${KVQ_WITH_ARM:-0}" = "1" ]; then
+  ARM=1
+  PKGS+=(g++-aarch64-linux-gnu qemu-user libhwy-dev:arm64 libgtest-dev:arm64 libssl-dev:arm64 libgomp1:arm64)
+fi
+
 missing=()
 for p in "${PKGS[@]}"; do
   if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
@@ -31,5 +39,8 @@ echo "install_deps: installing ${missing[*]}"
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 export DEBIAN_FRONTEND=noninteractive
+if [ $ARM -eq 1 ] && ! dpkg --print-foreign-architectures | grep -qx arm64; then
+  $SUDO dpkg --add-architecture arm64
+fi
 $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"

@@ -318,15 +318,13 @@ void SoftmaxStep(const Call& c, size_t qh, Work& w) {
     // p <= pmax, so P^ <= kMaxP (both exps within a few ulp of exact).
     const auto pi = hn::NearestInt(hn::Mul(e, vinv));
     vsum = hn::Add(vsum, pi);
-    if (c.v_digits == 1) {
-      const auto d0 = hn::DemoteTo(d8, pi);
-      hn::StoreU(d0, d8, lo + t);
-      if (w.wide) hn::StoreU(hn::PromoteTo(d16, d0), d16, p16 + t);
+    if (w.wide) {  // P^ itself: the digits' value 128 hi + lo (P^ <= kMaxP)
+      hn::StoreU(hn::DemoteTo(d16, pi), d16, p16 + t);
+    } else if (c.v_digits == 1) {
+      hn::StoreU(hn::DemoteTo(d8, pi), d8, lo + t);
     } else {
-      const auto d0 = hn::DemoteTo(d8, hn::And(pi, m7)), d1 = hn::DemoteTo(d8, hn::ShiftRight<7>(pi));
-      hn::StoreU(d0, d8, lo + t);
-      hn::StoreU(d1, d8, hi + t);
-      if (w.wide) hn::StoreU(hn::Add(hn::ShiftLeft<7>(hn::PromoteTo(d16, d1)), hn::PromoteTo(d16, d0)), d16, p16 + t);
+      hn::StoreU(hn::DemoteTo(d8, hn::And(pi, m7)), d8, lo + t);
+      hn::StoreU(hn::DemoteTo(d8, hn::ShiftRight<7>(pi)), d8, hi + t);
     }
   }
   const int32_t psum = hn::GetLane(hn::SumOfLanes(di, vsum));

@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,9 @@ namespace {
 TEST(Targets, EachNamedTargetIsTheOneDispatched) {
   const std::vector<std::string> all = supported_simd_targets();
   ASSERT_FALSE(all.empty());
+  std::string names;
+  for (const std::string& t : all) names += " " + t;
+  std::printf("supported SIMD targets:%s; CPU flags: %s\n", names.c_str(), cpu_simd_flags().c_str());
   EXPECT_EQ(dispatched_simd_target(), all.front());
   for (size_t i = 0; i < all.size(); ++i) {
     SCOPED_TRACE(all[i]);

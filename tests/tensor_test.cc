@@ -65,11 +65,18 @@ TEST(Tensor, EmptyAndErrors) {
   }
 }
 
-// The F16 reference against the compiler's _Float16 conversion (hardware
+// The compiler's IEEE binary16 type: _Float16 (x86 GCC 12), __fp16 (ARM).
+#if defined(__aarch64__)
+using CompilerHalf = __fp16;
+#else
+using CompilerHalf = _Float16;
+#endif
+
+// The F16 reference against the compiler's half conversion (hardware
 // rounding), over every float bit pattern in strides plus edge values.
 TEST(Half, F16ReferenceMatchesCompilerConversion) {
   auto check = [](float f) {
-    const _Float16 h = static_cast<_Float16>(f);
+    const CompilerHalf h = static_cast<CompilerHalf>(f);
     uint16_t hb;
     std::memcpy(&hb, &h, 2);
     const uint16_t ref = f32_to_f16_ref(f);
@@ -85,7 +92,7 @@ TEST(Half, F16ReferenceMatchesCompilerConversion) {
     for (float s : {1.0f, -1.0f}) check(s * f);
   for (uint32_t h = 0; h < 65536; ++h) {
     const float f = f16_to_f32_ref(static_cast<uint16_t>(h));
-    _Float16 hh;
+    CompilerHalf hh;
     const uint16_t h16 = static_cast<uint16_t>(h);
     std::memcpy(&hh, &h16, 2);
     const float want = static_cast<float>(hh);

@@ -30,6 +30,13 @@ inline void ForEachTarget(const std::function<void(const char*)>& fn) {
   hwy::SetSupportedTargetsForTest(0);
 }
 
+// KVQ_TEST_QUICK=1 (scripts/arm_test.sh, under qemu): tests that loop over
+// many cases keep a representative few.
+inline bool Quick() {
+  const char* e = std::getenv("KVQ_TEST_QUICK");
+  return e != nullptr && e[0] == '1';
+}
+
 // SplitMix64: identical streams on every platform and standard library.
 class Rng {
  public:
