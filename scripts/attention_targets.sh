@@ -15,7 +15,7 @@ shift || true
 targets=("$@")
 [ ${#targets[@]} -gt 0 ] || mapfile -t targets < <("$BENCH" --kvq_list_targets)
 S='(fp32|fp16|int8|q8_0|q4_0|kvq-6.5|kvq-4.5|kvq-3.5|kvq-2.5)'
-filter="^BM_decode_attention(_cold)?/$S/16384\$|^BM_attention_geometry/(fp32|q4_0|kvq-6.5|kvq-4.5|kvq-3.5|kvq-2.5)/q32kv(32|4)/hd(64|128)/4096/t2\$"
+filter="^BM_decode_attention(_cold)?/$S/16384/|^BM_attention_geometry/(fp32|q4_0|kvq-6.5|kvq-4.5|kvq-3.5|kvq-2.5)/q32kv(32|4)/hd(64|128)/4096/t2/"
 mkdir -p "$out"
 files=()
 for t in "${targets[@]}"; do
@@ -23,6 +23,7 @@ for t in "${targets[@]}"; do
   "$BENCH" --kvq_targets="$t" --benchmark_filter="$filter" --benchmark_repetitions="${REPS:-3}" \
     --benchmark_enable_random_interleaving=true --benchmark_report_aggregates_only=true \
     --benchmark_format=json >"$out/$t.json"
+  [ -s "$out/$t.json" ] || { echo "attention_targets.sh: no benchmark ran for $t" >&2; exit 1; }
   files+=("$out/$t.json")
 done
 /usr/bin/python3 scripts/attention_table.py "${files[@]}"
