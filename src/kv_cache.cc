@@ -134,6 +134,8 @@ KvCache::KvCache(const std::string& scheme, int n_layers, int max_seq, int n_kv_
   apply_simd_targets_from_env();
   KVQ_CHECK_ARG(n_layers >= 1 && max_seq >= 1 && n_kv_heads >= 1 && head_dim >= 1, "cache: expected n_layers, ",
                 "max_seq, n_kv_heads and head_dim >= 1, got ", n_layers, ", ", max_seq, ", ", n_kv_heads, ", ", head_dim);
+  KVQ_CHECK_ARG(static_cast<uint64_t>(n_kv_heads) * static_cast<uint64_t>(head_dim) <= kMaxRow,
+                "cache: expected n_kv_heads * head_dim <= 2^20, got ", n_kv_heads, " x ", head_dim);
   rope.validate("rope");
   b_ = FamilyOf(info_).make(info_, {n_layers, max_seq, n_kv_heads, head_dim, rope_}, ranges);
 }

@@ -148,8 +148,18 @@ void KvRowCodec::decode(const uint8_t* src, float* out) const {
   def_->decode(src, static_cast<size_t>(row_len_), static_cast<size_t>(head_dim_), out);
 }
 
+namespace {
+// n_kv_heads * head_dim, checked before the product is formed (in 64 bits).
+int RowLength(int n_kv_heads, int head_dim) {
+  KVQ_CHECK_ARG(n_kv_heads > 0 && head_dim > 0 && int64_t{n_kv_heads} * head_dim <= (int64_t{1} << 20),
+                "cache: expected n_kv_heads, head_dim >= 1 and n_kv_heads * head_dim <= 2^20, got ", n_kv_heads,
+                " x ", head_dim);
+  return n_kv_heads * head_dim;
+}
+}  // namespace
+
 RowKvCache::RowKvCache(KvScheme scheme, int n_layers, int max_seq, int n_kv_heads, int head_dim)
-    : codec_(scheme, n_kv_heads * head_dim, head_dim),
+    : codec_(scheme, RowLength(n_kv_heads, head_dim), head_dim),
       n_layers_(n_layers),
       max_seq_(max_seq),
       n_kv_heads_(n_kv_heads),

@@ -89,6 +89,22 @@ TEST(KvCache, UnknownNamesListEveryFamilyAndEveryPreset) {
 // Saved and restored: the same bytes held, bitwise the same attention now
 // and after every further write, the same container again; its size is the
 // held bytes plus a header of at most 4 KiB.
+// n_kv_heads * head_dim past 2^20 is refused before the product is formed
+// (2^11 x 2^20 overflowed int: undefined behaviour, caught by UBSan).
+TEST(KvCache, HugeGeometriesAreClearErrorsNotOverflows) {
+  for (const char* scheme : {"fp16", "q4_0", "k4v3g16"}) {
+    SCOPED_TRACE(scheme);
+    try {
+      KvCache c(scheme, 1, 4, 1 << 11, 1 << 20);
+      FAIL() << "no error";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("n_kv_heads * head_dim <= 2^20"), std::string::npos) << e.what();
+    }
+    EXPECT_THROW(KvCache(scheme, 1, 4, 1 << 16, 1 << 16), Error);
+  }
+  EXPECT_THROW(RowKvCache(KvScheme::Fp16, 1, 4, 1 << 11, 1 << 20), Error);
+}
+
 TEST(KvCache, SavedCachesRestoreBitwiseAndContinue) {
   const StaticRanges r = Ranges(3);
   const Rows rows = MakeRows(160, 4);
