@@ -251,6 +251,8 @@ if [ -n "$RPID" ]; then
 fi
 "$KVQ" generate --prompt "$LP" --prompt-cache "$T/pc" --load-cache "$T/p.kvqs" >/dev/null 2>"$T/err"; rc=$?
 check "--prompt-cache with --load-cache exits 2" '[ $rc -eq 2 ] && grep -q "prompt-cache" "$T/err"'
+"$KVQ" generate --prompt "$LP" --prompt-cache "$T/pc" --prompt-cache-max-mb 1e-9 >/dev/null 2>"$T/err"; rc=$?
+check "--prompt-cache-max-mb below one byte exits 2 (not: no cap)" '[ $rc -eq 2 ] && grep -q "at least one byte" "$T/err"'
 "$KVQ" generate --prompt "$LP" --prompt-cache "http://x" >/dev/null 2>"$T/err"; rc=$?
 check "--prompt-cache with an unsupported URL exits 2" '[ $rc -eq 2 ] && grep -q "unsupported URL" "$T/err"'
 XDG_CACHE_HOME="$T/xdg" "$KVQ" generate --prompt "$LP" --steps 300 --prompt-cache --prompt-cache-chunk 48 >/dev/null 2>"$T/err"; rc=$?

@@ -372,7 +372,20 @@ void AddGenerateCommand(CLI::App& app, GenerateOptions& o) {
       ->check(CLI::Range(1, 1 << 20));
   c->add_option("--prompt-cache-max-mb", o.prompt_cache_max_mb,
                 "directory store: size cap in MiB, least recently used chunks evicted first (default: none)")
-      ->check(CLI::Range(0.0, 1e9));
+      ->check(CLI::Range(0.0, 1e9))
+      ->check(CLI::Validator(
+          [](const std::string& v) {
+            // A cap that rounds to 0 bytes would read as "no cap".
+            double mb = 0.0;
+            try {
+              mb = std::stod(v);
+            } catch (const std::exception&) {
+              return "expected a number of MiB, got " + v;
+            }
+            return mb == 0.0 || mb * 1048576.0 >= 1.0 ? std::string()
+                                                      : "expected 0 (no cap) or at least one byte (1/1048576 MiB), got " + v;
+          },
+          "", "at least one byte"));
   c->add_option("--prompt-cache-ttl", o.prompt_cache_ttl, "Redis store: seconds each chunk lives (default: forever)")
       ->check(CLI::Range(0, 1 << 30));
 }
