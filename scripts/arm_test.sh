@@ -4,7 +4,7 @@
 # them under qemu-user with -cpu max, so Highway's per-target loops run every
 # ARM target qemu emulates (NEON, SVE, SVE2), each against the scalar
 # references. Speed is not measured here (qemu is an emulator).
-# Every test of the core runs (117; about 4 minutes on 2 cores), the longest
+# Every test of the core runs (118; 4-6.5 minutes on 2 cores), the longest
 # sweeps in their quick form (KVQ_TEST_QUICK=1).
 # Usage: scripts/arm_test.sh [ctest -R regex]
 set -euo pipefail
