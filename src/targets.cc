@@ -52,7 +52,8 @@ std::string Names(int64_t mask) {
 }
 }  // namespace
 
-void set_simd_targets(const std::string& name, const char* what) {
+namespace {
+void Apply(const std::string& name, const char* what) {
   const int64_t real = RealTargets();
   if (name.empty()) {
     hwy::SetSupportedTargetsForTest(0);
@@ -72,12 +73,21 @@ void set_simd_targets(const std::string& name, const char* what) {
   hwy::SetSupportedTargetsForTest(real & ~(bit - 1));
 }
 
+std::once_flag env_once;
+}  // namespace
+
 void apply_simd_targets_from_env() {
-  static std::once_flag once;
-  std::call_once(once, [] {
+  std::call_once(env_once, [] {
     const char* env = std::getenv("KVQ_TARGETS");
-    set_simd_targets(env ? std::string(env) : std::string(), "KVQ_TARGETS");
+    if (env != nullptr && *env != '\0') Apply(env, "KVQ_TARGETS");
   });
+}
+
+// The environment first, so that a later KvCache (which applies it) does not
+// undo an explicit choice.
+void set_simd_targets(const std::string& name, const char* what) {
+  apply_simd_targets_from_env();
+  Apply(name, what);
 }
 
 std::string dispatched_simd_target() { return hwy::TargetName(HWY_DYNAMIC_DISPATCH(ThisTarget)()); }

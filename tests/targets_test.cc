@@ -13,6 +13,16 @@
 namespace kvq {
 namespace {
 
+// An explicit choice made before the first cache stays: constructing a
+// KvCache reads KVQ_TARGETS once and must not reset it.
+TEST(Targets, AnExplicitChoiceSurvivesTheFirstCache) {
+  const std::vector<std::string> all = supported_simd_targets();
+  set_simd_targets(all.back());
+  KvCache c("fp16", 1, 4, 1, 16);
+  EXPECT_EQ(dispatched_simd_target(), all.back());
+  set_simd_targets("");
+}
+
 // Each supported target, named, is the one the kernels dispatch to; the
 // weaker ones stay available below it; "" restores the best.
 TEST(Targets, EachNamedTargetIsTheOneDispatched) {
