@@ -36,16 +36,30 @@ void HashFile(Sha256& h, const std::string& path, const char* arg) {
   }
 }
 
-// What identifies a file's bytes without reading them: size and mtime (ns).
+// What identifies a file's bytes without reading them: device, inode, size,
+// mtime and ctime (ns). The ctime catches a file rewritten in place with
+// its size and mtime put back (utimensat sets the mtime, never the ctime);
+// the inode one replaced by another.
 struct Stamp {
-  uint64_t size = 0;
-  int64_t mtime_ns = 0;
+  uint64_t dev = 0, ino = 0, size = 0;
+  int64_t mtime_ns = 0, ctime_ns = 0;
+  bool operator==(const Stamp&) const = default;
+  std::string text() const {
+    return std::to_string(dev) + " " + std::to_string(ino) + " " + std::to_string(size) + " " +
+           std::to_string(mtime_ns) + " " + std::to_string(ctime_ns);
+  }
 };
+
+std::istream& operator>>(std::istream& in, Stamp& s) {
+  return in >> s.dev >> s.ino >> s.size >> s.mtime_ns >> s.ctime_ns;
+}
 
 Stamp StampOf(const std::string& path, const char* arg) {
   struct stat st {};
   KVQ_CHECK_ARG(::stat(path.c_str(), &st) == 0, arg, ": cannot open '", path, "' (", std::strerror(errno), ")");
-  return {static_cast<uint64_t>(st.st_size), static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec};
+  const auto ns = [](const struct timespec& t) { return static_cast<int64_t>(t.tv_sec) * 1000000000 + t.tv_nsec; };
+  return {static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino), static_cast<uint64_t>(st.st_size),
+          ns(st.st_mtim), ns(st.st_ctim)};
 }
 
 std::string Absolute(const std::string& path) {
@@ -61,6 +75,8 @@ std::string CacheDir() {
   const char* home = std::getenv("HOME");
   return home && *home ? std::string(home) + "/.cache/kvq/fingerprints" : std::string();
 }
+
+constexpr const char* kTag = "kvq-fingerprint-2";
 
 uint64_t CacheMinBytes() {
   const char* e = std::getenv("KVQ_FINGERPRINT_CACHE_MIN_BYTES");
@@ -86,9 +102,7 @@ Digest model_fingerprint(const std::string& checkpoint_path, const std::string& 
     std::ifstream f(entry);
     std::string tag, hex;
     Stamp ca, cb;
-    if (f >> tag >> ca.size >> ca.mtime_ns >> cb.size >> cb.mtime_ns >> hex && tag == "kvq-fingerprint-1" &&
-        ca.size == a.size && ca.mtime_ns == a.mtime_ns && cb.size == b.size && cb.mtime_ns == b.mtime_ns &&
-        hex.size() == 64 && hex.find_first_not_of("0123456789abcdef") == std::string::npos) {
+    if (f >> tag >> ca >> cb >> hex && tag == kTag && ca == a && cb == b && hex.size() == 64 && hex.find_first_not_of("0123456789abcdef") == std::string::npos) {
       Digest d;
       for (size_t i = 0; i < 32; ++i) d[i] = static_cast<uint8_t>(std::stoi(hex.substr(2 * i, 2), nullptr, 16));
       return d;
@@ -101,12 +115,10 @@ Digest model_fingerprint(const std::string& checkpoint_path, const std::string& 
   // Kept only if neither file changed while it was read; a cache that
   // cannot be written is no error.
   const Stamp a2 = StampOf(checkpoint_path, "model"), b2 = StampOf(tokenizer_path, "tokenizer");
-  if (!entry.empty() && a2.size == a.size && a2.mtime_ns == a.mtime_ns && b2.size == b.size &&
-      b2.mtime_ns == b.mtime_ns) {
+  if (!entry.empty() && a2 == a && b2 == b) {
     std::error_code ec;
     std::filesystem::create_directories(dir, ec);
-    const std::string text = "kvq-fingerprint-1 " + std::to_string(a.size) + " " + std::to_string(a.mtime_ns) + " " +
-                             std::to_string(b.size) + " " + std::to_string(b.mtime_ns) + " " + hex_digest(d) + "\n";
+    const std::string text = std::string(kTag) + " " + a.text() + " " + b.text() + " " + hex_digest(d) + "\n";
     try {
       write_file_whole(entry, std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()), "fingerprint cache");
     } catch (const Error&) {

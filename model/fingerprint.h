@@ -19,9 +19,10 @@ using Digest = kvq::Digest;
 // that cannot be read. Files of 64 MiB or more together (a real model:
 // hashing takes seconds) have the digest kept in
 // $XDG_CACHE_HOME/kvq/fingerprints (else ~/.cache/kvq/fingerprints), one
-// entry per pair of absolute paths with both files' sizes and modification
-// times (ns); a later call reuses it while all four match
-// (KVQ_FINGERPRINT_CACHE_MIN_BYTES overrides the threshold).
+// entry per pair of absolute paths with both files' device, inode, size,
+// mtime and ctime (ns); a later call reuses it while all of them match (a
+// file rewritten in place with its size and mtime put back has a new
+// ctime) (KVQ_FINGERPRINT_CACHE_MIN_BYTES overrides the threshold).
 Digest model_fingerprint(const std::string& checkpoint_path, const std::string& tokenizer_path);
 
 // SHA-256 of the token ids as int32 little-endian.

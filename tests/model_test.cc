@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <thread>
 
 #include "kvq/error.h"
 #include "model/calibrate.h"
@@ -383,7 +384,21 @@ TEST(Model, FingerprintsOfLargeFilesAreCachedBySizeAndTime) {
   model::Digest aa;
   aa.fill(0xaa);
   EXPECT_EQ(model::model_fingerprint(m, tok_path), aa);
-  // A file whose time changes is read again (and the entry rewritten).
+  // A file rewritten in place with its size and mtime put back is read
+  // again (its ctime moved), so is one whose time changes.
+  {
+    const auto mtime = fs::last_write_time(m);
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));  // past the clock tick of the last ctime
+    std::fstream f(m, std::ios::in | std::ios::out | std::ios::binary);
+    char first = 0;
+    f.read(&first, 1);
+    f.seekp(0);
+    f.put(first);  // the same byte: the digest is still `want`, the stamp is not
+    f.close();
+    fs::last_write_time(m, mtime);
+  }
+  EXPECT_EQ(model::model_fingerprint(m, tok_path), want);
+  std::ofstream(entries[0]) << planted << "\n";
   fs::last_write_time(m, fs::last_write_time(m) + std::chrono::seconds(5));
   EXPECT_EQ(model::model_fingerprint(m, tok_path), want);
   EXPECT_EQ(model::model_fingerprint(m, tok_path), want);
