@@ -250,6 +250,19 @@ GgufFile::GgufFile(const uint8_t* data, size_t size, std::string what) : data_(d
            ") runs past the end of the file's ", data_bytes, "-byte data section; truncated file?");
     }
   }
+  // Tensors occupy disjoint bytes: aliased ones would let a small file
+  // declare (and make kvq dequantise) any amount of weights.
+  std::vector<const GgufTensor*> by_offset;
+  for (const GgufTensor& t : tensors_) by_offset.push_back(&t);
+  std::sort(by_offset.begin(), by_offset.end(),
+            [](const GgufTensor* a, const GgufTensor* b) { return a->offset < b->offset; });
+  for (size_t k = 1; k < by_offset.size(); ++k) {
+    const GgufTensor &a = *by_offset[k - 1], &b = *by_offset[k];
+    if (b.offset < a.offset + a.bytes) {
+      Fail("model '", what_, "': tensors '", a.name, "' (", a.bytes, " bytes at offset ", a.offset, ") and '", b.name,
+           "' (at offset ", b.offset, ") overlap; a GGUF's tensors occupy disjoint bytes");
+    }
+  }
 }
 
 const GgufValue* GgufFile::find(const std::string& key) const {

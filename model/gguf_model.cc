@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include "kvq/affine.h"
 #include "kvq/error.h"
 #include "model/gguf.h"
 #include "model/llama2.h"
@@ -198,10 +199,20 @@ void Checkpoint::LoadGguf(const std::string& path) {
   float* p = owned_.get();
   std::vector<float*> at;
   for (const auto& [t, n] : plan) at.push_back(p), p += n;
-  // Tensors in parallel (a 1B model's 2 GB of F16 is a few seconds on one core).
+  // Tensors in parallel (a 1B model's 2 GB of F16 is a few seconds on one core),
+  // and each checked for NaN/Inf, which would otherwise surface as a query's
+  // non-finite value deep in the forward pass.
+  std::vector<int64_t> bad(plan.size(), -1);
 #pragma omp parallel for schedule(dynamic, 1)
   for (size_t k = 0; k < plan.size(); ++k) {
     dequantize_ggml(plan[k].first->type, g.tensor_data(*plan[k].first), static_cast<size_t>(plan[k].second), at[k]);
+    bad[k] = first_non_finite({at[k], static_cast<size_t>(plan[k].second)});
+  }
+  for (size_t k = 0; k < plan.size(); ++k) {
+    if (bad[k] >= 0) {
+      Fail("model '", path, "': tensor '", plan[k].first->name, "' holds a non-finite value (",
+           at[k][static_cast<size_t>(bad[k])], ") at element ", bad[k], "; kvq needs finite weights");
+    }
   }
   size_t i = 0;
   Weights& w = weights_;

@@ -70,6 +70,7 @@ class Writer:
         self.version = version
         self.kv = []  # (key, type, payload bytes)
         self.tensors = []  # (name, ne, ggml type, data bytes)
+        self.offset_of = {}  # name -> a data offset to write instead of its own (crafted files)
 
     @staticmethod
     def _str(s):
@@ -114,7 +115,7 @@ class Writer:
             off += (len(data) + ALIGN - 1) // ALIGN * ALIGN
         for (name, ne, ty, _), o in zip(self.tensors, offsets):
             out += self._str(name) + struct.pack("<I", len(ne)) + struct.pack(f"<{len(ne)}Q", *ne)
-            out += struct.pack("<IQ", ty, o)
+            out += struct.pack("<IQ", ty, self.offset_of.get(name, o))
         out += b"\0" * ((-len(out)) % ALIGN)
         return bytes(out)
 

@@ -193,6 +193,24 @@ def test_crafted_gguf_files_are_clear_errors(tmp_path):
     # A huge string length in the first key.
     p.write_bytes(good[:24] + struct.pack("<Q", 1 << 62) + good[32:])
     assert "truncated" in _error(p)
+    # Aliased tensors (every one at offset 0): a small file cannot declare
+    # more weights than its bytes hold.
+    g = _small()
+    g.offset_of = {t[0]: 0 for t in g.tensors}
+    g.write(p)
+    assert "overlap" in _error(p)
+
+
+def test_non_finite_weights_name_their_tensor(tmp_path):
+    nan = {0: struct.pack("<f", math.nan), 1: b"\x00\x7e", 30: b"\xc0\x7f"}  # F32, F16, BF16
+    for target in ("blk.0.attn_k.weight", "output_norm.weight"):
+        g = _small()
+        ty = next(t[2] for t in g.tensors if t[0] == target)
+        g.tensors = [(n, ne, t, nan[t] + d[len(nan[t]):] if n == target else d) for n, ne, t, d in g.tensors]
+        p = tmp_path / "nan.gguf"
+        g.write(p)
+        msg = _error(p)
+        assert f"tensor '{target}' holds a non-finite value" in msg, (ty, msg)
 
 
 def test_models_kvq_cannot_run_are_named(tmp_path):
