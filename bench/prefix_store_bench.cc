@@ -113,7 +113,10 @@ void Put(benchmark::State& state, const std::string& backend, const std::string&
   const Chunks& c = ChunksFor(scheme);
   auto b = Open(backend);
   int64_t i = 0;
-  for (auto _ : state) b->put(Rotated(c.keys[1], i++), c.values[1]);
+  for (auto _ : state) {
+    const store::Key chain[2] = {c.keys[0], Rotated(c.keys[1], i++)};
+    b->put(chain, c.values[1]);
+  }
   if (!b->alive()) state.SkipWithError("the backend gave up");
   Counters(state, c);
 }
@@ -121,7 +124,10 @@ void Put(benchmark::State& state, const std::string& backend, const std::string&
 void Get(benchmark::State& state, const std::string& backend, const std::string& scheme) {
   const Chunks& c = ChunksFor(scheme);
   auto b = Open(backend);
-  for (int64_t i = 0; i < 8; ++i) b->put(Rotated(c.keys[1], i), c.values[1]);
+  for (int64_t i = 0; i < 8; ++i) {
+    const store::Key chain[2] = {c.keys[0], Rotated(c.keys[1], i)};
+    b->put(chain, c.values[1]);
+  }
   int64_t i = 0;
   for (auto _ : state) {
     const store::Key k = Rotated(c.keys[1], i++);

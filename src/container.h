@@ -98,6 +98,16 @@ class ByteReader {
 // Prepends the container header to `payload`.
 std::vector<uint8_t> WrapContainer(const char magic[4], uint16_t version,
                                    std::span<const uint8_t> payload);
+// Validates the 20-byte header in `bytes` (magic, version 1..max_version,
+// reserved 0) and that it declares `have` payload bytes; returns its CRC.
+uint32_t CheckContainerHeader(std::span<const uint8_t> bytes, const char magic[4], uint16_t max_version,
+                              const char* what, uint64_t have, uint16_t* version = nullptr);
+// A container file, read header first: its magic, version and declared
+// size are checked against the file's size before the rest is read (a
+// 3 GiB file of anything else costs 20 bytes, not 3 GB). The CRC and
+// payload are the caller's (OpenContainer). Errors name `arg` and the path.
+std::vector<uint8_t> ReadContainerFile(const std::string& path, const char magic[4], uint16_t max_version,
+                                       const char* what, const char* arg);
 // Validates magic, version (1..max_version), size and CRC; returns the
 // payload and its version. Throws kvq::Error naming `what` on any mismatch.
 std::span<const uint8_t> OpenContainer(std::span<const uint8_t> bytes, const char magic[4],

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 
@@ -13,8 +14,15 @@
 namespace kvq {
 
 void write_file_whole(const std::string& path, std::span<const uint8_t> bytes, const char* arg) {
+  // What sits at `path` (or at the end of its symlinks) is replaced only
+  // when it is a regular file: the rename would put a file in place of a
+  // FIFO or a device node (/dev/null, as root).
   struct stat st {};
-  KVQ_CHECK_ARG(!(::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode)), arg, ": '", path, "' is a directory");
+  if (::stat(path.c_str(), &st) == 0) {
+    KVQ_CHECK_ARG(!S_ISDIR(st.st_mode), arg, ": '", path, "' is a directory");
+    KVQ_CHECK_ARG(S_ISREG(st.st_mode), arg, ": '", path,
+                  "' is not a regular file (a FIFO, a device or a socket); kvq writes only regular files");
+  }
   const size_t slash = path.find_last_of('/');
   const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash);
   std::string tmp = (slash == std::string::npos ? std::string() : path.substr(0, slash + 1)) + "." +
@@ -43,11 +51,27 @@ void write_file_whole(const std::string& path, std::span<const uint8_t> bytes, c
   }
 }
 
-std::vector<uint8_t> read_file_whole(const std::string& path, uint64_t max_bytes, const char* arg) {
+namespace {
+uint64_t RegularFileSize(const std::string& path, const char* arg) {
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0) Fail(arg, " '", path, "': cannot open (", std::strerror(errno), ")");
   if (!S_ISREG(st.st_mode)) Fail(arg, " '", path, "': not a regular file");
-  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  return static_cast<uint64_t>(st.st_size);
+}
+}  // namespace
+
+std::vector<uint8_t> read_file_head(const std::string& path, size_t n, uint64_t* size, const char* arg) {
+  *size = RegularFileSize(path, arg);
+  std::ifstream f(path, std::ios::binary);
+  if (!f) Fail(arg, " '", path, "': cannot open");
+  std::vector<uint8_t> out(static_cast<size_t>(std::min<uint64_t>(n, *size)));
+  f.read(reinterpret_cast<char*>(out.data()), static_cast<std::streamsize>(out.size()));
+  out.resize(static_cast<size_t>(f.gcount()));
+  return out;
+}
+
+std::vector<uint8_t> read_file_whole(const std::string& path, uint64_t max_bytes, const char* arg) {
+  const uint64_t size = RegularFileSize(path, arg);
   if (size > max_bytes) Fail(arg, " '", path, "': ", size, " bytes, more than the limit of ", max_bytes);
   std::ifstream f(path, std::ios::binary);
   if (!f) Fail(arg, " '", path, "': cannot open");

@@ -372,7 +372,7 @@ void KvCache::save(const std::string& path, int64_t tokens, const KvCacheMeta& m
 }
 
 KvCache KvCache::load(const std::string& path, const KvCacheExpect& expect, KvCacheMeta* meta) {
-  return from_bytes(read_file_whole(path, uint64_t{1} << 40, "path"), expect, meta);  // a saved cache: <= 1 TiB
+  return from_bytes(detail::ReadContainerFile(path, kMagic, kVersion, "saved KV cache", "path"), expect, meta);
 }
 
 // ---- token ranges (the prefix store's chunks) ------------------------------------

@@ -14,6 +14,43 @@
 
 namespace kvq {
 
+std::string escape_for_message(std::string_view s) {
+  static const char kHex[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(s.size());
+  const auto escape = [&](unsigned char b) {
+    out += "\\x";
+    out += kHex[b >> 4];
+    out += kHex[b & 15];
+  };
+  for (size_t i = 0; i < s.size();) {
+    const unsigned char b = static_cast<unsigned char>(s[i]);
+    if (b >= 0x20 && b < 0x7f) {
+      out += static_cast<char>(b), ++i;
+    } else if (b < 0x80) {
+      escape(b), ++i;  // C0 controls and DEL
+    } else {
+      // A well-formed UTF-8 sequence (no overlongs, surrogates or > U+10FFFF)
+      // that is not a C1 control passes whole; any other byte is escaped.
+      size_t n = b >= 0xc2 && b <= 0xdf ? 2 : b >= 0xe0 && b <= 0xef ? 3 : b >= 0xf0 && b <= 0xf4 ? 4 : 0;
+      if (n && i + n <= s.size()) {
+        const unsigned char b1 = static_cast<unsigned char>(s[i + 1]);
+        const unsigned char lo = b == 0xe0 ? 0xa0 : b == 0xf0 ? 0x90 : 0x80;
+        const unsigned char hi = b == 0xed ? 0x9f : b == 0xf4 ? 0x8f : 0xbf;
+        bool ok = b1 >= lo && b1 <= hi && !(b == 0xc2 && b1 < 0xa0);  // U+0080..U+009F: C1 controls
+        for (size_t k = 2; ok && k < n; ++k) ok = (static_cast<unsigned char>(s[i + k]) & 0xc0) == 0x80;
+        if (ok) {
+          out.append(s.substr(i, n));
+          i += n;
+          continue;
+        }
+      }
+      escape(b), ++i;
+    }
+  }
+  return out;
+}
+
 namespace detail {
 void AssertFail(const char* expr, const char* file, int line) {
   std::fprintf(stderr, "kvq: internal invariant failed: %s at %s:%d\n", expr,

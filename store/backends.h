@@ -1,6 +1,7 @@
 // Internal: the prefix store's backends (prefix_store.h's open_backend).
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
@@ -14,6 +15,10 @@ using WarnFn = std::function<void(const std::string&)>;
 std::unique_ptr<StoreBackend> open_memory_store(const std::string& name);
 std::unique_ptr<StoreBackend> open_dir_store(const std::string& dir, uint64_t max_bytes, WarnFn warn);
 std::unique_ptr<StoreBackend> open_redis_store(const std::string& url, const StoreOptions& o, WarnFn warn);
+
+// Directory scans by size-capped directory stores in this process (a test
+// counts them: a write must not rescan a large directory each time).
+extern std::atomic<uint64_t> dir_store_scans;
 
 // 64 lowercase hex digits.
 inline std::string key_hex(const Key& k) { return hex_digest(k); }

@@ -41,9 +41,10 @@ class MemoryStore final : public StoreBackend {
     }
     return out;
   }
-  void put(const Key& key, std::span<const uint8_t> value) override {
+  bool put(std::span<const Key> chain, std::span<const uint8_t> value) override {
     std::lock_guard<std::mutex> lock(s_->mu);
-    s_->entries[key].assign(value.begin(), value.end());
+    s_->entries[chain.back()].assign(value.begin(), value.end());
+    return true;
   }
 
  private:

@@ -2,6 +2,7 @@
 
 #include <malloc.h>
 
+#include <cctype>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -34,11 +35,18 @@ std::unique_ptr<StoreBackend> open_backend(const std::string& url, const StoreOp
                 o.chunk_tokens);
   KVQ_CHECK_ARG(o.timeout_ms >= 1 && o.timeout_ms <= 60000, "timeout_ms: expected 1..60000, got ", o.timeout_ms);
   KVQ_CHECK_ARG(o.ttl_seconds >= 0, "ttl_seconds: expected >= 0, got ", o.ttl_seconds);
-  WarnFn warn = o.warn ? o.warn : StderrWarn;
+  // Warnings may quote a server's text or a file's bytes: one escaped line each.
+  WarnFn warn = [w = o.warn ? o.warn : StderrWarn](const std::string& s) { w(escape_for_message(s)); };
   if (url.rfind("memory:", 0) == 0) return open_memory_store(url.substr(7));
-  if (url.rfind("redis://", 0) == 0) return open_redis_store(url, o, warn);
-  KVQ_CHECK_ARG(url.find("://") == std::string::npos, "prompt cache: unsupported URL '", url,
-                "' (expected a directory, redis://host:port[/db] or memory:)");
+  // A URL's scheme is case-insensitive (RFC 3986); nothing after it is
+  // echoed, since it may hold a user and password.
+  const size_t sep = url.find("://");
+  std::string scheme = sep == std::string::npos ? "" : url.substr(0, sep);
+  for (char& ch : scheme) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  if (scheme == "redis") return open_redis_store("redis://" + url.substr(sep + 3), o, warn);
+  KVQ_CHECK_ARG(sep == std::string::npos, "prompt cache: unsupported URL scheme '", escape_for_message(scheme),
+                "://' (expected a directory, redis://host:port[/db] or memory:; TLS and unix sockets are not ",
+                "supported)");
   return open_dir_store(url.empty() ? default_store_dir() : url, o.max_bytes, warn);
 }
 
@@ -108,7 +116,7 @@ std::vector<Key> chunk_keys(const KvCache& cache, std::span<const int> tokens, i
 
 PrefixStore::PrefixStore(const std::string& url, StoreOptions o) : o_(std::move(o)), b_(open_backend(url, o_)) {}
 
-void PrefixStore::Warn(const std::string& s) const { (o_.warn ? o_.warn : StderrWarn)(s); }
+void PrefixStore::Warn(const std::string& s) const { (o_.warn ? o_.warn : StderrWarn)(escape_for_message(s)); }
 
 int64_t PrefixStore::longest_prefix(std::span<const int> tokens, KvCache& cache, int64_t limit,
                                     LookupReport* report) {
@@ -149,6 +157,7 @@ int64_t PrefixStore::longest_prefix(std::span<const int> tokens, KvCache& cache,
     for (size_t i = 0; i < values.size(); ++i) ends.push_back(plan.end(static_cast<int64_t>(i)));
     try {
       cache.restore_ranges(spans, ends, std::span(keys).first(values.size()));
+      b_->touch(std::span(keys).first(values.size()));
       rep.tokens = ends.back();
       rep.chunks = static_cast<int>(values.size());
       good_.insert(keys.begin(), keys.begin() + static_cast<std::ptrdiff_t>(values.size()));
@@ -179,8 +188,9 @@ int PrefixStore::put(std::span<const int> tokens, const KvCache& cache, uint64_t
   KVQ_CHECK_ARG(static_cast<int64_t>(tokens.size()) >= T, "tokens: the cache holds ", T, " tokens, got ", tokens.size(),
                 " ids");
   if (bytes) *bytes = 0;
-  if (!b_->alive() || T < plan.end(0)) return 0;
+  if (!b_->writable() || T < plan.end(0)) return 0;
   const std::vector<Key> keys = chunk_keys(cache, tokens.first(static_cast<size_t>(T)), plan.tokens, o_.model);
+  if (full_chain_ && *full_chain_ == keys[0]) return 0;  // its next chunk would be evicted at once too
   // A grouped cache gives only the range ending at its length.
   size_t first = 0;
   if (cache.grouped()) {
@@ -194,8 +204,10 @@ int PrefixStore::put(std::span<const int> tokens, const KvCache& cache, uint64_t
     const size_t i = first + j;
     const std::vector<uint8_t> v =
         cache.range_to_bytes(plan.begin(static_cast<int64_t>(i)), plan.end(static_cast<int64_t>(i)), want[j]);
-    b_->put(want[j], v);
-    if (!b_->alive()) break;
+    if (!b_->put(std::span(keys).first(i + 1), v)) {
+      if (b_->writable()) full_chain_ = keys[0];  // the size cap holds no more of this chain
+      break;
+    }
     good_.insert(want[j]);
     if (bytes) *bytes += v.size();
     ++written;

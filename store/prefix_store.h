@@ -27,7 +27,8 @@
 // overwrites it.
 //
 // Backends (open_backend): a directory (one file per chunk, temp file +
-// rename, LRU size cap), Redis through hiredis (key prefix, TTL, AUTH,
+// rename, a size cap that evicts the least recently used chains from their
+// last chunk backwards), Redis through hiredis (key prefix, TTL, AUTH,
 // 1 s timeouts), or memory. A backend never throws once open: a failing one
 // warns once and behaves as an empty store from then on.
 #pragma once
@@ -51,7 +52,7 @@ using Key = Digest;
 
 struct StoreOptions {
   int chunk_tokens = 256;        // rounded up to a multiple of the scheme's group
-  uint64_t max_bytes = 0;        // directory: size cap, least recently used evicted first (0: none)
+  uint64_t max_bytes = 0;        // directory: size cap, least recently used chunks first, a chain's last first (0: none)
   int ttl_seconds = 0;           // Redis: expiry of each entry (0: none)
   std::string key_prefix = "kvq:prefix:";  // Redis: prepended to the hex key
   int timeout_ms = 1000;         // Redis: connect and per-command timeout (1..60000)
@@ -68,9 +69,20 @@ class StoreBackend {
   virtual std::string describe() const = 0;
   // False once the backend gave up (an unreachable or dying server).
   virtual bool alive() const { return true; }
+  // False once writing stopped for this store (a read-only or full
+  // directory: warned once): put is not worth serialising a chunk for.
+  virtual bool writable() const { return alive(); }
   virtual std::vector<bool> contains(std::span<const Key> keys) = 0;
   virtual std::vector<std::optional<std::vector<uint8_t>>> get(std::span<const Key> keys) = 0;
-  virtual void put(const Key& key, std::span<const uint8_t> value) = 0;
+  // Stores `value` under chain.back(); chain is the chunk's key chain from
+  // chunk 0 (a size-capped backend keeps a chain's earlier chunks longer
+  // than its later ones: without its first chunks a chain is unusable).
+  // False when the value was not kept (writing stopped, or the size cap
+  // evicted it at once: the chain's later chunks would not fit either).
+  virtual bool put(std::span<const Key> chain, std::span<const uint8_t> value) = 0;
+  // The chain's chunks were just used (restored): a size-capped backend
+  // marks them recently used, chunk 0 the most recent.
+  virtual void touch(std::span<const Key> chain) { (void)chain; }
 };
 
 // url: "memory:" or "memory:NAME" (a map shared by the process's stores of
@@ -140,6 +152,7 @@ class PrefixStore {
   StoreOptions o_;
   std::unique_ptr<StoreBackend> b_;
   std::set<Key> good_;  // restored or written by this store: put skips them
+  std::optional<Key> full_chain_;  // chunk 0's key of a chain the size cap could not hold: not extended
 };
 
 }  // namespace kvq::store

@@ -44,11 +44,14 @@ std::string PercentDecode(const std::string& s, const char* what) {
   return out;
 }
 
+// The text is never echoed: in a URL typed without its host
+// ("redis://:PASSWORD") the port is the password.
 int ParseInt(const std::string& s, int lo, int hi, const char* what) {
   KVQ_CHECK_ARG(!s.empty() && s.size() <= 9 && s.find_first_not_of("0123456789") == std::string::npos,
-                "prompt cache: the Redis URL's ", what, " '", s, "' is not a number");
+                "prompt cache: the Redis URL's ", what, " is not a number (expected ",
+                "redis://[user[:password]@]host[:port][/db])");
   const int v = std::atoi(s.c_str());
-  KVQ_CHECK_ARG(v >= lo && v <= hi, "prompt cache: the Redis URL's ", what, " ", v, " is outside ", lo, "..", hi);
+  KVQ_CHECK_ARG(v >= lo && v <= hi, "prompt cache: the Redis URL's ", what, " is outside ", lo, "..", hi);
   return v;
 }
 
@@ -146,13 +149,13 @@ class RedisStore final : public StoreBackend {
     return out;
   }
 
-  void put(const Key& key, std::span<const uint8_t> value) override {
-    if (!c_) return;
-    const std::string k = prefix_ + key_hex(key);
+  bool put(std::span<const Key> chain, std::span<const uint8_t> value) override {
+    if (!c_) return false;
+    const std::string k = prefix_ + key_hex(chain.back());
     Reply r(static_cast<redisReply*>(
         ttl_ > 0 ? redisCommand(c_, "SET %b %b EX %d", k.data(), k.size(), value.data(), value.size(), ttl_)
                  : redisCommand(c_, "SET %b %b", k.data(), k.size(), value.data(), value.size())));
-    Ok(r, "SET");
+    return Ok(r, "SET");
   }
 
  private:

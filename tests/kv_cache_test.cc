@@ -4,6 +4,8 @@
 #include "kvq/kv_cache.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstring>
@@ -237,6 +239,12 @@ TEST(KvCache, CorruptedContainersAreClearErrors) {
     const uint16_t huge_name = 60000;
     EXPECT_NE(ErrorOf([&] { KvCache::from_bytes(edit(h, &huge_name, 2)); }).find("scheme name"), std::string::npos);
     const char unknown[4] = {'z', 'z', 'z', 'z'};
+    // A name with a newline, an escape, a byte that is not UTF-8 and a NUL
+    // reaches the message escaped, as one line of valid UTF-8.
+    const char evil[4] = {'\n', '\x1b', '\xff', '\0'};
+    const std::string said = ErrorOf([&] { KvCache::from_bytes(edit(h + 2, evil, std::min<size_t>(4, name_len))); });
+    EXPECT_NE(said.find("\\x0a\\x1b\\xff\\x00"), std::string::npos) << said;
+    for (char ch : said) EXPECT_TRUE(ch >= 0x20 && ch < 0x7f) << said;
     EXPECT_NE(ErrorOf([&] { KvCache::from_bytes(edit(h + 2, unknown, std::min<size_t>(4, name_len))); }).find("unknown KV scheme"),
               std::string::npos);
     const uint32_t zero = 0, big = 1u << 31;
@@ -365,6 +373,19 @@ TEST(KvCache, FilesAreWrittenWholeOrNotAtAll) {
   EXPECT_NE(ErrorOf([&] { c.save((dir / "missing" / "c.kvqs").string()); }).find("cannot create"), std::string::npos);
   EXPECT_NE(ErrorOf([&] { KvCache::load((dir / "none").string()); }).find("cannot open"), std::string::npos);
   EXPECT_NE(ErrorOf([&] { KvCache::load(dir.string()); }).find("regular file"), std::string::npos);
+  // A FIFO (or a device node) is refused, not replaced by a file; so is a
+  // symlink to one.
+  const std::string fifo = (dir / "fifo").string(), link = (dir / "link").string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  ASSERT_EQ(::symlink(fifo.c_str(), link.c_str()), 0);
+  for (const std::string& p : {fifo, link}) {
+    EXPECT_NE(ErrorOf([&] { c.save(p); }).find("not a regular file"), std::string::npos) << p;
+  }
+  struct stat st {};
+  ASSERT_EQ(::stat(fifo.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISFIFO(st.st_mode));
+  ASSERT_EQ(::lstat(link.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISLNK(st.st_mode));
   std::filesystem::remove_all(dir);
 }
 

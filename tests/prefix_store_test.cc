@@ -20,6 +20,7 @@
 #include <fstream>
 #include <thread>
 
+#include "store/backends.h"
 #include "tests/kv_cache_util.h"
 #include "tests/test_util.h"
 
@@ -267,7 +268,7 @@ void ExerciseStore(const std::string& url, const std::string& scheme, Warnings& 
       {chunk2, "another key"}};
   for (const auto& [value, why] : bad) {
     SCOPED_TRACE(why);
-    s.backend().put(keys[1], value);
+    s.backend().put(std::span(keys).first(2), value);
     w.lines.clear();
     KvCache m(scheme, kL, 4096, kH, kD, &r);
     EXPECT_EQ(s.longest_prefix(tok, m), e0);  // chunk 0 only
@@ -356,6 +357,108 @@ TEST(PrefixStore, DirectorySizeCapEvictsTheLeastRecentlyUsed) {
   fs::remove_all(d);
 }
 
+// A cap smaller than one prompt's chunks keeps the chain's first chunks
+// (usable: the next run restores them) and stops extending it, rather than
+// keeping its tails (unusable) and rewriting every chunk on every run.
+TEST(PrefixStore, ASizeCapKeepsAChainsHeadAndStopsWritingItsTail) {
+  Warnings w;
+  const fs::path d = TempDir("head");
+  const test::Rows rows = test::MakeRows(400, 5);
+  const std::vector<int> tok = Tokens(320);
+  auto filled = [&] {
+    KvCache c("q8_0", kL, 4096, kH, kD);
+    for (int t = 0; t < 320; ++t) {
+      for (int l = 0; l < kL; ++l) c.write(l, t, rows.k[static_cast<size_t>(t)], rows.v[static_cast<size_t>(t)]);
+    }
+    return c;
+  };
+  const KvCache c = filled();
+  uint64_t chunk_bytes = 0;
+  {
+    PrefixStore probe("memory:head-probe", w.Options(64));
+    ASSERT_EQ(probe.put(tok, c, &chunk_bytes), 5);
+    chunk_bytes /= 5;  // a row scheme's chunks are all one size
+  }
+  StoreOptions o = w.Options(64);
+  o.max_bytes = chunk_bytes * 5 / 2;
+  for (int run = 0; run < 3; ++run) {
+    SCOPED_TRACE(run);
+    PrefixStore s(d.string(), o);
+    KvCache warm("q8_0", kL, 4096, kH, kD);
+    EXPECT_EQ(s.longest_prefix(tok, warm), run == 0 ? 0 : 128);  // chunks 0 and 1
+    // Run 0 keeps chunks 0 and 1; chunk 2 is evicted as soon as written
+    // (the chain's oldest), and 3 and 4 are not written.
+    EXPECT_EQ(s.put(tok, c), run == 0 ? 2 : 0);
+    EXPECT_EQ(CountFiles(d, false), 2);
+    EXPECT_EQ(s.put(tok, c), 0) << "the chain is not extended again";
+  }
+  EXPECT_TRUE(w.lines.empty());
+  fs::remove_all(d);
+}
+
+// A capped store does not rescan its directory on every write: 5 chunks
+// into a directory of 3,000 entries scan it once.
+TEST(PrefixStore, ASizeCapDoesNotRescanTheDirectoryPerWrite) {
+  Warnings w;
+  const fs::path d = TempDir("scan");
+  fs::create_directories(d);
+  for (int i = 0; i < 3000; ++i) std::ofstream(d / ("other" + std::to_string(i)));
+  const test::Rows rows = test::MakeRows(400, 5);
+  const std::vector<int> tok = Tokens(320);
+  KvCache c("q8_0", kL, 4096, kH, kD);
+  StoreOptions o = w.Options(64);
+  o.max_bytes = uint64_t{1} << 30;
+  PrefixStore s(d.string(), o);
+  const uint64_t before = dir_store_scans.load();
+  for (int t = 0; t < 320; ++t) {
+    for (int l = 0; l < kL; ++l) c.write(l, t, rows.k[static_cast<size_t>(t)], rows.v[static_cast<size_t>(t)]);
+    s.put(tok, c);
+  }
+  EXPECT_EQ(CountFiles(d, false), 5);
+  EXPECT_EQ(dir_store_scans.load() - before, 1u);
+  EXPECT_TRUE(w.lines.empty());
+  fs::remove_all(d);
+}
+
+// An entry that is not a chunk is refused after its header, not read whole.
+TEST(PrefixStore, ForeignEntriesAreRefusedAfterTheirHeader) {
+  Warnings w;
+  const fs::path d = TempDir("foreign");
+  const test::Rows rows = test::MakeRows(100, 5);
+  const std::vector<int> tok = Tokens(64);
+  KvCache c("q8_0", kL, 4096, kH, kD);
+  for (int t = 0; t < 64; ++t) {
+    for (int l = 0; l < kL; ++l) c.write(l, t, rows.k[static_cast<size_t>(t)], rows.v[static_cast<size_t>(t)]);
+  }
+  PrefixStore s(d.string(), w.Options(64));
+  ASSERT_EQ(s.put(tok, c), 1);
+  const std::vector<Key> keys = chunk_keys(c, tok, 64, std::nullopt);
+  const fs::path entry = d / (key_hex(keys[0]) + ".kvqr");
+  // A sparse 3 GiB file of zeros, and one with a KVQR header that declares
+  // more than the file holds: each a miss with one warning, 20 bytes read.
+  std::vector<uint8_t> good_head = *s.backend().get(keys)[0];
+  good_head.resize(20);
+  for (const char* why : {"magic", "truncated"}) {
+    SCOPED_TRACE(why);
+    {
+      std::vector<uint8_t> head = good_head;
+      if (std::string(why) == "magic") head.assign(20, 0);
+      std::ofstream f(entry, std::ios::binary | std::ios::trunc);
+      f.write(reinterpret_cast<const char*>(head.data()), 20);
+    }
+    fs::resize_file(entry, uint64_t{3} << 30);
+    const auto got = s.backend().get(keys);
+    ASSERT_TRUE(got[0].has_value());
+    EXPECT_EQ(got[0]->size(), 20u);
+    w.lines.clear();
+    KvCache m("q8_0", kL, 4096, kH, kD);
+    EXPECT_EQ(s.longest_prefix(tok, m), 0);
+    ASSERT_EQ(w.lines.size(), 1u);
+    EXPECT_NE(w.lines[0].find(why), std::string::npos) << w.lines[0];
+  }
+  fs::remove_all(d);
+}
+
 TEST(PrefixStore, AFullDiskLeavesNoPartialFile) {
   const fs::path d = TempDir("full");
   fs::create_directories(d);
@@ -371,15 +474,15 @@ TEST(PrefixStore, AFullDiskLeavesNoPartialFile) {
     o.warn = [&](const std::string& s) { warned += s.find("cannot store") != std::string::npos; };
     PrefixStore s(d.string(), o);
     const StaticRanges r = test::Ranges(3);
-    const test::Rows rows = test::MakeRows(64, 5);
+    const test::Rows rows = test::MakeRows(192, 5);
     KvCache c("q8_0", kL, 4096, kH, kD);
-    FillAndPut(s, c, rows, Tokens(64), 0, 64);
-    std::_Exit(warned == 1 ? 0 : 3);
+    FillAndPut(s, c, rows, Tokens(192), 0, 192);  // three chunks: one warning, then no more writes
+    std::_Exit(warned == 1 && !s.backend().writable() ? 0 : 3);
   }
   int status = 0;
   ::waitpid(pid, &status, 0);
   ASSERT_TRUE(WIFEXITED(status));
-  EXPECT_EQ(WEXITSTATUS(status), 0) << "expected one 'cannot store' warning";
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "expected one 'cannot store' warning, then a store that does not write";
   EXPECT_EQ(CountFiles(d, false) + CountFiles(d, true), 0);
   fs::remove_all(d);
 }
@@ -432,6 +535,13 @@ TEST(PrefixStore, BadUrlsAndOptionsAreErrors) {
   EXPECT_NE(test::ErrorOf([&] { PrefixStore("redis://host:99999", o); }).find("port"), std::string::npos);
   EXPECT_NE(test::ErrorOf([&] { PrefixStore("redis://:6379", o); }).find("no host"), std::string::npos);
   EXPECT_NE(test::ErrorOf([&] { PrefixStore("redis://h/x", o); }).find("database"), std::string::npos);
+  // No message holds a URL's password, whatever the URL's shape.
+  for (const char* url : {"rediss://u:S3CRET@h:1", "REDIS://u:S3CRET@h:x", "redis+tls://u:S3CRET@h", "unix://u:S3CRET@/s",
+                          "redis://:S3CRET", "redis://default:S3CRET", "Redis://u:S3CRET@h/S3CRET", "x://S3CRET"}) {
+    const std::string said = test::ErrorOf([&] { PrefixStore(url, o); });
+    EXPECT_NE(said, "<no error>") << url;
+    EXPECT_EQ(said.find("S3CRET"), std::string::npos) << url << ": " << said;
+  }
   o.chunk_tokens = 0;
   EXPECT_NE(test::ErrorOf([&] { PrefixStore("memory:", o); }).find("chunk_tokens"), std::string::npos);
 }

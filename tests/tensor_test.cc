@@ -14,6 +14,22 @@
 namespace kvq {
 namespace {
 
+// Messages are one line of valid UTF-8 whatever a file held: controls and
+// malformed UTF-8 escaped, well-formed UTF-8 kept, escaping idempotent.
+TEST(Error, MessagesAreEscaped) {
+  EXPECT_EQ(escape_for_message("plain 'text' \\ 1.0"), "plain 'text' \\ 1.0");
+  EXPECT_EQ(escape_for_message("caf\xc3\xa9 \xe6\x97\xa5 \xf0\x9f\x99\x82"), "caf\xc3\xa9 \xe6\x97\xa5 \xf0\x9f\x99\x82");
+  EXPECT_EQ(escape_for_message(std::string("a\nb\x1b[31m\0\x7f", 10)), "a\\x0ab\\x1b[31m\\x00\\x7f");
+  EXPECT_EQ(escape_for_message("\xc0\xaf"), "\\xc0\\xaf");              // overlong '/'
+  EXPECT_EQ(escape_for_message("\xed\xa0\x80"), "\\xed\\xa0\\x80");      // a surrogate
+  EXPECT_EQ(escape_for_message("\xc2\x85"), "\\xc2\\x85");              // C1 NEL
+  EXPECT_EQ(escape_for_message("\xe6\x97"), "\\xe6\\x97");              // cut short
+  EXPECT_EQ(escape_for_message("\xf4\x90\x80\x80"), "\\xf4\\x90\\x80\\x80");  // > U+10FFFF
+  const std::string once = escape_for_message("x\n\xff");
+  EXPECT_EQ(escape_for_message(once), once);
+  EXPECT_EQ(std::string(Error("name '\n\x1b'").what()), "name '\\x0a\\x1b'");
+}
+
 TEST(Tensor, ShapeDtypeAndAlignment) {
   Tensor t({2, 3, 4}, DType::F32);
   EXPECT_EQ(t.numel(), 24);

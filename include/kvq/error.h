@@ -9,12 +9,22 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 
 namespace kvq {
 
+// `s` as one line of valid UTF-8 that a terminal shows as it is: control
+// characters (newline, ESC, NUL, DEL, C1) and bytes that are not valid
+// UTF-8 become \xNN; printable ASCII and well-formed UTF-8 pass unchanged
+// (so escaping twice changes nothing). Strings read from files (a saved
+// cache's scheme name, a GGUF's metadata) reach messages only through this.
+std::string escape_for_message(std::string_view s);
+
+// Its message is escaped (escape_for_message): one line, whatever a file
+// put into it.
 class Error : public std::runtime_error {
  public:
-  explicit Error(const std::string& what) : std::runtime_error(what) {}
+  explicit Error(const std::string& what) : std::runtime_error(escape_for_message(what)) {}
 };
 
 namespace detail {

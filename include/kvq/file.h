@@ -2,7 +2,9 @@
 // beside `path` (mkstemp: O_EXCL, so nothing that already sits there, a
 // symlink included, is followed), are synced, get an ordinary new file's
 // mode (0666 less the umask, not mkstemp's 0600) and are renamed over
-// `path`. On any failure the temporary file is removed, `path` is as it
+// `path`. Something at `path` that is not a regular file (a directory, a
+// FIFO, a device node, a socket) is an error and is left as it is. On any
+// failure the temporary file is removed, `path` is as it
 // was, and a kvq::Error names `arg` and the cause.
 #pragma once
 
@@ -20,5 +22,9 @@ void write_file_whole(const std::string& path, std::span<const uint8_t> bytes, c
 // be opened, is not a regular file (a FIFO, /dev/zero, a directory) or is
 // larger. A file that shrinks while it is read is returned as read.
 std::vector<uint8_t> read_file_whole(const std::string& path, uint64_t max_bytes, const char* arg = "path");
+
+// The first min(n, size) bytes of a regular file and, in *size, its size;
+// errors as read_file_whole's.
+std::vector<uint8_t> read_file_head(const std::string& path, size_t n, uint64_t* size, const char* arg = "path");
 
 }  // namespace kvq
