@@ -56,11 +56,15 @@ class DirStore final : public StoreBackend {
 
   bool writable() const override { return !dead_ && !read_only_; }
 
-  std::vector<bool> contains(std::span<const Key> keys) override {
-    std::vector<bool> out;
+  std::vector<std::optional<uint64_t>> sizes(std::span<const Key> keys) override {
+    std::vector<std::optional<uint64_t>> out;
     for (const Key& k : keys) {
       struct stat st {};
-      out.push_back(!dead_ && ::stat(Path(k).c_str(), &st) == 0 && S_ISREG(st.st_mode));
+      if (dead_ || ::lstat(Path(k).c_str(), &st) != 0) {
+        out.push_back(std::nullopt);
+      } else {
+        out.push_back(S_ISREG(st.st_mode) ? static_cast<uint64_t>(st.st_size) : kNotAValue);
+      }
     }
     return out;
   }

@@ -26,10 +26,13 @@ class MemoryStore final : public StoreBackend {
  public:
   explicit MemoryStore(std::string name) : name_(std::move(name)), s_(Named(name_)) {}
   std::string describe() const override { return "memory:" + name_; }
-  std::vector<bool> contains(std::span<const Key> keys) override {
+  std::vector<std::optional<uint64_t>> sizes(std::span<const Key> keys) override {
     std::lock_guard<std::mutex> lock(s_->mu);
-    std::vector<bool> out;
-    for (const Key& k : keys) out.push_back(s_->entries.count(k) != 0);
+    std::vector<std::optional<uint64_t>> out;
+    for (const Key& k : keys) {
+      auto it = s_->entries.find(k);
+      out.push_back(it == s_->entries.end() ? std::nullopt : std::optional<uint64_t>(it->second.size()));
+    }
     return out;
   }
   std::vector<std::optional<std::vector<uint8_t>>> get(std::span<const Key> keys) override {

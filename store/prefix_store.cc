@@ -2,6 +2,7 @@
 
 #include <malloc.h>
 
+#include <algorithm>
 #include <cctype>
 #include <chrono>
 #include <cstdio>
@@ -48,6 +49,14 @@ std::unique_ptr<StoreBackend> open_backend(const std::string& url, const StoreOp
                 "://' (expected a directory, redis://host:port[/db] or memory:; TLS and unix sockets are not ",
                 "supported)");
   return open_dir_store(url.empty() ? default_store_dir() : url, o.max_bytes, warn);
+}
+
+uint64_t max_chunk_bytes(const KvCache& cache, int64_t end) {
+  // fp32, the widest scheme, stores 8 bytes per token, layer and channel
+  // (K and V); 10 leaves room for any scheme's scales and fallbacks.
+  const uint64_t values = static_cast<uint64_t>(std::max<int64_t>(end, 0)) * static_cast<uint64_t>(cache.n_layers()) *
+                          static_cast<uint64_t>(cache.n_kv_heads()) * static_cast<uint64_t>(cache.head_dim());
+  return 10 * values + (uint64_t{1} << 20);
 }
 
 int chunk_tokens_for(const KvCache& cache, int requested) {
@@ -128,9 +137,25 @@ int64_t PrefixStore::longest_prefix(std::span<const int> tokens, KvCache& cache,
   while (!keys.empty() && plan.end(static_cast<int64_t>(keys.size()) - 1) > cache.max_seq()) keys.pop_back();
   std::vector<std::vector<uint8_t>> values;
   if (!keys.empty() && b_->alive()) {
-    const std::vector<bool> have = b_->contains(keys);
+    const std::vector<std::optional<uint64_t>> have = b_->sizes(keys);
     size_t run = 0;
-    while (run < keys.size() && run < have.size() && have[run]) ++run;
+    while (run < keys.size() && run < have.size() && have[run]) {
+      const int64_t begin = plan.begin(static_cast<int64_t>(run)), end = plan.end(static_cast<int64_t>(run));
+      const uint64_t most = max_chunk_bytes(cache, end);
+      if (*have[run] > most) {  // never fetched: a hostile entry could be any size
+        Warn("chunk " + std::to_string(run) + " (tokens " + std::to_string(begin) + ".." + std::to_string(end) +
+             ", key " + key_hex(keys[run]).substr(0, 16) + "...) in " + b_->describe() + " is unusable: " +
+             (*have[run] == StoreBackend::kNotAValue
+                  ? std::string("not a stored value")
+                  : std::to_string(*have[run]) + " bytes, more than the " + std::to_string(most) +
+                        " a chunk of this cache can take") +
+             "; recomputing it");
+        good_.erase(keys[run]);
+        ++rep.bad;
+        break;
+      }
+      ++run;
+    }
     keys.resize(run);
     auto got = run ? b_->get(keys) : std::vector<std::optional<std::vector<uint8_t>>>{};
     for (size_t i = 0; i < got.size() && got[i]; ++i) {

@@ -24,7 +24,8 @@
 // 0..k-1 gives the cache an uninterrupted run has at end(k-1), bit for bit
 // (KvCache::restore_ranges). A value that fails any check (CRC, scheme,
 // geometry, tables, range, key) is a miss with one warning line; put then
-// overwrites it.
+// overwrites it. So is one larger than a chunk of the cache can be
+// (max_chunk_bytes): it is never fetched.
 //
 // Backends (open_backend): a directory (one file per chunk, temp file +
 // rename, a size cap that evicts the least recently used chains from their
@@ -72,7 +73,11 @@ class StoreBackend {
   // False once writing stopped for this store (a read-only or full
   // directory: warned once): put is not worth serialising a chunk for.
   virtual bool writable() const { return alive(); }
-  virtual std::vector<bool> contains(std::span<const Key> keys) = 0;
+  // The size of what each key holds: nullopt when absent, kNotAValue when
+  // something that is not a value sits there (a Redis key of another type:
+  // unusable, and overwritten by put).
+  static constexpr uint64_t kNotAValue = ~uint64_t{0};
+  virtual std::vector<std::optional<uint64_t>> sizes(std::span<const Key> keys) = 0;
   virtual std::vector<std::optional<std::vector<uint8_t>>> get(std::span<const Key> keys) = 0;
   // Stores `value` under chain.back(); chain is the chunk's key chain from
   // chunk 0 (a size-capped backend keeps a chain's earlier chunks longer
@@ -93,6 +98,11 @@ class StoreBackend {
 // warning and an empty store.
 std::unique_ptr<StoreBackend> open_backend(const std::string& url, const StoreOptions& o);
 std::string default_store_dir();
+
+// The most bytes a stored chunk ending at `end` can hold for this cache's
+// geometry: 10 bytes per token, layer and channel (fp32 needs 8) plus
+// 1 MiB; a store lookup never fetches a larger value.
+uint64_t max_chunk_bytes(const KvCache& cache, int64_t end);
 
 // The chunk size a cache of this scheme uses for a requested one.
 int chunk_tokens_for(const KvCache& cache, int requested);
@@ -119,7 +129,7 @@ struct LookupReport {
   int64_t tokens = 0;        // restored
   int chunks = 0;            // restored
   int bad = 0;               // entries found unusable (warned, to be overwritten)
-  double lookup_s = 0;       // keys, contains, get, checks
+  double lookup_s = 0;       // keys, sizes, get, checks
   double restore_s = 0;      // KvCache::restore_ranges
   uint64_t bytes = 0;        // value bytes read
 };

@@ -240,7 +240,7 @@ void ExerciseStore(const std::string& url, const std::string& scheme, Warnings& 
   EXPECT_EQ(s.longest_prefix(tok, cold), 0);
   FillAndPut(s, cold, rows, tok, 0, e2 + 5);
   const std::vector<Key> keys = chunk_keys(cold, tok, plan.tokens, std::nullopt);
-  EXPECT_EQ(s.backend().contains(keys), std::vector<bool>(3, true));
+  for (const auto& size : s.backend().sizes(keys)) EXPECT_TRUE(size.has_value() && *size > 0);
   // Warm: all three chunks; limit keeps one token to evaluate.
   KvCache warm(scheme, kL, 4096, kH, kD, &r);
   LookupReport rep;
@@ -434,22 +434,28 @@ TEST(PrefixStore, ForeignEntriesAreRefusedAfterTheirHeader) {
   ASSERT_EQ(s.put(tok, c), 1);
   const std::vector<Key> keys = chunk_keys(c, tok, 64, std::nullopt);
   const fs::path entry = d / (key_hex(keys[0]) + ".kvqr");
-  // A sparse 3 GiB file of zeros, and one with a KVQR header that declares
-  // more than the file holds: each a miss with one warning, 20 bytes read.
+  // Larger than any chunk of this cache (a sparse 3 GiB file): refused by
+  // its size, never read. Within that bound, zeros or a KVQR header that
+  // declares more than the file holds: refused after 20 bytes. Each a miss
+  // with one warning.
   std::vector<uint8_t> good_head = *s.backend().get(keys)[0];
   good_head.resize(20);
-  for (const char* why : {"magic", "truncated"}) {
+  const uint64_t most = max_chunk_bytes(c, 64);
+  for (const auto& [size, why] : std::vector<std::pair<uint64_t, std::string>>{
+           {uint64_t{3} << 30, "more than the " + std::to_string(most)}, {most / 2, "magic"}, {most / 2, "truncated"}}) {
     SCOPED_TRACE(why);
     {
       std::vector<uint8_t> head = good_head;
-      if (std::string(why) == "magic") head.assign(20, 0);
+      if (why == "magic") head.assign(20, 0);
       std::ofstream f(entry, std::ios::binary | std::ios::trunc);
       f.write(reinterpret_cast<const char*>(head.data()), 20);
     }
-    fs::resize_file(entry, uint64_t{3} << 30);
-    const auto got = s.backend().get(keys);
-    ASSERT_TRUE(got[0].has_value());
-    EXPECT_EQ(got[0]->size(), 20u);
+    fs::resize_file(entry, size);
+    if (size <= most) {
+      const auto got = s.backend().get(keys);
+      ASSERT_TRUE(got[0].has_value());
+      EXPECT_EQ(got[0]->size(), 20u);
+    }
     w.lines.clear();
     KvCache m("q8_0", kL, 4096, kH, kD);
     EXPECT_EQ(s.longest_prefix(tok, m), 0);
@@ -648,6 +654,45 @@ TEST(PrefixStoreRedis, RoundTripsAndRefusesBadEntries) {
   EXPECT_LE(ttl, 100);
 }
 
+std::string RedisCli(int port, const std::string& args) {
+  FILE* p = ::popen(("redis-cli -p " + std::to_string(port) + " " + args + " 2>&1").c_str(), "r");
+  std::string out;
+  char buf[256];
+  while (p && std::fgets(buf, sizeof buf, p)) out += buf;
+  if (p) ::pclose(p);
+  return out;
+}
+
+// A key of another type under a chunk's key is one unusable entry (a
+// warning), overwritten by the next put; the store stays up.
+TEST(PrefixStoreRedis, AKeyOfAnotherTypeIsOverwritten) {
+  KVQ_NEED_REDIS();
+  RedisServer srv;
+  ASSERT_TRUE(srv.up());
+  const test::Rows rows = test::MakeRows(70, 1);
+  const std::vector<int> tok = Tokens(70);
+  KvCache probe("q8_0", kL, 4096, kH, kD);
+  const std::string key = "kvq:prefix:" + hex_digest(chunk_keys(probe, tok, 64, std::nullopt)[0]);
+  for (const char* type : {"RPUSH %s a", "HSET %s f v", "SADD %s m", "ZADD %s 1 m", "XADD %s '*' f v"}) {
+    SCOPED_TRACE(type);
+    char cmd[256];
+    std::snprintf(cmd, sizeof cmd, type, key.c_str());
+    RedisCli(srv.port(), "DEL " + key);
+    RedisCli(srv.port(), cmd);
+    Warnings w;
+    PrefixStore s(srv.url(), w.Options(64));
+    KvCache c("q8_0", kL, 4096, kH, kD);
+    EXPECT_EQ(s.longest_prefix(tok, c), 0);
+    ASSERT_EQ(w.lines.size(), 1u);
+    EXPECT_NE(w.lines[0].find("not a stored value"), std::string::npos) << w.lines[0];
+    EXPECT_TRUE(s.backend().alive());
+    FillAndPut(s, c, rows, tok, 0, 70);
+    KvCache d("q8_0", kL, 4096, kH, kD);
+    EXPECT_EQ(s.longest_prefix(tok, d), 64);
+    EXPECT_EQ(w.lines.size(), 1u);
+  }
+}
+
 TEST(PrefixStoreRedis, ARefusedConnectionIsAWarningAndAnEmptyStore) {
   Warnings w;
   const int port = FreePort();  // nothing listens there
@@ -668,7 +713,9 @@ TEST(PrefixStoreRedis, ARefusedConnectionIsAWarningAndAnEmptyStore) {
 // `reply` says (nothing: a silent server; or writes bytes and closes).
 class FakeServer {
  public:
-  explicit FakeServer(std::string reply, bool close_after) : reply_(std::move(reply)), close_(close_after) {
+  // trickle_ms > 0: the reply goes out one byte at a time, that far apart.
+  explicit FakeServer(std::string reply, bool close_after, int trickle_ms = 0)
+      : reply_(std::move(reply)), close_(close_after), trickle_ms_(trickle_ms) {
     fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
     sockaddr_in a{};
     a.sin_family = AF_INET;
@@ -683,7 +730,14 @@ class FakeServer {
       if (c < 0) return;
       char buf[4096];
       (void)::read(c, buf, sizeof buf);
-      if (!reply_.empty()) (void)::write(c, reply_.data(), reply_.size());
+      if (trickle_ms_ > 0) {
+        for (size_t i = 0; i < reply_.size() && !stop_; ++i) {
+          if (::send(c, reply_.data() + i, 1, MSG_NOSIGNAL) != 1) break;
+          std::this_thread::sleep_for(std::chrono::milliseconds(trickle_ms_));
+        }
+      } else if (!reply_.empty()) {
+        (void)::write(c, reply_.data(), reply_.size());
+      }
       if (close_) {
         ::close(c);
       } else {
@@ -703,6 +757,7 @@ class FakeServer {
  private:
   std::string reply_;
   bool close_;
+  int trickle_ms_;
   int fd_, port_;
   std::atomic<bool> stop_{false};
   std::thread th_;
@@ -718,6 +773,24 @@ TEST(PrefixStoreRedis, ASilentServerTimesOutWithinASecond) {
   EXPECT_EQ(s.longest_prefix(Tokens(70), c), 0);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_LT(secs, 2.0);
+  ASSERT_EQ(w.lines.size(), 1u);
+  EXPECT_NE(w.lines[0].find("no reply within the timeout"), std::string::npos) << w.lines[0];
+  EXPECT_FALSE(s.backend().alive());
+}
+
+// A server that answers one byte every 40 ms never lets a single recv
+// time out; the operation's deadline (timeout 300 ms) still ends it.
+TEST(PrefixStoreRedis, ATricklingServerMeetsTheOperationsDeadline) {
+  Warnings w;
+  FakeServer fake(":100\r\n$100\r\n" + std::string(100, 'x') + "\r\n", /*close_after=*/false, /*trickle_ms=*/40);
+  StoreOptions o = w.Options(64);
+  o.timeout_ms = 300;
+  PrefixStore s("redis://127.0.0.1:" + std::to_string(fake.port()), o);
+  KvCache c("q8_0", kL, 4096, kH, kD);
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(s.longest_prefix(Tokens(70), c), 0);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(secs, 1.5) << "the whole reply takes 4.5 s to trickle";
   ASSERT_EQ(w.lines.size(), 1u);
   EXPECT_NE(w.lines[0].find("no reply within the timeout"), std::string::npos) << w.lines[0];
   EXPECT_FALSE(s.backend().alive());
