@@ -533,7 +533,7 @@ PYBIND11_MODULE(_kvq, m) {
   // ---- the prefix store (store/prefix_store.h) -----------------------------------
   py::class_<PyPrefixStore>(m, "PrefixStore")
       .def(py::init([](const std::string& url, int chunk_tokens, double max_bytes, int ttl, const std::string& prefix,
-                       int timeout_ms, const py::object& fingerprint) {
+                       int timeout_ms, const py::object& fingerprint, const py::bytes& secret) {
         KVQ_CHECK_ARG(max_bytes >= 0 && max_bytes < 0x1p62, "max_bytes: expected >= 0, got ", max_bytes);
         PyPrefixStore p;
         store::StoreOptions o;
@@ -543,6 +543,7 @@ PYBIND11_MODULE(_kvq, m) {
         o.key_prefix = prefix;
         o.timeout_ms = timeout_ms;
         o.model = Digest32(fingerprint, "model_fingerprint");
+        o.secret = std::string(secret);
         auto pending = p.pending;
         o.warn = [pending](const std::string& w) { pending->push_back(w); };
         p.s = std::make_unique<store::PrefixStore>(url, o);

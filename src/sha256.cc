@@ -1,6 +1,9 @@
 #include "kvq/sha256.h"
 
+#include <openssl/core_names.h>
+#include <openssl/crypto.h>
 #include <openssl/evp.h>
+#include <openssl/params.h>
 
 #include "kvq/error.h"
 
@@ -39,5 +42,26 @@ Digest Sha256::final() {
   KVQ_CHECK_ARG(EVP_DigestFinal_ex(ctx_->c, d.data(), &n) == 1 && n == d.size(), "sha256: OpenSSL final failed");
   return d;
 }
+
+Digest hmac_sha256(std::span<const uint8_t> key, std::initializer_list<std::span<const uint8_t>> parts) {
+  EVP_MAC* mac = EVP_MAC_fetch(nullptr, "HMAC", nullptr);
+  EVP_MAC_CTX* c = mac ? EVP_MAC_CTX_new(mac) : nullptr;
+  char digest[] = "SHA256";
+  const OSSL_PARAM params[] = {OSSL_PARAM_construct_utf8_string(OSSL_MAC_PARAM_DIGEST, digest, 0),
+                               OSSL_PARAM_construct_end()};
+  // An empty key is a valid HMAC key; OpenSSL wants a non-null pointer for it.
+  static const uint8_t kNone = 0;
+  bool ok = c && EVP_MAC_init(c, key.empty() ? &kNone : key.data(), key.size(), params) == 1;
+  for (const auto& p : parts) ok = ok && EVP_MAC_update(c, p.data(), p.size()) == 1;
+  Digest d{};
+  size_t n = 0;
+  ok = ok && EVP_MAC_final(c, d.data(), &n, d.size()) == 1 && n == d.size();
+  EVP_MAC_CTX_free(c);
+  EVP_MAC_free(mac);
+  KVQ_CHECK_ARG(ok, "hmac_sha256: OpenSSL failed");
+  return d;
+}
+
+bool digests_equal(const Digest& a, const Digest& b) { return CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0; }
 
 }  // namespace kvq

@@ -19,7 +19,6 @@
 
 #include "kvq/error.h"
 #include "kvq/file.h"
-#include "src/container.h"
 #include "store/backends.h"
 
 namespace kvq::store {
@@ -100,30 +99,17 @@ class DirStore final : public StoreBackend {
  private:
   std::string Path(const Key& k) const { return dir_ + "/" + key_hex(k) + ".kvqr"; }
 
-  // A chunk file, read header first: one that is not a KVQR container of
-  // its own size returns only its header, which the caller's checks refuse
-  // (a warning, then overwritten) without reading the rest.
+  // A chunk file whole (the store checks its size against what a chunk of
+  // the cache can be before asking for it).
   std::optional<std::vector<uint8_t>> Read(const std::string& path) const {
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
     if (fd < 0) return std::nullopt;  // absent, or evicted by another process meanwhile
     struct stat st {};
     std::optional<std::vector<uint8_t>> out;
-    if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode)) {
-      const uint64_t size = static_cast<uint64_t>(st.st_size);
-      std::vector<uint8_t> b(static_cast<size_t>(std::min<uint64_t>(size, detail::kContainerHeaderBytes)));
-      bool whole = false;
-      if (ReadAll(fd, b) && size <= kMaxEntry) {
-        try {
-          detail::CheckContainerHeader(b, kChunkMagic, 0xffff, "prompt cache entry", size - b.size());
-          whole = true;
-        } catch (const Error&) {
-        }
-      }
-      if (whole) {
-        b.resize(static_cast<size_t>(size));
-        if (!ReadAll(fd, std::span(b).subspan(detail::kContainerHeaderBytes))) b.resize(detail::kContainerHeaderBytes);
-      }
-      out = std::move(b);  // short or foreign: the checks refuse it
+    if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && static_cast<uint64_t>(st.st_size) <= kMaxEntry) {
+      std::vector<uint8_t> b(static_cast<size_t>(st.st_size));
+      if (!ReadAll(fd, b)) b.clear();  // it shrank meanwhile: the checks refuse it
+      out = std::move(b);
     }
     ::close(fd);
     return out;
@@ -219,8 +205,6 @@ class DirStore final : public StoreBackend {
       }
     }
   }
-
-  static constexpr char kChunkMagic[4] = {'K', 'V', 'Q', 'R'};  // KvCache::range_to_bytes's container
 
   std::string dir_;
   uint64_t max_bytes_;

@@ -125,6 +125,18 @@ std::vector<Key> chunk_keys(const KvCache& cache, std::span<const int> tokens, i
 
 PrefixStore::PrefixStore(const std::string& url, StoreOptions o) : o_(std::move(o)), b_(open_backend(url, o_)) {}
 
+Digest PrefixStore::Tag(const Key& key, std::span<const uint8_t> value) const {
+  static const char kDomain[] = "kvq-prefix-hmac-1";
+  return hmac_sha256({reinterpret_cast<const uint8_t*>(o_.secret.data()), o_.secret.size()},
+                     {{reinterpret_cast<const uint8_t*>(kDomain), sizeof kDomain - 1}, key, value});
+}
+
+Digest PrefixStore::TagOf(std::span<const uint8_t> stored) {
+  Digest d;
+  std::copy(stored.end() - kTagBytes, stored.end(), d.begin());
+  return d;
+}
+
 void PrefixStore::Warn(const std::string& s) const { (o_.warn ? o_.warn : StderrWarn)(escape_for_message(s)); }
 
 int64_t PrefixStore::longest_prefix(std::span<const int> tokens, KvCache& cache, int64_t limit,
@@ -161,6 +173,14 @@ int64_t PrefixStore::longest_prefix(std::span<const int> tokens, KvCache& cache,
     for (size_t i = 0; i < got.size() && got[i]; ++i) {
       const int64_t begin = plan.begin(static_cast<int64_t>(i)), end = plan.end(static_cast<int64_t>(i));
       try {
+        if (!o_.secret.empty()) {
+          std::vector<uint8_t>& v = *got[i];
+          KVQ_CHECK_ARG(v.size() >= kTagBytes && digests_equal(Tag(keys[i], std::span(v).first(v.size() - kTagBytes)),
+                                                              TagOf(v)),
+                        "its HMAC-SHA256 fails under the store's secret (written without it, under another one, ",
+                        "or altered)");
+          v.resize(v.size() - kTagBytes);
+        }
         cache.check_range(*got[i], begin, end, keys[i]);
       } catch (const Error& e) {
         Warn("chunk " + std::to_string(i) + " (tokens " + std::to_string(begin) + ".." + std::to_string(end) +
@@ -227,8 +247,12 @@ int PrefixStore::put(std::span<const int> tokens, const KvCache& cache, uint64_t
   for (size_t j = 0; j < want.size(); ++j) {
     if (good_.count(want[j])) continue;
     const size_t i = first + j;
-    const std::vector<uint8_t> v =
+    std::vector<uint8_t> v =
         cache.range_to_bytes(plan.begin(static_cast<int64_t>(i)), plan.end(static_cast<int64_t>(i)), want[j]);
+    if (!o_.secret.empty()) {
+      const Digest tag = Tag(want[j], v);
+      v.insert(v.end(), tag.begin(), tag.end());
+    }
     if (!b_->put(std::span(keys).first(i + 1), v)) {
       if (b_->writable()) full_chain_ = keys[0];  // the size cap holds no more of this chain
       break;

@@ -27,6 +27,12 @@
 // overwrites it. So is one larger than a chunk of the cache can be
 // (max_chunk_bytes): it is never fetched.
 //
+// Trust: without a secret, a chunk's CRC32C, key and checks catch damage,
+// not a writer: anyone who can write the directory or the Redis database
+// can make another user's run restore K/V of their choosing. With a secret
+// (StoreOptions::secret), only holders of it can write chunks that are
+// restored; readers without it see unusable entries.
+//
 // Backends (open_backend): a directory (one file per chunk, temp file +
 // rename, a size cap that evicts the least recently used chains from their
 // last chunk backwards), Redis through hiredis (key prefix, TTL, AUTH,
@@ -58,6 +64,11 @@ struct StoreOptions {
   std::string key_prefix = "kvq:prefix:";  // Redis: prepended to the hex key
   int timeout_ms = 1000;         // Redis: connect and per-command timeout (1..60000)
   std::optional<Key> model;      // the model's fingerprint (model/fingerprint.h)
+  // A secret (any bytes; empty: none; never printed): every chunk then
+  // carries HMAC-SHA256(secret, "kvq-prefix-hmac-1" | key | value) after its
+  // value, and a chunk whose tag fails (written without the secret, under
+  // another one, or altered) is a miss with one warning.
+  std::string secret;
   // Where warnings go (one line each, no trailing newline); default stderr.
   std::function<void(const std::string&)> warn;
 };
@@ -159,6 +170,9 @@ class PrefixStore {
 
  private:
   void Warn(const std::string& s) const;
+  static constexpr size_t kTagBytes = 32;
+  Digest Tag(const Key& key, std::span<const uint8_t> value) const;  // with o_.secret
+  static Digest TagOf(std::span<const uint8_t> stored);               // its last kTagBytes
   StoreOptions o_;
   std::unique_ptr<StoreBackend> b_;
   std::set<Key> good_;  // restored or written by this store: put skips them

@@ -249,6 +249,20 @@ if [ -n "$RPID" ]; then
   check "redis with a password the server does not want: same text, a warning without it" '[ $rc -eq 0 ] && cmp -s "$T/pc_ref" "$T/pc_r" && grep -q "AUTH refused" "$T/err" && ! grep -q wrongpw "$T/err"'
   kill "$RPID"; wait "$RPID" 2>/dev/null
 fi
+# An authenticated store: chunks under one secret restore with it (file or
+# KVQ_PREFIX_STORE_KEY), not under another (one warning, same text, the
+# secret never printed); an empty secret is an error.
+printf 'k1-s3cret\n' >"$T/key1"; printf 'k2-s3cret' >"$T/key2"; : >"$T/key0"
+rm -rf "$T/pck"
+"$KVQ" generate --kv q8_0 --prompt "$LP" --steps 300 >"$T/pck_ref" 2>/dev/null
+"$KVQ" generate --kv q8_0 --prompt "$LP" --steps 300 --prompt-cache "$T/pck" --prompt-cache-chunk 48 --prompt-cache-key-file "$T/key1" >"$T/pck_out" 2>"$T/err"; rc=$?
+check "keyed store: cold run, same text" '[ $rc -eq 0 ] && cmp -s "$T/pck_ref" "$T/pck_out" && grep -q "reused 0 of" "$T/err"'
+KVQ_PREFIX_STORE_KEY=k1-s3cret "$KVQ" generate --kv q8_0 --prompt "$LP" --steps 300 --prompt-cache "$T/pck" --prompt-cache-chunk 48 >"$T/pck_out" 2>"$T/err"; rc=$?
+check "keyed store: the same secret from KVQ_PREFIX_STORE_KEY reuses the chunks" '[ $rc -eq 0 ] && cmp -s "$T/pck_ref" "$T/pck_out" && grep -q "reused [1-9][0-9]* of" "$T/err" && ! grep -q unusable "$T/err"'
+"$KVQ" generate --kv q8_0 --prompt "$LP" --steps 300 --prompt-cache "$T/pck" --prompt-cache-chunk 48 --prompt-cache-key-file "$T/key2" >"$T/pck_out" 2>"$T/err"; rc=$?
+check "keyed store: another secret, one HMAC warning, same text, no secret printed" '[ $rc -eq 0 ] && cmp -s "$T/pck_ref" "$T/pck_out" && [ "$(grep -c "HMAC-SHA256" "$T/err")" -eq 1 ] && grep -q "reused 0 of" "$T/err" && ! grep -q s3cret "$T/err"'
+"$KVQ" generate --kv q8_0 --prompt "$LP" --prompt-cache "$T/pck" --prompt-cache-key-file "$T/key0" >/dev/null 2>"$T/err"; rc=$?
+check "an empty --prompt-cache-key-file exits 2" '[ $rc -eq 2 ] && grep -q "prompt-cache-key-file" "$T/err"'
 "$KVQ" generate --prompt "$LP" --prompt-cache "$T/pc" --load-cache "$T/p.kvqs" >/dev/null 2>"$T/err"; rc=$?
 check "--prompt-cache with --load-cache exits 2" '[ $rc -eq 2 ] && grep -q "prompt-cache" "$T/err"'
 "$KVQ" generate --prompt "$LP" --prompt-cache "$T/pc" --prompt-cache-max-mb 1e-9 >/dev/null 2>"$T/err"; rc=$?

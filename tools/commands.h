@@ -64,6 +64,7 @@ struct GenerateOptions {
   int prompt_cache_chunk = 256;
   double prompt_cache_max_mb = 0;
   int prompt_cache_ttl = 0;
+  std::string prompt_cache_key_file;  // the store's HMAC secret (else KVQ_PREFIX_STORE_KEY)
   double temperature = 0.0;
   uint64_t seed = 0;
   int steps = 256;

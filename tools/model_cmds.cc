@@ -388,6 +388,27 @@ void AddGenerateCommand(CLI::App& app, GenerateOptions& o) {
           "", "at least one byte"));
   c->add_option("--prompt-cache-ttl", o.prompt_cache_ttl, "Redis store: seconds each chunk lives (default: forever)")
       ->check(CLI::Range(0, 1 << 30));
+  c->add_option("--prompt-cache-key-file", o.prompt_cache_key_file,
+                "a file holding the store's secret (else KVQ_PREFIX_STORE_KEY; never printed): chunks carry an "
+                "HMAC-SHA256 under it, and chunks that fail it are not restored");
+}
+
+// The prefix store's secret: the key file's bytes (one trailing newline
+// dropped, as `openssl rand -hex 32 > f` writes one), else
+// KVQ_PREFIX_STORE_KEY, else none. An empty secret is an error.
+static std::string StoreSecret(const std::string& key_file) {
+  std::string s;
+  if (!key_file.empty()) {
+    const std::vector<uint8_t> b = read_file_whole(key_file, 1 << 16, "--prompt-cache-key-file");
+    s.assign(b.begin(), b.end());
+    if (!s.empty() && s.back() == '\n') s.pop_back();
+    if (!s.empty() && s.back() == '\r') s.pop_back();
+    KVQ_CHECK_ARG(!s.empty(), "--prompt-cache-key-file '", key_file, "': empty (expected a secret)");
+  } else if (const char* e = std::getenv("KVQ_PREFIX_STORE_KEY")) {
+    s = e;
+    KVQ_CHECK_ARG(!s.empty(), "KVQ_PREFIX_STORE_KEY: set but empty (expected a secret, or unset it)");
+  }
+  return s;
 }
 
 int RunGenerate(const GenerateOptions& o) {
@@ -420,6 +441,7 @@ int RunGenerate(const GenerateOptions& o) {
     so.max_bytes = static_cast<uint64_t>(o.prompt_cache_max_mb * 1048576.0);
     so.ttl_seconds = o.prompt_cache_ttl;
     so.model = fingerprint;
+    so.secret = StoreSecret(o.prompt_cache_key_file);
     pstore.emplace(*o.prompt_cache, so);
   }
   std::optional<model::Transformer> tf;

@@ -1,11 +1,14 @@
-// SHA-256 (OpenSSL's EVP, not hand-written): model fingerprints, token
-// digests and the prefix store's chained chunk keys.
+// SHA-256 and HMAC-SHA256 (OpenSSL's EVP, not hand-written): model
+// fingerprints, token digests, the prefix store's chained chunk keys and
+// its authenticated chunks.
 #pragma once
 
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
+#include <span>
 
 namespace kvq {
 
@@ -26,5 +29,13 @@ class Sha256 {
   struct Ctx;
   std::unique_ptr<Ctx> ctx_;
 };
+
+// HMAC-SHA256 (RFC 2104, OpenSSL's EVP_MAC) of the parts, concatenated,
+// under `key`: the prefix store's chunk tags. Throws kvq::Error if OpenSSL
+// fails.
+Digest hmac_sha256(std::span<const uint8_t> key, std::initializer_list<std::span<const uint8_t>> parts);
+
+// a == b in time independent of where they differ (CRYPTO_memcmp).
+bool digests_equal(const Digest& a, const Digest& b);
 
 }  // namespace kvq

@@ -41,12 +41,33 @@ Bad input raises kvq.Error, a subclass of ValueError, whose message names
 the argument and what was expected.
 """
 
+import functools as _functools
 import sys as _sys
+import threading as _threading
 
 import numpy as _np
 
 from . import _kvq
 from ._kvq import Error, Estimator, GaussianEstimator, LaplaceEstimator
+
+def _lock_of(obj):
+    """The object's own lock (created on first use; dict.setdefault is atomic under the GIL)."""
+    return obj.__dict__.get("_lock") or obj.__dict__.setdefault("_lock", _threading.RLock())
+
+
+def _locked(f):
+    """Runs the method under the object's lock: calls on one kvq object from several threads run one
+    at a time (the C++ objects are not safe to use concurrently, and the GIL is released inside)."""
+    @_functools.wraps(f)
+    def g(self, *args, **kwargs):
+        with _lock_of(self):
+            return f(self, *args, **kwargs)
+    return g
+
+
+def _locked_property(f, doc=None):
+    return property(_locked(f), doc=doc)
+
 
 __all__ = [
     "AffineQuantized", "ClusterBank", "DEFAULT_KS_MAX", "Error", "Estimator", "GaussianEstimator",
@@ -390,7 +411,8 @@ class KvCache:
         bitwise alike and continue as the saved one would. A restored cache's capacity is max_seq
         (default: the tokens it holds).
     Attention reads the stored codes directly (decode_attention). The GIL is released while
-    encoding; one cache must not be written from two threads at once.
+    encoding and attending; calls on one cache from several threads run one at a time (a lock
+    per object), so a cache may be shared between threads.
     """
 
     def __init__(self, scheme, n_layers, max_seq, n_kv_heads, head_dim, ranges=None, *, rope_theta=10000.0):
@@ -408,13 +430,13 @@ class KvCache:
         self.model_fingerprint = self.tokens_digest = None
         return self
 
-    scheme = property(lambda self: self._c.scheme, doc="The canonical scheme name (a preset's expansion).")
-    label = property(lambda self: self._c.label, doc="The name to print (a preset's name).")
-    n_layers = property(lambda self: self._c.n_layers)
-    max_seq = property(lambda self: self._c.max_seq)
-    n_kv_heads = property(lambda self: self._c.n_kv_heads)
-    head_dim = property(lambda self: self._c.head_dim)
-    tokens = property(lambda self: self._c.tokens, doc="The length every layer has reached.")
+    scheme = _locked_property(lambda self: self._c.scheme, doc="The canonical scheme name (a preset's expansion).")
+    label = _locked_property(lambda self: self._c.label, doc="The name to print (a preset's name).")
+    n_layers = _locked_property(lambda self: self._c.n_layers)
+    max_seq = _locked_property(lambda self: self._c.max_seq)
+    n_kv_heads = _locked_property(lambda self: self._c.n_kv_heads)
+    head_dim = _locked_property(lambda self: self._c.head_dim)
+    tokens = _locked_property(lambda self: self._c.tokens, doc="The length every layer has reached.")
 
     def _rows(self, x, arg, many):
         a, _ = _f32(x, arg)
@@ -428,11 +450,13 @@ class KvCache:
                         f"got {tuple(a.shape)}")
         return _contiguous(a.reshape(a.shape[0], row))
 
+    @_locked
     def write(self, layer, pos, k, v):
         """Stores one token's K (after RoPE) and V at `pos` of `layer`."""
         self._c.write_many(_int(layer, "layer"), _int(pos, "pos"), self._rows(k, "k", False),
                            self._rows(v, "v", False))
 
+    @_locked
     def write_many(self, layer, pos0, k, v):
         """Stores T tokens' K (after RoPE) and V at pos0 .. pos0 + T - 1 of `layer`."""
         kr, vr = self._rows(k, "k", True), self._rows(v, "v", True)
@@ -440,25 +464,30 @@ class KvCache:
             raise Error(f"v: expected {kr.shape[0]} tokens like k, got {vr.shape[0]}")
         self._c.write_many(_int(layer, "layer"), _int(pos0, "pos0"), kr, vr)
 
+    @_locked
     def read(self, layer, pos):
         """(k, v) of one token as attention reads it, float32 arrays (n_kv_heads, head_dim)."""
         k, v = self._c.read(_int(layer, "layer"), _int(pos, "pos", 0, 2 ** 62))
         return k.reshape(self.n_kv_heads, self.head_dim), v.reshape(self.n_kv_heads, self.head_dim)
 
+    @_locked
     def written(self, layer):
         return self._c.written(_int(layer, "layer"))
 
     def _tokens(self, tokens):
         return -1 if tokens is None else _int(tokens, "tokens", 0, 2 ** 62)
 
+    @_locked
     def bytes(self, tokens=None):
         """Bytes the cache holds (every stored bit: codes, scales, parameters, tables), all layers."""
         return self._c.bytes(self._tokens(tokens))
 
+    @_locked
     def bits(self, tokens=None):
         """8 bytes / (2 tokens n_kv_heads head_dim n_layers)."""
         return self._c.bits(self._tokens(tokens))
 
+    @_locked
     def allocated_bytes(self):
         """The object's K/V allocations: bytes() plus a bounded constant."""
         return self._c.allocated_bytes()
@@ -471,6 +500,7 @@ class KvCache:
             raise Error(f"{arg}: expected 32 bytes (e.g. a SHA-256 digest) or None")
         return bytes(x)
 
+    @_locked
     def to_bytes(self, tokens=None, *, model_fingerprint=None, tokens_digest=None):
         """The cache's first `tokens` tokens as a checksummed container (kvq/kv_cache.h)."""
         return self._c.to_bytes(self._tokens(tokens), self._digest(model_fingerprint, "model_fingerprint"),
@@ -493,6 +523,7 @@ class KvCache:
         return cls._restored(_kvq.KvCache.from_bytes(bytes(data), cls._digest(model_fingerprint, "model_fingerprint"),
                                                      cls._max_seq(max_seq)))
 
+    @_locked
     def save(self, path, tokens=None, *, model_fingerprint=None, tokens_digest=None):
         """Writes to_bytes() to `path` (a temporary file beside it, renamed: whole or absent)."""
         self._c.save(_str(path, "path"), self._tokens(tokens), self._digest(model_fingerprint, "model_fingerprint"),
@@ -544,8 +575,9 @@ def decode_attention(q, cache, layer, tokens=None, *, int8_query=False, scale=0.
     if not isinstance(int8_query, bool):
         raise Error(f"int8_query: expected True or False, got {int8_query!r}")
     t = -1 if tokens is None else _int(tokens, "tokens", 0, 2 ** 62)
-    out = _kvq.KvCache.attend(cache._c, a, _int(layer, "layer"), t, int8_query, _float(scale, "scale"),
-                              _int(threads, "threads"), _reference)
+    with _lock_of(cache):
+        out = _kvq.KvCache.attend(cache._c, a, _int(layer, "layer"), t, int8_query, _float(scale, "scale"),
+                                  _int(threads, "threads"), _reference)
     return _output(out.reshape(a.shape), as_torch)
 
 
@@ -559,11 +591,13 @@ class PrefixStore:
     chunk's token ids), in the scheme's stored form.
 
     PrefixStore(url="", chunk_tokens=256, *, max_bytes=0, ttl=0, key_prefix="kvq:prefix:",
-                timeout_ms=1000, model_fingerprint=None)
+                timeout_ms=1000, model_fingerprint=None, secret=None)
     url: a directory ("" = ~/.cache/kvq/prefix), "redis://[user:password@]host:port[/db]"
         (password also from KVQ_REDIS_PASSWORD; never printed) or "memory:NAME" (this process).
     max_bytes: a directory's size cap (least recently used chunks go first); ttl: seconds a Redis
-        entry lives; model_fingerprint: 32 bytes identifying the model (keys differ per model).
+        entry lives; model_fingerprint: 32 bytes identifying the model (keys differ per model);
+        secret (bytes or str, never printed): chunks carry an HMAC-SHA256 under it and chunks that
+        fail it (written without it, under another one, or altered) are misses with a warning.
     Chunk i ends at chunk_ends(cache, i + 1)[-1] (the first also holds the scheme's offset).
     put(tokens, cache) -> chunks written: the full chunks of tokens[:cache.tokens] not yet
         restored or written by this store (a row cache any of them; a grouped cache the one ending
@@ -574,15 +608,25 @@ class PrefixStore:
         at n_tokens; (0, empty cache) when none.
     A corrupted, truncated or foreign entry is a miss; an unreachable, silent (timeout_ms) or
     dying Redis leaves the store empty. Each is one RuntimeWarning, also kept in .warnings.
+    Calls on one store from several threads run one at a time (a lock per object; put and
+    longest_prefix also hold the cache's lock, store first).
     """
 
     def __init__(self, url="", chunk_tokens=256, *, max_bytes=0, ttl=0, key_prefix="kvq:prefix:", timeout_ms=1000,
-                 model_fingerprint=None):
+                 model_fingerprint=None, secret=None):
         self.warnings = []
+        if secret is None:
+            secret = b""
+        elif isinstance(secret, str):
+            secret = secret.encode()
+        elif isinstance(secret, (bytes, bytearray)):
+            secret = bytes(secret)
+        else:
+            raise Error(f"secret: expected bytes or str, got {type(secret).__name__}")
         self._s = _kvq.PrefixStore(_str(url, "url"), _int(chunk_tokens, "chunk_tokens"),
                                    _float(max_bytes, "max_bytes"), _int(ttl, "ttl"), _str(key_prefix, "key_prefix"),
                                    _int(timeout_ms, "timeout_ms"), KvCache._digest(model_fingerprint,
-                                                                                   "model_fingerprint"))
+                                                                                   "model_fingerprint"), secret)
         self._warn()
 
     def _warn(self):
@@ -606,27 +650,35 @@ class PrefixStore:
             raise Error(f"tokens: expected a 1-D sequence of integer token ids, got {a.dtype} of shape {a.shape}")
         return a.astype(_np.int64)
 
+    @_locked
     def put(self, tokens, cache):
         """Stores the new full chunks of cache (computed from tokens); returns how many."""
         try:
-            n, _ = self._s.put(self._ids(tokens), self._cache(cache, "cache"))
+            c = self._cache(cache, "cache")
+            with _lock_of(cache):
+                n, _ = self._s.put(self._ids(tokens), c)
         finally:
             self._warn()
         return n
 
+    @_locked
     def longest_prefix(self, tokens, like, limit=None):
         """(n_tokens, cache): the longest stored run of full chunks of tokens[:limit], restored."""
         lim = -1 if limit is None else _int(limit, "limit", 0, 2 ** 62)
         try:
-            n, c, self.last_lookup = self._s.longest_prefix(self._ids(tokens), self._cache(like, "like"), lim)
+            c = self._cache(like, "like")
+            with _lock_of(like):
+                n, c, self.last_lookup = self._s.longest_prefix(self._ids(tokens), c, lim)
         finally:
             self._warn()
         return n, KvCache._wrap(c)
 
+    @_locked
     def chunk_tokens(self, cache):
         """The chunk size this store uses for cache's scheme."""
         return self._s.chunk_tokens(self._cache(cache, "cache"))
 
+    @_locked
     def chunk_ends(self, cache, n):
         """Where the first n chunks end for cache's scheme: offset + (i + 1) * chunk_tokens, the
         offset (a grouped scheme's sinks and recent window) putting the ends where the cache holds
@@ -634,11 +686,13 @@ class PrefixStore:
         c, o = self._s.chunk_plan(self._cache(cache, "cache"))
         return [o + (i + 1) * c for i in range(_int(n, "n", 0, 2 ** 30))]
 
+    @_locked
     def keys(self, tokens, cache):
         """Hex keys of the full chunks of tokens for cache's scheme, tables and this store's model."""
         return list(self._s.keys(self._ids(tokens), self._cache(cache, "cache")))
 
     @property
+    @_locked
     def alive(self):
         """False once a Redis store gave up (it then behaves as an empty store)."""
         return self._s.alive()

@@ -143,3 +143,87 @@ def test_unreachable_redis_is_a_warning():
     with pytest.warns(RuntimeWarning, match="cannot connect"):
         s = kvq.PrefixStore(f"redis://user:pw123@127.0.0.1:{_free_port()}")
     assert not s.alive and "pw123" not in s.warnings[0] and "pw123" not in repr(s)
+
+
+def test_one_store_and_one_cache_shared_by_threads(redis_url):
+    """One Redis store and one grouped cache used from four threads at once: writes and puts in one,
+    attend / to_bytes / bytes / longest_prefix in the others. Calls on one object run one at a
+    time, so nothing crashes and the cache ends as a single-threaded run leaves it."""
+    import threading
+    url, _ = redis_url
+    s = kvq.PrefixStore(url, chunk_tokens=32)
+    tokens = list(range(400))
+    shared = _cache("kvq-4.5")
+    rng = np.random.default_rng(0)
+    rows = [(rng.standard_normal(H * HD).astype(np.float32), rng.standard_normal(H * HD).astype(np.float32))
+            for _ in range(400)]
+    done = threading.Event()
+    errors = []
+
+    def writer():
+        try:
+            for p in range(400):
+                for layer in range(L):
+                    shared.write(layer, p, *rows[p])
+                s.put(tokens, shared)
+        except Exception as e:  # noqa: BLE001 - the test reports whatever escaped
+            errors.append(e)
+        finally:
+            done.set()
+
+    def reader():
+        q = np.ones((2 * H, HD), np.float32)
+        try:
+            while not done.is_set():
+                try:  # between the writer's layers the layers' lengths differ: a clear error
+                    if shared.tokens > 0:
+                        shared.attend(q, 0)
+                    shared.to_bytes()
+                    shared.bytes()
+                except kvq.Error as e:
+                    assert "current length" in str(e) or "tokens" in str(e), e
+                s.longest_prefix(tokens, _cache("kvq-4.5"))
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer)] + [threading.Thread(target=reader) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    alone = _cache("kvq-4.5")
+    for p in range(400):
+        for layer in range(L):
+            alone.write(layer, p, *rows[p])
+    assert shared.to_bytes() == alone.to_bytes()
+    assert s.warnings == [] and s.alive
+    n, _ = s.longest_prefix(tokens, _cache("kvq-4.5"))
+    assert n > 300
+
+
+def test_a_secret_authenticates_chunks(tmp_path):
+    """With a secret, chunks written without it, under another, or altered are misses (one
+    warning each); with the right one they restore exactly."""
+    d = str(tmp_path / "auth")
+    tokens = list(range(100))
+    keyed = kvq.PrefixStore(d, chunk_tokens=32, secret=b"k1")
+    _, snaps = _fill(keyed, "q8_0", tokens, 100)
+    n, c = kvq.PrefixStore(d, chunk_tokens=32, secret="k1").longest_prefix(tokens, _cache("q8_0"))
+    assert n == 96 and c.to_bytes() == snaps[96]
+    for other in (None, b"k2"):
+        s = kvq.PrefixStore(d, chunk_tokens=32, secret=other)
+        with pytest.warns(RuntimeWarning, match="unusable"):
+            n, _ = s.longest_prefix(tokens, _cache("q8_0"))
+        assert n == 0 and len(s.warnings) == 1
+        if other is not None:
+            assert "HMAC-SHA256" in s.warnings[0] and "k2" not in s.warnings[0]
+    # Chunks rewritten by a writer without the secret (valid CRC, other K/V) are refused too.
+    d2 = str(tmp_path / "auth2")
+    _fill(kvq.PrefixStore(d2, chunk_tokens=32, secret=b"k1"), "q8_0", tokens, 100)
+    _fill(kvq.PrefixStore(d2, chunk_tokens=32), "q8_0", tokens, 100, seed=9)  # overwrites every chunk
+    s = kvq.PrefixStore(d2, chunk_tokens=32, secret=b"k1")
+    with pytest.warns(RuntimeWarning, match="HMAC"):
+        assert s.longest_prefix(tokens, _cache("q8_0"))[0] == 0
+    with pytest.raises(ValueError, match="secret"):
+        kvq.PrefixStore("memory:", secret=3)
