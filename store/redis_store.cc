@@ -3,12 +3,19 @@
 // times out after timeout_ms, and each operation (a pipeline sent and its
 // replies read) has one deadline: timeout_ms plus a second per MiB moved,
 // so a server that trickles bytes cannot stall a run. A key of another
-// type (WRONGTYPE) is an unusable entry, overwritten by SET. A refused
-// connection, a timeout,
-// a dropped connection or a refused AUTH is one warning, then the store is
-// empty for the rest of the process (the run goes on without it). The
-// password (from the URL or KVQ_REDIS_PASSWORD) is sent with AUTH and never
-// printed: describe() shows it as ***, and any server text is scrubbed of it.
+// type (WRONGTYPE) is an unusable entry, overwritten by SET.
+//
+// Redis Cluster: when the server answers CLUSTER SLOTS, the store keeps
+// the slot map (slot = CRC16-XMODEM of the key, or of its {hash tag}, mod
+// 16384, as Redis defines it), sends each key to its slot's master (one
+// pipeline per node), and follows MOVED (the map is updated) and ASK
+// (ASKING, once) redirections. Debian's hiredis is not cluster-aware.
+//
+// A refused connection, a timeout, a dropped connection (any node's) or a
+// refused AUTH is one warning, then the store is empty for the rest of the
+// process (the run goes on without it). The password (from the URL or
+// KVQ_REDIS_PASSWORD) is sent with AUTH to every node and never printed:
+// describe() shows it as ***, and any server text is scrubbed of it.
 // Writing to a socket the server closed would raise SIGPIPE: a process that
 // still has the default action for it gets SIG_IGN when a store opens.
 #include <hiredis/hiredis.h>
@@ -22,6 +29,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <string_view>
 
 #include "kvq/error.h"
 #include "store/backends.h"
@@ -112,27 +120,26 @@ class RedisStore final : public StoreBackend {
     if (::sigaction(SIGPIPE, nullptr, &old) == 0 && old.sa_handler == SIG_DFL) ::signal(SIGPIPE, SIG_IGN);
     describe_ = "redis://" + (u_.user.empty() && !u_.has_password ? "" : u_.user + (u_.has_password ? ":***" : "") + "@") +
                 u_.host + ":" + std::to_string(u_.port) + "/" + std::to_string(u_.db);
-    const struct timeval tv = {o.timeout_ms / 1000, (o.timeout_ms % 1000) * 1000};
-    c_ = redisConnectWithTimeout(u_.host.c_str(), u_.port, tv);
-    if (!c_ || c_->err) {
-      GiveUp(std::string("cannot connect (") + (c_ ? c_->errstr : "out of memory") + ")");
+    nodes_.push_back({u_.host, u_.port, nullptr});
+    if (!Connect(0)) return;
+    // A cluster node answers CLUSTER SLOTS; a standalone server refuses it.
+    std::vector<Reply> r = Run(0, {{"CLUSTER", "SLOTS"}});
+    if (r.empty()) return;
+    if (r[0]->type == REDIS_REPLY_ARRAY) {
+      if (u_.db != 0) {
+        GiveUp("a Redis Cluster has only database 0");
+        return;
+      }
+      cluster_ = true;
+      if (!LoadSlots(*r[0])) return;
+      describe_ += " (cluster)";
+    } else if (u_.db != 0 && !Ok(Run(0, {{"SELECT", std::to_string(u_.db)}}), "SELECT")) {
       return;
     }
-    if (redisSetTimeout(c_, tv) != REDIS_OK) {
-      GiveUp("cannot set the timeout");
-      return;
-    }
-    if (u_.has_password) {
-      const Command auth = u_.user.empty() ? Command{"AUTH", u_.password} : Command{"AUTH", u_.user, u_.password};
-      if (!Ok(Run({auth}), "AUTH")) return;
-    }
-    if (u_.db != 0 && !Ok(Run({{"SELECT", std::to_string(u_.db)}}), "SELECT")) return;
   }
-  ~RedisStore() override {
-    if (c_) redisFree(c_);
-  }
+  ~RedisStore() override { Close(); }
   std::string describe() const override { return describe_; }
-  bool alive() const override { return c_ != nullptr; }
+  bool alive() const override { return !dead_; }
 
   // STRLEN: 0 for an absent key (a stored chunk is never empty), an error
   // (WRONGTYPE) for a key of another type.
@@ -163,41 +170,173 @@ class RedisStore final : public StoreBackend {
 
   // SET replaces a key of any type.
   bool put(std::span<const Key> chain, std::span<const uint8_t> value) override {
-    if (!c_) return false;
+    if (dead_) return false;
     Command set = {"SET", prefix_ + key_hex(chain.back()), std::string(value.begin(), value.end())};
     if (ttl_ > 0) set.insert(set.end(), {"EX", std::to_string(ttl_)});
-    return Ok(Run({std::move(set)}), "SET");
+    const std::string key = set[1];
+    return Ok(Routed(std::move(set), key), "SET");
   }
 
  private:
-  // One command per key, pipelined; a key's reply is null when the server
-  // refused that key alone (WRONGTYPE: another type is stored there). Fewer
-  // replies than keys: the store gave up.
+  struct Node {
+    std::string host;
+    int port;
+    redisContext* c;
+  };
+  static constexpr int kSlots = 16384;
+  static constexpr int kMaxRedirects = 5;
+
+  // Connects nodes_[i] (AUTH too); false: the store gave up.
+  bool Connect(size_t i) {
+    if (dead_) return false;
+    Node& n = nodes_[i];
+    if (n.c) return true;
+    const struct timeval tv = {timeout_ms_ / 1000, (timeout_ms_ % 1000) * 1000};
+    n.c = redisConnectWithTimeout(n.host.c_str(), n.port, tv);
+    const std::string where = i == 0 ? std::string() : " to " + n.host + ":" + std::to_string(n.port);
+    if (!n.c || n.c->err) {
+      GiveUp("cannot connect" + where + " (" + (n.c ? n.c->errstr : "out of memory") + ")");
+      return false;
+    }
+    if (redisSetTimeout(n.c, tv) != REDIS_OK) {
+      GiveUp("cannot set the timeout");
+      return false;
+    }
+    if (u_.has_password) {
+      const Command auth = u_.user.empty() ? Command{"AUTH", u_.password} : Command{"AUTH", u_.user, u_.password};
+      if (!Ok(Run(i, {auth}), "AUTH")) return false;
+    }
+    return true;
+  }
+
+  size_t NodeFor(const std::string& host, int port) {
+    for (size_t i = 0; i < nodes_.size(); ++i) {
+      if (nodes_[i].host == host && nodes_[i].port == port) return i;
+    }
+    nodes_.push_back({host, port, nullptr});
+    return nodes_.size() - 1;
+  }
+
+  // CLUSTER SLOTS: [[start, end, [host, port, ...], replicas...], ...]; an
+  // empty host means the node that answered.
+  bool LoadSlots(const redisReply& r) {
+    slot_node_.assign(kSlots, 0);
+    for (size_t i = 0; i < r.elements; ++i) {
+      const redisReply* e = r.element[i];
+      if (e->type != REDIS_REPLY_ARRAY || e->elements < 3 || e->element[0]->type != REDIS_REPLY_INTEGER ||
+          e->element[1]->type != REDIS_REPLY_INTEGER || e->element[2]->type != REDIS_REPLY_ARRAY ||
+          e->element[2]->elements < 2 || e->element[2]->element[0]->type != REDIS_REPLY_STRING ||
+          e->element[2]->element[1]->type != REDIS_REPLY_INTEGER) {
+        GiveUp("CLUSTER SLOTS: an unexpected reply");
+        return false;
+      }
+      const long long lo = e->element[0]->integer, hi = e->element[1]->integer;
+      const redisReply* m = e->element[2];
+      std::string host(m->element[0]->str, m->element[0]->len);
+      if (host.empty() || host == "?") host = nodes_[0].host;
+      const long long port = m->element[1]->integer;
+      if (lo < 0 || hi >= kSlots || lo > hi || port < 1 || port > 65535) {
+        GiveUp("CLUSTER SLOTS: an unexpected reply");
+        return false;
+      }
+      const size_t n = NodeFor(host, static_cast<int>(port));
+      for (long long s = lo; s <= hi; ++s) slot_node_[static_cast<size_t>(s)] = n;
+    }
+    return true;
+  }
+
+  size_t NodeOf(const std::string& key) const {
+    return cluster_ ? slot_node_[static_cast<size_t>(redis_key_slot(key))] : 0;
+  }
+
+  // A redirection's target: "MOVED <slot> <host>:<port>" / "ASK ...".
+  bool Redirect(const redisReply& r, bool* ask, int* slot, size_t* node) {
+    if (!cluster_ || r.type != REDIS_REPLY_ERROR) return false;
+    const std::string text(r.str, r.len);
+    *ask = text.rfind("ASK ", 0) == 0;
+    if (!*ask && text.rfind("MOVED ", 0) != 0) return false;
+    const size_t a = text.find(' '), b = text.find(' ', a + 1), colon = text.rfind(':');
+    if (b == std::string::npos || colon == std::string::npos || colon < b) return false;
+    *slot = std::atoi(text.c_str() + a + 1);
+    std::string host = text.substr(b + 1, colon - b - 1);
+    if (host.empty()) host = nodes_[0].host;
+    const int port = std::atoi(text.c_str() + colon + 1);
+    if (*slot < 0 || *slot >= kSlots || port < 1 || port > 65535) return false;
+    *node = NodeFor(host, port);
+    return true;
+  }
+
+  // One command on the key's node, following redirections. Null: gave up.
+  Reply Routed(Command cmd, const std::string& key) {
+    size_t node = NodeOf(key);
+    bool asking = false;
+    for (int hop = 0; hop <= kMaxRedirects; ++hop) {
+      if (!Connect(node)) return nullptr;
+      std::vector<Command> cmds;
+      if (asking) cmds.push_back({"ASKING"});
+      cmds.push_back(cmd);
+      std::vector<Reply> r = Run(node, cmds);
+      if (r.empty()) return nullptr;
+      Reply got = std::move(r.back());
+      int slot = 0;
+      size_t to = 0;
+      if (!Redirect(*got, &asking, &slot, &to)) return got;
+      if (!asking) slot_node_[static_cast<size_t>(slot)] = to;  // MOVED: the slot lives there now
+      node = to;
+    }
+    GiveUp(cmd[0] + ": more than " + std::to_string(kMaxRedirects) + " cluster redirections");
+    return nullptr;
+  }
+
+  // One command per key, pipelined per node; a key's reply is null when the
+  // server refused that key alone (WRONGTYPE: another type is stored there).
+  // Fewer replies than keys: the store gave up.
   std::vector<Reply> PerKey(const char* cmd, std::span<const Key> keys) {
-    std::vector<Command> cmds;
-    for (const Key& k : keys) cmds.push_back({cmd, prefix_ + key_hex(k)});
-    std::vector<Reply> r = Run(cmds);
-    for (size_t i = 0; i < r.size(); ++i) {
-      if (r[i]->type != REDIS_REPLY_ERROR) continue;
-      const std::string text(r[i]->str, r[i]->len);
+    if (dead_) return {};
+    std::vector<std::string> ks;
+    for (const Key& k : keys) ks.push_back(prefix_ + key_hex(k));
+    std::vector<Reply> out(keys.size());
+    std::vector<std::vector<size_t>> by_node(nodes_.size());
+    for (size_t i = 0; i < ks.size(); ++i) by_node[NodeOf(ks[i])].push_back(i);
+    for (size_t n = 0; n < by_node.size(); ++n) {
+      if (by_node[n].empty()) continue;
+      if (!Connect(n)) return {};
+      std::vector<Command> cmds;
+      for (size_t i : by_node[n]) cmds.push_back({cmd, ks[i]});
+      std::vector<Reply> r = Run(n, cmds);
+      if (r.empty()) return {};
+      for (size_t j = 0; j < r.size(); ++j) out[by_node[n][j]] = std::move(r[j]);
+    }
+    for (size_t i = 0; i < out.size(); ++i) {
+      bool ask = false;
+      int slot = 0;
+      size_t to = 0;
+      if (Redirect(*out[i], &ask, &slot, &to)) {
+        out[i] = Routed({cmd, ks[i]}, ks[i]);
+        if (!out[i]) return {};
+      }
+      if (out[i]->type != REDIS_REPLY_ERROR) continue;
+      const std::string text(out[i]->str, out[i]->len);
       if (text.rfind("WRONGTYPE", 0) == 0) {
-        r[i].reset();
+        out[i].reset();
       } else {
-        Ok(r[i], cmd);  // gives up, with the server's reason
+        Ok(out[i], cmd);  // gives up, with the server's reason
         return {};
       }
     }
-    return r;
+    return out;
   }
 
-  // Sends the commands together and reads their replies, all within one
-  // deadline: timeout_ms, plus a second for every MiB sent or received (a
-  // server that trickles bytes cannot stall the run; a large value on a
-  // slow link still arrives). Error replies are returned as replies; on a
-  // timeout or a lost connection the store gives up and returns {}.
-  std::vector<Reply> Run(const std::vector<Command>& cmds) {
+  // Sends the commands to node i together and reads their replies, all
+  // within one deadline: timeout_ms, plus a second for every MiB sent or
+  // received (a server that trickles bytes cannot stall the run; a large
+  // value on a slow link still arrives). Error replies are returned as
+  // replies; on a timeout or a lost connection the store gives up and
+  // returns {}.
+  std::vector<Reply> Run(size_t node, const std::vector<Command>& cmds) {
     std::vector<Reply> out;
-    if (!c_) return out;
+    if (dead_ || !nodes_[node].c) return out;
+    redisContext* c = nodes_[node].c;
     using Clock = std::chrono::steady_clock;
     const auto t0 = Clock::now();
     uint64_t moved = 0;
@@ -209,44 +348,42 @@ class RedisStore final : public StoreBackend {
       for (;;) {
         const int ms = left_ms();
         if (ms <= 0) return false;
-        struct pollfd p = {c_->fd, events, 0};
+        struct pollfd p = {c->fd, events, 0};
         const int n = ::poll(&p, 1, ms);
         if (n > 0) return true;
-        if (n == 0) return false;
-        if (errno != EINTR) return false;
+        if (n == 0 || errno != EINTR) return false;
       }
     };
-    const char* name = cmds.empty() ? "?" : cmds[0][0].c_str();
-    for (const Command& c : cmds) {
+    const std::string name = cmds.back()[0];
+    for (const Command& cmd : cmds) {
       std::vector<const char*> argv;
       std::vector<size_t> lens;
-      for (const std::string& a : c) argv.push_back(a.data()), lens.push_back(a.size()), moved += a.size();
-      if (redisAppendCommandArgv(c_, static_cast<int>(argv.size()), argv.data(), lens.data()) != REDIS_OK) {
-        GiveUp(std::string(name) + " failed (" + c_->errstr + ")");
+      for (const std::string& a : cmd) argv.push_back(a.data()), lens.push_back(a.size()), moved += a.size();
+      if (redisAppendCommandArgv(c, static_cast<int>(argv.size()), argv.data(), lens.data()) != REDIS_OK) {
+        GiveUp(name + " failed (" + c->errstr + ")");
         return {};
       }
     }
     for (int done = 0; !done;) {
       if (!wait(POLLOUT)) return Timeout(name), std::vector<Reply>{};
-      if (redisBufferWrite(c_, &done) != REDIS_OK) return Lost(name), std::vector<Reply>{};
+      if (redisBufferWrite(c, &done) != REDIS_OK) return Lost(name, c->errstr), std::vector<Reply>{};
     }
     moved = 0;  // the allowance for what was sent is spent; replies earn their own
     while (out.size() < cmds.size()) {
       void* p = nullptr;
-      if (redisGetReplyFromReader(c_, &p) != REDIS_OK) return Lost(name), std::vector<Reply>{};
+      if (redisGetReplyFromReader(c, &p) != REDIS_OK) return Lost(name, c->errstr), std::vector<Reply>{};
       if (p) {
         out.emplace_back(static_cast<redisReply*>(p));
         continue;
       }
       if (!wait(POLLIN)) return Timeout(name), std::vector<Reply>{};
       char buf[1 << 16];
-      const ssize_t n = ::recv(c_->fd, buf, sizeof buf, 0);
+      const ssize_t n = ::recv(c->fd, buf, sizeof buf, 0);
       if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
-      if (n <= 0) {
-        GiveUp(std::string(name) + ": connection lost (" + (n == 0 ? "Server closed the connection" : std::strerror(errno)) + ")");
-        return {};
+      if (n <= 0) return Lost(name, n == 0 ? "Server closed the connection" : std::strerror(errno)), std::vector<Reply>{};
+      if (redisReaderFeed(c->reader, buf, static_cast<size_t>(n)) != REDIS_OK) {
+        return Lost(name, "a malformed reply"), std::vector<Reply>{};
       }
-      if (redisReaderFeed(c_->reader, buf, static_cast<size_t>(n)) != REDIS_OK) return Lost(name), std::vector<Reply>{};
       moved += static_cast<uint64_t>(n);
     }
     return out;
@@ -255,11 +392,7 @@ class RedisStore final : public StoreBackend {
   // A reply that is not an error, or give up.
   bool Ok(const std::vector<Reply>& r, const char* cmd) { return !r.empty() && Ok(r[0], cmd); }
   bool Ok(const Reply& r, const char* cmd) {
-    if (!c_) return false;
-    if (!r) {
-      Lost(cmd);
-      return false;
-    }
+    if (dead_ || !r) return false;
     if (r->type == REDIS_REPLY_ERROR) {
       const std::string text(r->str, r->len);
       GiveUp(std::string(cmd) + " refused: " + text +
@@ -272,29 +405,50 @@ class RedisStore final : public StoreBackend {
   }
 
   void Timeout(const std::string& cmd) { GiveUp(cmd + ": no reply within the timeout"); }
-  void Lost(const std::string& cmd) {
-    const bool timeout = c_->err == REDIS_ERR_IO && (std::strstr(c_->errstr, "temporarily unavailable") || std::strstr(c_->errstr, "timed out"));
-    GiveUp(cmd + ": " + (timeout ? "no reply within the timeout" : std::string("connection lost (") + c_->errstr + ")"));
-  }
+  void Lost(const std::string& cmd, const std::string& why) { GiveUp(cmd + ": connection lost (" + why + ")"); }
 
   void GiveUp(const std::string& why) {
+    if (dead_) return;
     std::string msg = describe_ + ": " + why + "; continuing without the store";
     if (u_.has_password && !u_.password.empty()) {
       for (size_t at; (at = msg.find(u_.password)) != std::string::npos;) msg.replace(at, u_.password.size(), "***");
     }
     warn_(msg);
-    if (c_) redisFree(c_);
-    c_ = nullptr;
+    Close();
+    dead_ = true;
+  }
+
+  void Close() {
+    for (Node& n : nodes_) {
+      if (n.c) redisFree(n.c);
+      n.c = nullptr;
+    }
   }
 
   RedisUrl u_;
   std::string prefix_, describe_;
   int ttl_, timeout_ms_;
   WarnFn warn_;
-  redisContext* c_ = nullptr;
+  std::vector<Node> nodes_;       // [0]: the URL's server
+  bool cluster_ = false, dead_ = false;
+  std::vector<size_t> slot_node_;  // cluster: slot -> node
 };
 
 }  // namespace
+
+int redis_key_slot(std::string_view key) {
+  const size_t open = key.find('{');
+  if (open != std::string_view::npos) {
+    const size_t close = key.find('}', open + 1);
+    if (close != std::string_view::npos && close > open + 1) key = key.substr(open + 1, close - open - 1);
+  }
+  uint16_t crc = 0;  // CRC16-XMODEM: polynomial 0x1021, initial 0, not reflected
+  for (const char ch : key) {
+    crc = static_cast<uint16_t>(crc ^ (static_cast<uint8_t>(ch) << 8));
+    for (int b = 0; b < 8; ++b) crc = static_cast<uint16_t>(crc & 0x8000 ? (crc << 1) ^ 0x1021 : crc << 1);
+  }
+  return crc & 16383;
+}
 
 std::unique_ptr<StoreBackend> open_redis_store(const std::string& url, const StoreOptions& o, WarnFn warn) {
   return std::make_unique<RedisStore>(url, o, std::move(warn));

@@ -222,7 +222,10 @@ if command -v redis-server >/dev/null; then
 elif [ "${KVQ_REQUIRE_DATA:-0}" = "1" ]; then
   check "redis-server is installed (scripts/install_deps.sh)" 'false'
 fi
-for kv in fp32 fp16 bf16 int8 int8-head fp8-e4m3 fp8-e4m3-scaled fp8-e5m2 q8_0 q4_0 kvq-6.5 kvq-4.5 kvq-3.5 kvq-2.5; do
+PC_SCHEMES="fp32 fp16 bf16 int8 int8-head fp8-e4m3 fp8-e4m3-scaled fp8-e5m2 q8_0 q4_0 kvq-6.5 kvq-4.5 kvq-3.5 kvq-2.5"
+# KVQ_TEST_QUICK=1 (the sanitizer preset): one scheme of each family's code
+if [ "${KVQ_TEST_QUICK:-0}" = "1" ]; then PC_SCHEMES="fp16 int8 fp8-e4m3-scaled q4_0 kvq-4.5 kvq-2.5"; fi
+for kv in $PC_SCHEMES; do
   "$KVQ" generate --kv $kv --prompt "$LP" --steps 300 >"$T/pc_ref" 2>"$T/err" || check "generate --kv $kv runs" 'false'
   rm -rf "$T/pc"
   "$KVQ" generate --kv $kv --prompt "$LP" --steps 300 --prompt-cache "$T/pc" --prompt-cache-chunk 48 >"$T/pc_cold" 2>"$T/err"; rc=$?

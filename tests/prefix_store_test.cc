@@ -593,7 +593,7 @@ bool CanConnect(int port) {
 // redis-server on 127.0.0.1 at a free port, no persistence; killed at the end.
 class RedisServer {
  public:
-  explicit RedisServer(std::vector<std::string> extra = {}) : port_(FreePort()) {
+  explicit RedisServer(std::vector<std::string> extra = {}, int port = 0) : port_(port ? port : FreePort()) {
     pid_ = ::fork();
     if (pid_ == 0) {
       std::vector<std::string> args = {"redis-server", "--port", std::to_string(port_), "--bind", "127.0.0.1",
@@ -688,6 +688,130 @@ TEST(PrefixStoreRedis, AKeyOfAnotherTypeIsOverwritten) {
   }
 }
 
+// Redis's key slots (the cluster specification's examples).
+TEST(PrefixStoreRedisCluster, KeySlotsAreRedisCrc16) {
+  EXPECT_EQ(redis_key_slot("123456789"), 0x31C3 & 16383);  // CRC16-XMODEM check value
+  EXPECT_EQ(redis_key_slot("foo"), 12182);
+  EXPECT_EQ(redis_key_slot("{user1000}.following"), redis_key_slot("user1000"));
+  EXPECT_EQ(redis_key_slot("foo{}{bar}"), redis_key_slot("foo{}{bar}"));  // empty tag: the whole key
+  EXPECT_NE(redis_key_slot("foo{}{bar}"), redis_key_slot("bar"));
+  EXPECT_EQ(redis_key_slot("foo{{bar}}zap"), redis_key_slot("{bar"));
+}
+
+// Three masters on loopback ports (their bus ports, +10000, free too),
+// joined by redis-cli --cluster create.
+class RedisCluster {
+ public:
+  RedisCluster() : dir_(fs::temp_directory_path() / ("kvq_cluster_" + std::to_string(::getpid()))) {
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    std::string create = "redis-cli --cluster create";
+    for (int i = 0; i < 3; ++i) {
+      int port = 0;
+      for (int tries = 0; tries < 100 && !port; ++tries) {
+        const int p = FreePort();
+        if (p <= 55535 && !CanConnect(p + 10000)) port = p;
+      }
+      nodes_.push_back(std::make_unique<RedisServer>(
+          std::vector<std::string>{"--cluster-enabled", "yes", "--cluster-config-file",
+                                   (dir_ / ("nodes-" + std::to_string(port) + ".conf")).string(),
+                                   "--cluster-node-timeout", "2000", "--dir", dir_.string()},
+          port));
+      create += " 127.0.0.1:" + std::to_string(port);
+    }
+    create += " --cluster-replicas 0 --cluster-yes >/dev/null 2>&1";
+    ok_ = up() && std::system(create.c_str()) == 0;
+    for (int i = 0; ok_ && i < 200 && !Ready(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    ok_ = ok_ && Ready();
+  }
+  ~RedisCluster() {
+    nodes_.clear();
+    fs::remove_all(dir_);
+  }
+  bool ok() const { return ok_; }
+  bool up() const {
+    for (const auto& n : nodes_) {
+      if (!n->up()) return false;
+    }
+    return true;
+  }
+  RedisServer& node(int i) { return *nodes_[static_cast<size_t>(i)]; }
+  std::string url() const { return nodes_[0]->url(); }
+
+ private:
+  bool Ready() const {
+    for (const auto& n : nodes_) {
+      if (RedisCli(n->port(), "CLUSTER INFO").find("cluster_state:ok") == std::string::npos) return false;
+    }
+    return true;
+  }
+  fs::path dir_;
+  std::vector<std::unique_ptr<RedisServer>> nodes_;
+  bool ok_ = false;
+};
+
+int DbSize(int port) { return std::atoi(RedisCli(port, "DBSIZE").c_str()); }
+
+// Chunks spread over three masters: stored and restored exactly; a slot
+// moved after the store read the map is followed (MOVED); a node killed
+// mid-run is one warning and a miss.
+TEST(PrefixStoreRedisCluster, ChunksSpreadOverThreeMastersAndSurviveAMovedSlotAndADeadNode) {
+  KVQ_NEED_REDIS();
+  RedisCluster cluster;
+  ASSERT_TRUE(cluster.ok()) << "could not start a 3-master cluster";
+  const test::Rows rows = test::MakeRows(200, 3);
+  const std::vector<int> tok = Tokens(200);
+  KvCache c("q8_0", kL, 4096, kH, kD);
+  for (int t = 0; t < 192; ++t) {
+    for (int l = 0; l < kL; ++l) c.write(l, t, rows.k[static_cast<size_t>(t)], rows.v[static_cast<size_t>(t)]);
+  }
+  const std::vector<Key> keys = chunk_keys(c, tok, 16, std::nullopt);  // 12 chunks of 16 tokens
+  ASSERT_EQ(keys.size(), 12u);
+  Warnings w;
+  PrefixStore s(cluster.url(), w.Options(16));
+  EXPECT_NE(s.backend().describe().find("(cluster)"), std::string::npos) << s.backend().describe();
+  // Move chunk 0's slot (empty) to another master behind the store's back.
+  const std::string key0 = "kvq:prefix:" + key_hex(keys[0]);
+  const int slot = redis_key_slot(key0);
+  int owner = -1;
+  for (int i = 0; i < 3; ++i) {
+    if (RedisCli(cluster.node(i).port(), "CLUSTER COUNTKEYSINSLOT " + std::to_string(slot)).find("0") == 0 &&
+        RedisCli(cluster.node(i).port(), "GET " + key0).find("MOVED") == std::string::npos) {
+      owner = i;
+    }
+  }
+  ASSERT_GE(owner, 0);
+  const int target = (owner + 1) % 3;
+  std::string id = RedisCli(cluster.node(target).port(), "CLUSTER MYID");
+  id.erase(id.find_last_not_of("\r\n") + 1);
+  for (int i = 0; i < 3; ++i) {
+    RedisCli(cluster.node(i).port(), "CLUSTER SETSLOT " + std::to_string(slot) + " NODE " + id);
+  }
+  EXPECT_NE(RedisCli(cluster.node(owner).port(), "GET " + key0).find("MOVED"), std::string::npos);
+  EXPECT_EQ(s.put(tok, c), 12);
+  EXPECT_TRUE(w.lines.empty()) << w.lines[0];
+  for (int i = 0; i < 3; ++i) EXPECT_GT(DbSize(cluster.node(i).port()), 0) << "node " << i;
+  EXPECT_EQ(DbSize(cluster.node(0).port()) + DbSize(cluster.node(1).port()) + DbSize(cluster.node(2).port()), 12);
+  EXPECT_EQ(RedisCli(cluster.node(target).port(), "EXISTS " + key0).find("1"), 0u);
+  // A fresh store (a fresh slot map) restores all twelve, bit for bit.
+  {
+    PrefixStore again(cluster.url(), w.Options(16));
+    KvCache d("q8_0", kL, 4096, kH, kD);
+    EXPECT_EQ(again.longest_prefix(tok, d), 192);
+    EXPECT_TRUE(d.to_bytes() == c.to_bytes(192));
+    EXPECT_TRUE(w.lines.empty());
+  }
+  // A master killed mid-run: one warning, a miss, and the store stays quiet.
+  cluster.node(2).Kill();
+  KvCache e("q8_0", kL, 4096, kH, kD);
+  EXPECT_EQ(s.longest_prefix(tok, e), 0);
+  EXPECT_EQ(e.tokens(), 0);
+  ASSERT_EQ(w.lines.size(), 1u);
+  EXPECT_NE(w.lines[0].find("continuing without the store"), std::string::npos) << w.lines[0];
+  EXPECT_EQ(s.put(tok, c), 0);
+  EXPECT_EQ(w.lines.size(), 1u);
+}
+
 TEST(PrefixStoreRedis, ARefusedConnectionIsAWarningAndAnEmptyStore) {
   Warnings w;
   const int port = FreePort();  // nothing listens there
@@ -704,11 +828,15 @@ TEST(PrefixStoreRedis, ARefusedConnectionIsAWarningAndAnEmptyStore) {
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 3.0);
 }
 
+// What a standalone server answers to the store's first command (CLUSTER SLOTS).
+const std::string kNoCluster = "-ERR This instance has cluster support disabled\r\n";
+
 // A fake server on a free port: accepts, reads a request, then does what
 // `reply` says (nothing: a silent server; or writes bytes and closes).
 class FakeServer {
  public:
-  // trickle_ms > 0: the reply goes out one byte at a time, that far apart.
+  // trickle_ms > 0: after its first line, the reply goes out one byte at a
+  // time, that far apart.
   explicit FakeServer(std::string reply, bool close_after, int trickle_ms = 0)
       : reply_(std::move(reply)), close_(close_after), trickle_ms_(trickle_ms) {
     fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
@@ -726,7 +854,9 @@ class FakeServer {
       char buf[4096];
       (void)::read(c, buf, sizeof buf);
       if (trickle_ms_ > 0) {
-        for (size_t i = 0; i < reply_.size() && !stop_; ++i) {
+        const size_t first = reply_.find("\r\n") + 2;  // the first reply at once
+        (void)::write(c, reply_.data(), first);
+        for (size_t i = first; i < reply_.size() && !stop_; ++i) {
           if (::send(c, reply_.data() + i, 1, MSG_NOSIGNAL) != 1) break;
           std::this_thread::sleep_for(std::chrono::milliseconds(trickle_ms_));
         }
@@ -777,7 +907,8 @@ TEST(PrefixStoreRedis, ASilentServerTimesOutWithinASecond) {
 // time out; the operation's deadline (timeout 300 ms) still ends it.
 TEST(PrefixStoreRedis, ATricklingServerMeetsTheOperationsDeadline) {
   Warnings w;
-  FakeServer fake(":100\r\n$100\r\n" + std::string(100, 'x') + "\r\n", /*close_after=*/false, /*trickle_ms=*/40);
+  FakeServer fake(kNoCluster + ":100\r\n$100\r\n" + std::string(100, 'x') + "\r\n", /*close_after=*/false,
+                  /*trickle_ms=*/40);
   StoreOptions o = w.Options(64);
   o.timeout_ms = 300;
   PrefixStore s("redis://127.0.0.1:" + std::to_string(fake.port()), o);
@@ -793,8 +924,8 @@ TEST(PrefixStoreRedis, ATricklingServerMeetsTheOperationsDeadline) {
 
 TEST(PrefixStoreRedis, AConnectionDroppedMidTransferIsAMiss) {
   Warnings w;
-  // EXISTS says yes, then GET's reply announces 10^6 bytes and the server hangs up after 3.
-  FakeServer fake(":1\r\n$1000000\r\nabc", /*close_after=*/true);
+  // STRLEN says 1 byte, then GET's reply announces 10^6 bytes and the server hangs up after 3.
+  FakeServer fake(kNoCluster + ":1\r\n$1000000\r\nabc", /*close_after=*/true);
   PrefixStore s("redis://127.0.0.1:" + std::to_string(fake.port()), w.Options(64));
   KvCache c("q8_0", kL, 4096, kH, kD);
   EXPECT_EQ(s.longest_prefix(Tokens(70), c), 0);
