@@ -3,11 +3,13 @@
 // checkpoints and tokenizers, and, when SHARED has them, the shipped
 // model's header and tokenizer (read at run time, never committed).
 //   make_seeds DIR [SHARED]
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -160,6 +162,28 @@ int main(int argc, char** argv) {
     const auto& r = kvq::fuzz::RangeSeeds(scheme);
     WriteContainer(root / "kvqr", std::string(scheme) + "_0", r[0]);
     WriteContainer(root / "kvqr", std::string(scheme) + "_1", r[1]);
+  }
+
+  // Oversized declared sizes: a container whose header claims 2^40 payload
+  // bytes, and one whose first payload count (the scheme name's length) is
+  // past the end; for both KVQS and KVQR.
+  for (const char* dir : {"kvqs", "kvqr"}) {
+    std::vector<fs::path> some;
+    for (const auto& e : fs::directory_iterator(root / dir)) {
+      if (e.path().extension() == ".whole") some.push_back(e.path());
+    }
+    if (some.empty()) continue;
+    std::sort(some.begin(), some.end());
+    std::ifstream f(some.front(), std::ios::binary);
+    std::vector<uint8_t> c((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    c.erase(c.begin());  // the reading byte
+    std::vector<uint8_t> huge = c;
+    const uint64_t big = uint64_t{1} << 40;
+    std::memcpy(huge.data() + 8, &big, 8);
+    WriteContainer(root / dir, "huge_payload", huge);
+    std::vector<uint8_t> name = c;
+    name[kvq::detail::kContainerHeaderBytes] = 0xff, name[kvq::detail::kContainerHeaderBytes + 1] = 0xff;
+    WriteContainer(root / dir, "huge_name", name);
   }
 
   // Checkpoints: small consistent ones (shared and separate classifier).

@@ -27,6 +27,7 @@ tiny="--dim 64 --hidden 64 --layers 1 --heads 2 --kv-heads 1 --vocab 300 --ctx 6
 $w "$B/seeds/gguf/llama_f16.gguf" $tiny --type F16 --tokenizer llama
 $w "$B/seeds/gguf/llama3_q8.gguf" $tiny --type Q8_0 --rope-scaling llama3
 $w "$B/seeds/gguf/qwen2_bf16.gguf" $tiny --arch qwen2 --type BF16 --tied --tokenizer gpt2 --rope-scaling none
+$w "$B/seeds/gguf/aliased.gguf" $tiny --type F16 --tokenizer llama --alias  # overlapping tensors
 /usr/bin/python3 -c "import numpy as np; np.save('$B/seeds/gguf/ids.npy', np.arange(40, dtype=np.int64))"
 passed=0; failed=0
 for t in "${targets[@]}"; do

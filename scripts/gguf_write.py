@@ -358,6 +358,7 @@ def main():
     s.add_argument("--type", default="F16", choices=sorted(GGML))
     s.add_argument("--tokenizer", default="none", choices=["none", "gpt2", "llama"])
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--alias", action="store_true", help="every tensor at data offset 0 (a crafted file)")
     args = ap.parse_args()
     if args.cmd == "llama2c":
         convert_llama2c(args.model, args.tokenizer, args.out, args.type)
@@ -367,6 +368,8 @@ def main():
                    rope_scaling=args.rope_scaling, rope_factor=args.rope_factor, eps=args.eps, tied=args.tied,
                    type=args.type, tokenizer=args.tokenizer)
         g, _ = synthetic(cfg, args.seed, keep_reference=False)
+        if args.alias:
+            g.offset_of = {t[0]: 0 for t in g.tensors}
         g.write(args.out)
 
 
