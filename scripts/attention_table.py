@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""Prints README's decode-attention tables from kvq_bench JSON.
+"""Prints docs/performance.md's decode-attention tables from kvq_bench JSON.
 
   build/release/bench/kvq_bench --benchmark_filter=decode_attention \
       --benchmark_repetitions=5 --benchmark_enable_random_interleaving=true \

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# README's per-target speed tables: BM_decode_attention (warm and cold, T =
+# docs/performance.md's per-target speed tables: BM_decode_attention (warm and cold, T =
 # 16384, 32/8 heads, head_dim 128, 2 threads) and BM_attention_geometry (MHA
 # 32/32, GQA 8 32/4, head_dim 64 and 128, T = 4096) for fp32, fp16, int8,
 # q8_0, q4_0 and the presets, one kvq_bench run per SIMD target this CPU

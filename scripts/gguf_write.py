@@ -16,7 +16,7 @@ output_norm / output, a matrix (out, in) stored with ne = [in, out]; llama's
 Q and K rows permuted from Hugging Face's half-split RoPE to adjacent pairs
 (qwen2's are not: llama.cpp rotates them NEOX-style). Used by the tests
 (python/tests/test_gguf.py, tests/gguf_table_test.sh) and the 1B-geometry
-speed run (README).
+speed run (docs/eval.md).
 """
 import argparse
 import struct

@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""The prefix store's measured tables (README "Prefix store").
+"""The prefix store's measured tables (docs/prefix-store.md).
 
   /usr/bin/python3 scripts/prefix_store_table.py [--build build/release] [--min-time 0.3]
       [--repetitions 3] [--skip-bench] [--skip-generate]
