@@ -1,0 +1,117 @@
+"""The README and docs/ stay true to each other and to the CLI:
+
+- every relative link in README.md, ARCHITECTURE.md and docs/*.md names a file that exists;
+- each figure of the README's headline table is the figure of the page its note names
+  (docs/eval.md's eval table: bits, dPPL %, KLD; docs/performance.md's AVX3_DL and AVX2 warm
+  tables: x q4_0; docs/prefix-store.md's table: bytes / token);
+- every `kvq <command> --option` in the README's and docs' code blocks is an option that
+  `kvq <command> --help` lists.
+
+Usage: docs_test.py KVQ_BINARY
+"""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KVQ = sys.argv[1]
+fails = []
+
+
+def fail(msg):
+    fails.append(msg)
+    print("FAIL:", msg)
+
+
+pages = [ROOT / "README.md", ROOT / "ARCHITECTURE.md"] + sorted((ROOT / "docs").glob("*.md"))
+for page in pages:
+    text = page.read_text()
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+        if "://" in target:
+            continue
+        if not (page.parent / target).exists():
+            fail(f"{page.relative_to(ROOT)}: the link {target} names no file")
+
+
+def table_rows(text, header_start):
+    """Rows (lists of cells) of the first markdown table whose header begins with header_start."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith(header_start):
+            rows = []
+            for row in lines[i + 2:]:
+                if not row.startswith("|"):
+                    break
+                rows.append([c.strip() for c in row.strip("|").split("|")])
+            return rows
+    fail(f"no table starting {header_start!r}")
+    return []
+
+
+readme = (ROOT / "README.md").read_text()
+head = {r[0]: r for r in table_rows(readme, "| scheme | bits / element |")}
+if len(head) < 7:
+    fail(f"the README's headline table has {len(head)} rows, expected 7")
+
+evaltxt = (ROOT / "docs" / "eval.md").read_text()
+ev = {r[0]: r for r in table_rows(evaltxt, "| scheme          |   bits |")}
+perf = (ROOT / "docs" / "performance.md").read_text()
+
+
+def target_table(name):
+    at = perf.find(f"**{name}**")
+    if at < 0:
+        fail(f"docs/performance.md has no {name} table")
+        return {}
+    return {r[0]: r for r in table_rows(perf[at:], "| scheme | bits | T=16384 µs |")}
+
+
+avx3dl, avx2 = target_table("AVX3_DL"), target_table("AVX2")
+store = {r[0]: r for r in table_rows((ROOT / "docs" / "prefix-store.md").read_text(), "| scheme | chunk tokens |")}
+
+
+def close(a, b, digits):
+    return abs(float(a) - float(b)) <= 0.5 * 10 ** -digits + 1e-12
+
+
+for scheme, r in head.items():
+    bits, dppl, kld, bpt, x3, x2 = r[1:7]
+    e = ev.get(scheme)
+    if e is None:
+        fail(f"{scheme}: not in docs/eval.md's table")
+        continue
+    if bits != e[1]:
+        fail(f"{scheme}: bits {bits} in the README, {e[1]} in docs/eval.md")
+    got, want = (x.rstrip("%").replace("−", "-") for x in (dppl, e[5]))  # the README writes a true minus
+    if not close(got, want, 1 if abs(float(want)) >= 100 else 3):
+        fail(f"{scheme}: dPPL {dppl} in the README, {e[5]} in docs/eval.md")
+    if not abs(float(kld) - float(e[6])) <= 0.051 * abs(float(e[6])) + 1e-12:
+        fail(f"{scheme}: KLD {kld} in the README, {e[6]} in docs/eval.md")
+    if scheme in store and bpt != store[scheme][3]:
+        fail(f"{scheme}: bytes/token {bpt} in the README, {store[scheme][3]} in docs/prefix-store.md")
+    for got, table, name in ((x3, avx3dl, "AVX3_DL"), (x2, avx2, "AVX2")):
+        if scheme not in table or got != table[scheme][7]:
+            fail(f"{scheme}: x q4_0 {got} on {name} in the README, "
+                 f"{table.get(scheme, ['?'] * 8)[7]} in docs/performance.md")
+
+# Documented command lines: every --option of `kvq <command>` exists.
+helps = {}
+for page in pages:
+    for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", page.read_text(), re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            m = re.search(r"(?:^|\s)(?:\S*/)?kvq (eval|generate|receipts|demo)\b(.*)", line)
+            if not m:
+                continue
+            cmd, rest = m.group(1), m.group(2).split("#")[0]
+            if cmd not in helps:
+                out = subprocess.run([KVQ, cmd, "--help"], capture_output=True, text=True)
+                helps[cmd] = set(re.findall(r"(--[a-z0-9-]+)", out.stdout))
+            for opt in re.findall(r"(?:^|\s)(--[a-z0-9-]+)", rest):
+                if opt not in helps[cmd]:
+                    fail(f"{page.relative_to(ROOT)}: `kvq {cmd}` has no option {opt}")
+
+checked = sum(1 for _ in head)
+print(f"docs_test: {len(pages)} pages, {checked} headline rows, {len(helps)} commands checked; "
+      f"{len(fails)} failure(s)")
+sys.exit(1 if fails else 0)
