@@ -1,0 +1,40 @@
+"""A model kvq can run (GGUF or llama2.c) and token-id files."""
+
+from . import _kvq
+from ._util import _numpy, _int, _str
+
+
+class Model:
+    """A model kvq can run: a GGUF file (architectures llama and qwen2; F32, F16, BF16 and Q8_0 weights,
+    dequantised to fp32) or a llama2.c checkpoint, with kvq's fp32 forward pass.
+
+    Model(path)
+      .config                      dict: arch, dim, n_layers, heads, RoPE, norm_eps, tokenizer, ...
+      .logits(tokens, kv="fp32", forward="window")  float32 (T, vocab): the logits of tokens[0..T) with
+                                   the KV cache in scheme kv; forward "token" (one decoding step at a time),
+                                   "window" (the same numbers, bitwise) or "batched" (sgemm + chunked prefill:
+                                   the same up to summation order)
+      .tokenize(text, bos=True)    the GGUF's own sentencepiece tokenizer (ValueError when it has none)
+    """
+
+    def __init__(self, path):
+        self._m = _kvq.Model(_str(path, "path"))
+        self.config = self._m.config()
+
+    def logits(self, tokens, kv="fp32", forward="window"):
+        ids = [_int(t, "tokens") for t in _numpy(tokens).reshape(-1).tolist()] if not isinstance(tokens, list) \
+            else [_int(t, "tokens") for t in tokens]
+        return self._m.logits(ids, _str(kv, "kv"), _str(forward, "forward"))
+
+    def tokenize(self, text, bos=True):
+        return self._m.tokenize(_str(text, "text"), bool(bos))
+
+    def __repr__(self):
+        c = self.config
+        return (f"kvq.Model({c['arch']}: dim {c['dim']}, {c['n_layers']} layers, {c['n_heads']} heads, "
+                f"{c['n_kv_heads']} KV heads, vocab {c['vocab_size']}, {c['rope']})")
+
+
+def read_token_file(path, vocab_size):
+    """Token ids from a .npy file (one row of integers) or raw little-endian uint32 ids (kvq eval --tokens)."""
+    return _kvq.read_token_file(_str(path, "path"), _int(vocab_size, "vocab_size"))
