@@ -1,8 +1,8 @@
 // The Redis store (hiredis): one string per chunk under key_prefix + hex
 // key, SET with an optional expiry, GET and STRLEN pipelined. Connect
-// times out after timeout_ms, and each operation (a pipeline sent and its
-// replies read) has one deadline: timeout_ms plus a second per MiB moved,
-// so a server that trickles bytes cannot stall a run. A key of another
+// times out after timeout_ms; sending a pipeline and reading its replies
+// each have a deadline: timeout_ms plus a second per MiB moved, so a
+// server that trickles bytes cannot stall a run. A key of another
 // type (WRONGTYPE) is an unusable entry, overwritten by SET.
 //
 // Redis Cluster: when the server answers CLUSTER SLOTS, the store keeps
@@ -327,10 +327,11 @@ class RedisStore final : public StoreBackend {
     return out;
   }
 
-  // Sends the commands to node i together and reads their replies, all
-  // within one deadline: timeout_ms, plus a second for every MiB sent or
-  // received (a server that trickles bytes cannot stall the run; a large
-  // value on a slow link still arrives). Error replies are returned as
+  // Sends the commands to node i together and reads their replies, each
+  // within a deadline: timeout_ms, plus a second for every MiB sent (for
+  // sending) or received so far (for the replies, counted from when the
+  // last byte went out): a server that trickles bytes cannot stall the run,
+  // a large value on a slow link still arrives. Error replies are returned as
   // replies; on a timeout or a lost connection the store gives up and
   // returns {}.
   std::vector<Reply> Run(size_t node, const std::vector<Command>& cmds) {
@@ -338,7 +339,7 @@ class RedisStore final : public StoreBackend {
     if (dead_ || !nodes_[node].c) return out;
     redisContext* c = nodes_[node].c;
     using Clock = std::chrono::steady_clock;
-    const auto t0 = Clock::now();
+    auto t0 = Clock::now();
     uint64_t moved = 0;
     const auto left_ms = [&] {
       const auto allowed = std::chrono::milliseconds(timeout_ms_) + std::chrono::microseconds(moved);  // 1 s per MB
@@ -368,7 +369,7 @@ class RedisStore final : public StoreBackend {
       if (!wait(POLLOUT)) return Timeout(name), std::vector<Reply>{};
       if (redisBufferWrite(c, &done) != REDIS_OK) return Lost(name, c->errstr), std::vector<Reply>{};
     }
-    moved = 0;  // the allowance for what was sent is spent; replies earn their own
+    t0 = Clock::now(), moved = 0;  // the replies get their own deadline, from when the last byte went out
     while (out.size() < cmds.size()) {
       void* p = nullptr;
       if (redisGetReplyFromReader(c, &p) != REDIS_OK) return Lost(name, c->errstr), std::vector<Reply>{};
