@@ -266,6 +266,50 @@ check "keyed store: the same secret from KVQ_PREFIX_STORE_KEY reuses the chunks"
 check "keyed store: another secret, one HMAC warning, same text, no secret printed" '[ $rc -eq 0 ] && cmp -s "$T/pck_ref" "$T/pck_out" && [ "$(grep -c "HMAC-SHA256" "$T/err")" -eq 1 ] && grep -q "reused 0 of" "$T/err" && ! grep -q s3cret "$T/err"'
 "$KVQ" generate --kv q8_0 --prompt "$LP" --prompt-cache "$T/pck" --prompt-cache-key-file "$T/key0" >/dev/null 2>"$T/err"; rc=$?
 check "an empty --prompt-cache-key-file exits 2" '[ $rc -eq 2 ] && grep -q "prompt-cache-key-file" "$T/err"'
+# A 3-master Redis Cluster on loopback: cold and warm runs give the same
+# text, the warm one reusing chunks spread over the masters; a master killed
+# between runs: one warning, the same text.
+if command -v redis-server >/dev/null && command -v redis-cli >/dev/null; then
+  CPIDS=(); CPORTS=()
+  for i in 1 2 3; do
+    p=$(/usr/bin/python3 -c 'import socket
+for _ in range(200):  # a free port whose cluster bus port (+10000) is free too
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]; s.close()
+    b = socket.socket()
+    try:
+        b.bind(("127.0.0.1", p + 10000)) if p <= 55535 else None
+    except OSError:
+        continue
+    finally:
+        b.close()
+    if p <= 55535:
+        print(p); break')
+    mkdir -p "$T/cl$i"
+    (cd "$T/cl$i" && exec redis-server --port "$p" --bind 127.0.0.1 --save "" --appendonly no --logfile /dev/null \
+        --cluster-enabled yes --cluster-config-file "$T/cl$i/nodes.conf" --cluster-node-timeout 2000) & CPIDS+=($!)
+    CPORTS+=("$p")
+  done
+  for p in "${CPORTS[@]}"; do for _ in $(seq 100); do redis-cli -p "$p" ping >/dev/null 2>&1 && break; sleep 0.05; done; done
+  redis-cli --cluster create "127.0.0.1:${CPORTS[0]}" "127.0.0.1:${CPORTS[1]}" "127.0.0.1:${CPORTS[2]}" \
+      --cluster-replicas 0 --cluster-yes >/dev/null 2>&1
+  for _ in $(seq 200); do
+    ok=0; for p in "${CPORTS[@]}"; do redis-cli -p "$p" cluster info 2>/dev/null | grep -q "cluster_state:ok" && ok=$((ok+1)); done
+    [ $ok -eq 3 ] && break; sleep 0.05
+  done
+  check "a 3-master Redis Cluster started" '[ $ok -eq 3 ]'
+  CURL="redis://127.0.0.1:${CPORTS[0]}"
+  "$KVQ" generate --kv q8_0 --prompt "$LP" --steps 300 >"$T/cl_ref" 2>/dev/null
+  "$KVQ" generate --kv q8_0 --prompt "$LP" --steps 300 --prompt-cache "$CURL" --prompt-cache-chunk 16 >"$T/cl_out" 2>"$T/err"; rc=$?
+  check "cluster: cold run, same text, no warning" '[ $rc -eq 0 ] && cmp -s "$T/cl_ref" "$T/cl_out" && ! grep -q "prefix store" "$T/err"'
+  n0=$(redis-cli -p "${CPORTS[0]}" dbsize); n1=$(redis-cli -p "${CPORTS[1]}" dbsize); n2=$(redis-cli -p "${CPORTS[2]}" dbsize)
+  check "cluster: the chunks are spread over the three masters" '[ "$n0" -gt 0 ] && [ "$n1" -gt 0 ] && [ "$n2" -gt 0 ]'
+  "$KVQ" generate --kv q8_0 --prompt "$LP" --steps 300 --prompt-cache "$CURL" --prompt-cache-chunk 16 >"$T/cl_out" 2>"$T/err"; rc=$?
+  check "cluster: warm run, same text, reuses the chunks" '[ $rc -eq 0 ] && cmp -s "$T/cl_ref" "$T/cl_out" && grep -q "reused [1-9][0-9]* of" "$T/err" && ! grep -q "prefix store" "$T/err"'
+  kill -9 "${CPIDS[2]}"; wait "${CPIDS[2]}" 2>/dev/null
+  "$KVQ" generate --kv q8_0 --prompt "$LP" --steps 300 --prompt-cache "$CURL" --prompt-cache-chunk 16 >"$T/cl_out" 2>"$T/err"; rc=$?
+  check "cluster: a master killed, one warning, same text" '[ $rc -eq 0 ] && cmp -s "$T/cl_ref" "$T/cl_out" && [ "$(grep -c "continuing without the store" "$T/err")" -eq 1 ]'
+  kill -9 "${CPIDS[0]}" "${CPIDS[1]}" 2>/dev/null; wait "${CPIDS[0]}" "${CPIDS[1]}" 2>/dev/null
+fi
 "$KVQ" generate --prompt "$LP" --prompt-cache "$T/pc" --load-cache "$T/p.kvqs" >/dev/null 2>"$T/err"; rc=$?
 check "--prompt-cache with --load-cache exits 2" '[ $rc -eq 2 ] && grep -q "prompt-cache" "$T/err"'
 "$KVQ" generate --prompt "$LP" --prompt-cache "$T/pc" --prompt-cache-max-mb 1e-9 >/dev/null 2>"$T/err"; rc=$?
