@@ -75,21 +75,49 @@ std::shared_ptr<const Tokenizer> load_tokenizer(const Checkpoint& ckpt, const st
 }
 
 EvalText load_eval_text(const Checkpoint& ckpt, const std::string& tokenizer_path, const std::string& text_path,
-                        const std::string& tokens_path, int ctx, int max_windows, const std::string& story_sep) {
+                        const std::string& tokens_path, int ctx, int max_windows, const std::string& story_sep,
+                        EvalProtocol protocol) {
   const Config& cfg = ckpt.config();
   EvalText t;
   t.ctx = ctx == 0 ? cfg.seq_len : ctx;
   KVQ_CHECK_ARG(t.ctx >= 1 && t.ctx <= cfg.seq_len, "ctx: expected 1..", cfg.seq_len, " (the model's seq_len), got ",
                 ctx);
   KVQ_CHECK_ARG(max_windows >= 0, "max_windows: expected >= 0, got ", max_windows);
+  const bool llama = protocol == EvalProtocol::kLlamaPerplexity;
   if (!tokens_path.empty()) {
     t.stream = read_token_file(tokens_path, cfg.vocab_size);
+  } else if (llama) {  // the whole file, unstripped, as llama-perplexity tokenizes it
+    t.stream = load_tokenizer(ckpt, tokenizer_path)->encode(read_text_file(text_path), /*bos=*/true);
   } else {
     t.stream = tokenize_stories(*load_tokenizer(ckpt, tokenizer_path), read_text_file(text_path), story_sep);
   }
-  t.windows = static_cast<int>(t.stream.size() / static_cast<size_t>(t.ctx + 1));
-  KVQ_CHECK_ARG(t.windows > 0, "text: ", t.stream.size(), " tokens, fewer than one window of ctx + 1 = ", t.ctx + 1);
+  if (!llama) {
+    t.windows = static_cast<int>(t.stream.size() / static_cast<size_t>(t.ctx + 1));
+    KVQ_CHECK_ARG(t.windows > 0, "text: ", t.stream.size(), " tokens, fewer than one window of ctx + 1 = ", t.ctx + 1);
+    if (max_windows > 0) t.windows = std::min(t.windows, max_windows);
+    t.score_begin = 0, t.score_end = t.ctx;
+    return t;
+  }
+  // llama-perplexity: chunks of ctx tokens, BOS first in each, the second
+  // half scored; laid out as windows of ctx + 1 (the last id is not read).
+  KVQ_CHECK_ARG(t.ctx >= 4, "ctx: llama-perplexity's protocol scores the second half of each chunk: expected >= 4, "
+                "got ", t.ctx);
+  KVQ_CHECK_ARG(t.stream.size() >= 2 * static_cast<size_t>(t.ctx), "text: ", t.stream.size(),
+                " tokens; llama-perplexity's protocol needs at least 2 ctx = ", 2 * static_cast<size_t>(t.ctx));
+  const int bos = t.stream.front();
+  t.windows = static_cast<int>(t.stream.size() / static_cast<size_t>(t.ctx));
   if (max_windows > 0) t.windows = std::min(t.windows, max_windows);
+  std::vector<int> chunks;
+  chunks.reserve(static_cast<size_t>(t.windows) * static_cast<size_t>(t.ctx + 1));
+  for (int w = 0; w < t.windows; ++w) {
+    const size_t at = static_cast<size_t>(w) * static_cast<size_t>(t.ctx);
+    chunks.push_back(bos);
+    chunks.insert(chunks.end(), t.stream.begin() + static_cast<std::ptrdiff_t>(at) + 1,
+                  t.stream.begin() + static_cast<std::ptrdiff_t>(at + static_cast<size_t>(t.ctx)));
+    chunks.push_back(0);  // not read: the last scored position predicts the chunk's own last token
+  }
+  t.stream = std::move(chunks);
+  t.score_begin = t.ctx / 2, t.score_end = t.ctx - 1;
   return t;
 }
 
@@ -213,8 +241,9 @@ EvalReport run_eval(const EvalOptions& o) {
                 o.threads);
   KVQ_CHECK_ARG(!o.schemes.empty(), "kv: expected at least one scheme");
   const EvalText text =
-      load_eval_text(ckpt, o.tokenizer_path, o.text_path, o.tokens_path, o.ctx, o.max_windows, o.story_sep);
+      load_eval_text(ckpt, o.tokenizer_path, o.text_path, o.tokens_path, o.ctx, o.max_windows, o.story_sep, o.protocol);
   const int ctx = text.ctx, windows = text.windows;
+  const int sb = text.score_begin, se = text.score_end, scored = text.scored();
   const int threads = o.threads > 0 ? o.threads : omp_get_max_threads();
   const bool tty = o.progress && isatty(2), log = o.progress && !tty;
 
@@ -233,7 +262,8 @@ EvalReport run_eval(const EvalOptions& o) {
   };
   rep.ctx = ctx;
   rep.windows = windows;
-  rep.tokens = static_cast<int64_t>(windows) * ctx;
+  rep.tokens = static_cast<int64_t>(windows) * scored;
+  rep.protocol = o.protocol;
   rep.threads = threads;
   const int V = cfg.vocab_size;
   const size_t n_tok = static_cast<size_t>(rep.tokens);
@@ -276,11 +306,11 @@ EvalReport run_eval(const EvalOptions& o) {
       for (int w = 0; w < windows; ++w) errors.run([&] {
         if (!ref) return;
         const int* win = text.window(w);
-        const size_t base = static_cast<size_t>(w) * static_cast<size_t>(ctx);
+        const size_t base = static_cast<size_t>(w) * static_cast<size_t>(scored);  // position t is base + t - sb
         auto t_var = std::chrono::steady_clock::now();
         const std::span<const float> rl = fwd(*ref, win);
         WindowSums* ws_ref = report_ref ? &sums[static_cast<size_t>(w)] : nullptr;
-        for (int t = 0; t < ctx; ++t) {
+        for (int t = sb; t < se; ++t) {
           const float* lg = rl.data() + static_cast<size_t>(t) * static_cast<size_t>(V);
           float* lp = ref_logp.data() + static_cast<size_t>(t) * static_cast<size_t>(V);
           LogSoftmax(lg, V, lp);
@@ -289,8 +319,8 @@ EvalReport run_eval(const EvalOptions& o) {
             const double nll = -lp[win[t + 1]];
             const TokenValues tv{nll, nll, 0.0, std::exp(-nll), std::exp(-nll), true};
             ws_ref->add(tv);
-            kld_tok[0][base + static_cast<size_t>(t)] = 0.0f;
-            if (o.per_token) per_tok[0][base + static_cast<size_t>(t)] = tv;
+            kld_tok[0][base + static_cast<size_t>(t - sb)] = 0.0f;
+            if (o.per_token) per_tok[0][base + static_cast<size_t>(t - sb)] = tv;
           }
         }
         if (ws_ref) {
@@ -305,7 +335,7 @@ EvalReport run_eval(const EvalOptions& o) {
           const std::span<const float> logits = fwd(*tf[i], win);
           ws.state_bytes = static_cast<double>(tf[i]->attention_state_bytes());
           if (vars[i].policy.window == 0) ws.bits_ss = SteadyStateBits(tf[i]->cache_bytes_history(), ctx, cfg);
-          for (int t = 0; t < ctx; ++t) {
+          for (int t = sb; t < se; ++t) {
             const float* lg = logits.data() + static_cast<size_t>(t) * static_cast<size_t>(V);
             const float* rp = ref_logp.data() + static_cast<size_t>(t) * static_cast<size_t>(V);
             LogSoftmax(lg, V, logp.data());
@@ -318,8 +348,8 @@ EvalReport run_eval(const EvalOptions& o) {
             const TokenValues tv{nll, nll_ref, std::max(kl, 0.0), std::exp(-nll), std::exp(-nll_ref),
                                  Argmax(lg, V) == ref_top[static_cast<size_t>(t)]};
             ws.add(tv);
-            kld_tok[row][base + static_cast<size_t>(t)] = static_cast<float>(tv.kld);
-            if (o.per_token) per_tok[row][base + static_cast<size_t>(t)] = tv;
+            kld_tok[row][base + static_cast<size_t>(t - sb)] = static_cast<float>(tv.kld);
+            if (o.per_token) per_tok[row][base + static_cast<size_t>(t - sb)] = tv;
           }
           ws.secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_var).count();
         }
@@ -354,9 +384,13 @@ EvalReport run_eval(const EvalOptions& o) {
       const Variant& v = report_ref && row == 0 ? Variant{KvScheme::Fp32, WindowPolicy{}, "fp32"}
                                                 : vars[row - (report_ref ? 1 : 0)];
       WindowSums t;
+      std::vector<double> running;
       for (int w = 0; w < windows; ++w) {  // fixed order: thread count does not change sums
         const WindowSums& ws = sums[row * static_cast<size_t>(windows) + static_cast<size_t>(w)];
         t.nll += ws.nll, t.nll2 += ws.nll2, t.d += ws.d, t.d2 += ws.d2, t.kld += ws.kld, t.kld2 += ws.kld2;
+        if (o.protocol == EvalProtocol::kLlamaPerplexity) {
+          running.push_back(std::exp(t.nll / (static_cast<double>(w + 1) * scored)));
+        }
         t.kld_max = std::max(t.kld_max, ws.kld_max), t.dp2 += ws.dp2, t.dp4 += ws.dp4;
         t.state_bytes += ws.state_bytes, t.secs += ws.secs, t.same_top += ws.same_top, t.bits_ss += ws.bits_ss;
       }
@@ -365,6 +399,7 @@ EvalReport run_eval(const EvalOptions& o) {
       r.scheme = v.scheme;
       r.label = v.label;
       r.policy = v.policy;
+      r.running_ppl = std::move(running);
       r.mean_nll = t.nll / n;
       r.ppl = std::exp(r.mean_nll);
       r.ppl_se = r.ppl * MeanSe(t.nll, t.nll2, n);
@@ -384,7 +419,7 @@ EvalReport run_eval(const EvalOptions& o) {
       r.top1_pct = 100.0 * r.same_top;
       // Throughput as if this configuration alone ran on `threads` threads:
       // tokens over its busy thread-seconds, times the threads.
-      r.tokens_per_s = t.secs > 0 ? n / t.secs * threads : 0.0;
+      r.tokens_per_s = t.secs > 0 ? static_cast<double>(windows) * ctx / t.secs * threads : 0.0;  // tokens read
       // KV bytes attention holds at ctx (mean over windows); effective bits
       // per K/V element of the ctx tokens.
       r.kv_bytes = static_cast<uint64_t>(std::llround(t.state_bytes / windows));
@@ -496,12 +531,28 @@ std::string format_report(const EvalReport& r) {
   std::ostringstream os;
   char buf[512];
   const Config& c = r.config;
+  const bool llama = r.protocol == EvalProtocol::kLlamaPerplexity;
   std::snprintf(buf, sizeof buf,
                 "model: %s (dim %d, layers %d, heads %d, kv_heads %d, head_size %d, vocab %d)\n"
-                "text: %s: %lld predicted tokens, %d windows of ctx %d (+1), %d threads\n",
+                "text: %s: %lld predicted tokens, %d %s of ctx %d%s, %d threads\n",
                 r.model_path.c_str(), c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.head_size(), c.vocab_size,
-                r.text_path.c_str(), static_cast<long long>(r.tokens), r.windows, r.ctx, r.threads);
+                r.text_path.c_str(), static_cast<long long>(r.tokens), r.windows, llama ? "chunks" : "windows", r.ctx,
+                llama ? " (llama-perplexity's protocol: the whole file tokenized, BOS first in each chunk, its "
+                        "second half scored)"
+                      : " (+1)",
+                r.threads);
   os << buf;
+  if (llama) {  // llama-perplexity's running line and final estimate, per configuration
+    for (const SchemeResult& s : r.results) {
+      os << s.label << ": ";
+      for (size_t i = 0; i < s.running_ppl.size(); ++i) {
+        std::snprintf(buf, sizeof buf, "[%zu]%.4f,", i + 1, s.running_ppl[i]);
+        os << buf;
+      }
+      std::snprintf(buf, sizeof buf, "\n%s: Final estimate: PPL = %.4f +/- %.5f\n", s.label.c_str(), s.ppl, s.ppl_se);
+      os << buf;
+    }
+  }
   std::snprintf(buf, sizeof buf, "| %-15s | %6s | %10s | %8s | %9s | %8s | %9s | %8s | %7s | %9s |\n", "scheme",
                 "bits", "KV bytes", "PPL", "dPPL", "dPPL %", "KLD mean", "KLD max", "top-1 %", "tok/s");
   os << buf;

@@ -31,22 +31,39 @@ std::vector<int> tokenize_stories(const Tokenizer& tok, const std::string& text,
 // kMaxTextBytes.
 std::string read_text_file(const std::string& path);
 
-// The evaluation stream cut into non-overlapping windows of ctx + 1 tokens
-// (ctx 0: the model's seq_len; max_windows 0: every full window).
+// How the text becomes windows and which positions are scored:
+// - kKvq (llama2.c's validation protocol, SPEC §7): stories split on the
+//   separator, stripped, [BOS] + tokens each, concatenated; non-overlapping
+//   windows of ctx + 1 tokens; every position scored.
+// - kLlamaPerplexity (llama.cpp's llama-perplexity): the whole file
+//   tokenized as one text with BOS first (or the ids of --tokens, whose first
+//   id is taken as BOS); chunks of ctx tokens, each with BOS in place of its
+//   first token; the second half of each chunk scored (positions ctx/2 ..
+//   ctx-2 predicting ctx/2+1 .. ctx-1); at least 2 ctx tokens.
+enum class EvalProtocol { kKvq, kLlamaPerplexity };
+
+// The evaluation stream cut into windows of ctx + 1 tokens (ctx 0: the
+// model's seq_len; max_windows 0: every full window), the model reading the
+// first ctx of each; positions [score_begin, score_end) are scored, each
+// predicting the next token of its window.
 struct EvalText {
   std::vector<int> stream;
   int ctx = 0, windows = 0;
+  int score_begin = 0, score_end = 0;
   const int* window(int w) const { return stream.data() + static_cast<size_t>(w) * static_cast<size_t>(ctx + 1); }
+  int scored() const { return score_end - score_begin; }
 };
 // The tokenizer at `path`, or (path empty) the model's own; a kvq::Error
 // saying why when there is none (e.g. a GGUF with a BPE tokenizer: use
 // --tokens).
 std::shared_ptr<const Tokenizer> load_tokenizer(const Checkpoint& ckpt, const std::string& path);
 // The evaluation stream of a model: the ids in `tokens_path` (tokens.h)
-// when it is set, else `text_path` tokenized as above by load_tokenizer.
+// when it is set, else `text_path` tokenized as the protocol says by
+// load_tokenizer.
 EvalText load_eval_text(const Checkpoint& ckpt, const std::string& tokenizer_path, const std::string& text_path,
                         const std::string& tokens_path, int ctx, int max_windows,
-                        const std::string& story_sep = kDefaultStorySep);
+                        const std::string& story_sep = kDefaultStorySep,
+                        EvalProtocol protocol = EvalProtocol::kKvq);
 
 // How eval runs a window: exact = token by token's numbers (the llama2.c
 // loop, bitwise what decoding computes); batched = sgemm and chunked
@@ -62,6 +79,7 @@ struct EvalOptions {
   std::string tokens_path;  // pre-tokenized ids instead of text (tokens.h)
   ForwardPass forward = ForwardPass::kExact;
   std::string story_sep = kDefaultStorySep;  // empty: the whole text is one story
+  EvalProtocol protocol = EvalProtocol::kKvq;
   std::vector<CacheScheme> schemes;  // fp32 is always computed as the reference
   int ctx = 0;                    // 0: the model's seq_len
   int max_windows = 0;            // 0: all full windows
@@ -103,6 +121,9 @@ struct SchemeResult {
   std::vector<double> token_nll, token_nll_ref, token_p, token_p_ref;
   std::vector<float> token_kld;
   std::vector<uint8_t> token_same_top;
+  // llama-perplexity's protocol: the perplexity over the chunks so far,
+  // after each chunk (its running [1]x.xxxx,[2]... line).
+  std::vector<double> running_ppl;
 };
 
 struct EvalReport {
@@ -116,7 +137,8 @@ struct EvalReport {
   double flops_per_token = 0, forward_gflops = 0, gemm_peak_gflops = 0;
   int ctx = 0;
   int windows = 0;
-  int64_t tokens = 0;  // predicted positions = windows * ctx
+  int64_t tokens = 0;  // predicted positions = windows * scored positions per window
+  EvalProtocol protocol = EvalProtocol::kKvq;
   int threads = 1;
   int64_t calibration_tokens = 0;     // tokens the static ranges were measured on (0: none)
   CalibrationOptions calibration;

@@ -100,6 +100,16 @@ done
 
 "$KVQ" eval --kv fp32 --ctx 64 --max-windows 2 --window 16 --window-chunk 8 >"$T/out" 2>"$T/err"; rc=$?
 check "eval --window adds the windowed rows" '[ $rc -eq 0 ] && grep -q "| win 16+4 " "$T/out" && grep -q "| e2 16+4+bank " "$T/out" && grep -q "=e2" "$T/out"'
+# llama-perplexity's protocol: its running line and final estimate; bad uses exit 2 naming the option.
+"$KVQ" eval --protocol llama-perplexity --kv fp32,q4_0 --ctx 64 --max-windows 3 --json "$T/lp.json" >"$T/out" 2>"$T/err"; rc=$?
+check "eval --protocol llama-perplexity prints the running line and final estimate" '[ $rc -eq 0 ] && grep -q "^fp32: \[1\][0-9.]*,\[2\][0-9.]*,\[3\][0-9.]*,$" "$T/out" && grep -q "^q4_0: Final estimate: PPL = " "$T/out" && grep -q "3 chunks of ctx 64 (llama-perplexity" "$T/out" && grep -q "\"protocol\": \"llama-perplexity\"" "$T/lp.json"'
+printf 'Once upon a time there was a cat.\n' >"$T/short.txt"
+"$KVQ" eval --protocol llama-perplexity --kv fp32 --ctx 64 --text "$T/short.txt" >/dev/null 2>"$T/err"; rc=$?
+check "eval --protocol llama-perplexity on too short a text exits 2" '[ $rc -eq 2 ] && grep -q "needs at least 2 ctx" "$T/err"'
+"$KVQ" eval --protocol bogus >/dev/null 2>"$T/err"; rc=$?
+check "eval --protocol bogus exits 2" '[ $rc -eq 2 ] && grep -q -- "--protocol" "$T/err"'
+"$KVQ" eval --protocol llama-perplexity --kv fp32 --window 8 >/dev/null 2>"$T/err"; rc=$?
+check "eval --protocol llama-perplexity with --window exits 2" '[ $rc -eq 2 ] && grep -q -- "--window" "$T/err"'
 "$KVQ" eval --kv fp32 --window -3 >/dev/null 2>"$T/err"; rc=$?
 check "eval --window -3 exits 2 naming it" '[ $rc -eq 2 ] && grep -q -- "--window" "$T/err"'
 

@@ -36,6 +36,7 @@ struct EvalCliOptions : ModelTextOptions {
   std::string kv = "all";
   std::string tokens;            // --tokens: pre-tokenized ids instead of --text
   std::string forward = "auto";  // exact, batched, auto (batched for GGUF)
+  std::string protocol = "kvq";  // kvq, llama-perplexity (model::EvalProtocol)
   bool per_token = false;
   int window = 0, sinks = 4, window_chunk = 64;
   ClusterBankOptions bank;

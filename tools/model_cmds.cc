@@ -158,6 +158,12 @@ void AddEvalCommand(CLI::App& app, EvalCliOptions& o) {
                 "k<B>v<B>c[r<R>][s<S>] and presets")
       ->default_val("all")
       ->each([&o](const std::string&) { o.kv_given = true; });
+  c->add_option("--protocol", o.protocol,
+                "kvq: llama2.c's validation protocol (stories split on --story-sep, windows of ctx + 1, every position "
+                "scored); llama-perplexity: llama.cpp's (the whole file tokenized with BOS first, chunks of ctx with "
+                "BOS in place of their first token, the second half of each scored, its running [1]x.xxxx line)")
+      ->check(CLI::IsMember({"kvq", "llama-perplexity"}))
+      ->capture_default_str();
   c->add_flag("--per-token", o.per_token,
               "with --json: also every token's NLL, KLD, p(target) and argmax agreement, for each scheme and fp32");
   c->add_option("--window", o.window,
@@ -239,6 +245,9 @@ int RunEval(const EvalCliOptions& o) {
   KVQ_CHECK_ARG(o.window_chunk >= 1, "--window-chunk: expected >= 1, got ", o.window_chunk);
   e.tokens_path = o.tokens;
   KVQ_CHECK_ARG(o.tokens.empty() || o.text.empty(), "--tokens: use either --text or --tokens");
+  e.protocol = o.protocol == "llama-perplexity" ? model::EvalProtocol::kLlamaPerplexity : model::EvalProtocol::kKvq;
+  KVQ_CHECK_ARG(e.protocol == model::EvalProtocol::kKvq || o.window == 0,
+                "--window: not with --protocol llama-perplexity (windowed attention is scored over whole windows)");
   e.forward = o.forward == "batched" || (o.forward == "auto" && model::is_gguf_file(e.model_path))
                   ? model::ForwardPass::kBatched
                   : model::ForwardPass::kExact;
@@ -253,6 +262,7 @@ int RunEval(const EvalCliOptions& o) {
   if (!o.json.empty()) {
     nlohmann::json j = RunJson(o, r.model_path, r.text_path, r.config, r.ctx, r.windows, r.threads);
     j["tokens"] = r.tokens;
+    j["protocol"] = r.protocol == model::EvalProtocol::kLlamaPerplexity ? "llama-perplexity" : "kvq";
     j["forward"] = r.forward == model::ForwardPass::kBatched ? "batched" : "exact";
     if (r.gemm_peak_gflops > 0) {
       j["flops_per_token"] = r.flops_per_token;
@@ -288,6 +298,7 @@ int RunEval(const EvalCliOptions& o) {
                               {"rms_dp_se", s.rms_dp_se},
                               {"same_top", s.same_top},
                               {"same_top_se", s.same_top_se}});
+      if (!s.running_ppl.empty()) j["results"].back()["running_ppl"] = s.running_ppl;
       if (o.per_token) {
         j["results"].back()["per_token"] = {{"nll", s.token_nll},          {"nll_fp32", s.token_nll_ref},
                                             {"kld", s.token_kld},          {"p", s.token_p},

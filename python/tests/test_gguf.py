@@ -328,3 +328,41 @@ def test_kvq_eval_on_the_converted_gguf_reproduces_the_table(tmp_path):
     toks, _ = _eval(["--model", str(gguf), "--tokens", str(tmp_path / "ids.npy"), "--forward", "exact", *common],
                     tmp_path, "d")
     assert strip(toks) == strip(exact)
+
+
+def test_llama_perplexity_protocol_against_a_direct_computation(tmp_path):
+    """kvq eval --protocol llama-perplexity: the whole file tokenized with BOS first, chunks of ctx
+    with BOS in place of their first token, positions ctx/2 .. ctx-2 scored; its PPL, running
+    line and final estimate equal the same recipe computed here from kvq.Model.logits (fp32); the
+    same ids through --tokens give the same numbers."""
+    _need_data()
+    text = SHARED / "data" / "tinystories-valid-dev.txt"
+    gguf = tmp_path / "stories260K.gguf"  # the model with its tokenizer in one file
+    gw.convert_llama2c(str(MODEL), str(TOKENIZER), str(gguf))
+    ctx, chunks = 64, 5
+    args = ["--model", str(gguf), "--kv", "fp32,q8_0", "--ctx", str(ctx), "--max-windows", str(chunks),
+            "--protocol", "llama-perplexity", "--forward", "exact"]
+    rows, j = _eval(["--text", str(text), *args], tmp_path, "lp")
+    assert j["protocol"] == "llama-perplexity" and j["tokens"] == chunks * (ctx - 1 - ctx // 2)
+    m = kvq.Model(str(gguf))
+    ids = m.tokenize(text.read_text(), bos=True)  # the whole file, unstripped
+    nll, running = [], []
+    for c in range(chunks):
+        chunk = list(ids[c * ctx:(c + 1) * ctx])
+        chunk[0] = ids[0]  # BOS
+        logits = m.logits(np.array(chunk), kv="fp32", forward="token").astype(np.float64)
+        for t in range(ctx // 2, ctx - 1):
+            row = logits[t]
+            lse = row.max() + np.log(np.exp(row - row.max()).sum())
+            nll.append(lse - row[chunk[t + 1]])
+        running.append(float(np.exp(np.mean(nll))))
+    fp32 = j["results"][0]
+    assert fp32["label"] == "fp32"
+    assert abs(fp32["ppl"] / float(np.exp(np.mean(nll))) - 1) < 1e-6, (fp32["ppl"], np.exp(np.mean(nll)))
+    assert np.allclose(fp32["running_ppl"], running, rtol=1e-6)
+    assert len(j["results"][1]["running_ppl"]) == chunks
+    # The same ids as a token file: the same table.
+    np.save(tmp_path / "ids.npy", np.array(ids[:(chunks + 1) * ctx], dtype=np.uint32))
+    rows_t, _ = _eval(["--tokens", str(tmp_path / "ids.npy"), *args], tmp_path, "lpt")
+    strip = lambda t: [l.rsplit("|", 2)[0] for l in t]  # noqa: E731
+    assert strip(rows_t) == strip(rows)
