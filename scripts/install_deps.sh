@@ -25,6 +25,24 @@ if [ "${KVQ_WITH_ARM:-0}" = "1" ]; then
   PKGS+=(g++-aarch64-linux-gnu qemu-user libhwy-dev:arm64 libgtest-dev:arm64 libssl-dev:arm64 libgomp1:arm64)
 fi
 
+# Test-time oracles from npm (never a dependency of the library): llama.cpp's
+# CPU build through node-llama-cpp, pinned, into build/oracles. A failure to
+# reach npm is a warning here; the oracle tests then skip (or, under
+# KVQ_REQUIRE_DATA=1, fail) saying so.
+if [ "${KVQ_WITH_ORACLES:-0}" = "1" ]; then
+  oracles="$(cd "$(dirname "$0")/.." && pwd)/build/oracles"
+  want=3.21.1
+  have=$(node -p "require('$oracles/node_modules/node-llama-cpp/package.json').version" 2>/dev/null || true)
+  if [ "$have" != "$want" ]; then
+    if command -v npm >/dev/null && mkdir -p "$oracles" &&
+        npm i -E --prefix "$oracles" "node-llama-cpp@$want" --no-audit --no-fund >"$oracles/npm.log" 2>&1; then
+      echo "install_deps: node-llama-cpp $want in $oracles"
+    else
+      echo "install_deps: warning: could not install node-llama-cpp $want from npm (see $oracles/npm.log)" >&2
+    fi
+  fi
+fi
+
 missing=()
 for p in "${PKGS[@]}"; do
   if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
