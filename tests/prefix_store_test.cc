@@ -215,10 +215,17 @@ std::vector<int> Tokens(int n, int salt = 0) {
   return t;
 }
 
+// Writes tokens [from, to) of `rows` into every layer.
+void WriteRows(KvCache& c, const test::Rows& rows, int from, int to) {
+  for (int t = from; t < to; ++t) {
+    for (int l = 0; l < kL; ++l) c.write(l, t, rows.k[static_cast<size_t>(t)], rows.v[static_cast<size_t>(t)]);
+  }
+}
+
 // Writes tokens [from, to) of `rows` and puts each chunk as it fills.
 void FillAndPut(PrefixStore& s, KvCache& c, const test::Rows& rows, std::span<const int> tokens, int from, int to) {
   for (int t = from; t < to; ++t) {
-    for (int l = 0; l < kL; ++l) c.write(l, t, rows.k[static_cast<size_t>(t)], rows.v[static_cast<size_t>(t)]);
+    WriteRows(c, rows, t, t + 1);
     s.put(tokens, c);
   }
 }
@@ -365,14 +372,8 @@ TEST(PrefixStore, ASizeCapKeepsAChainsHeadAndStopsWritingItsTail) {
   const fs::path d = TempDir("head");
   const test::Rows rows = test::MakeRows(400, 5);
   const std::vector<int> tok = Tokens(320);
-  auto filled = [&] {
-    KvCache c("q8_0", kL, 4096, kH, kD);
-    for (int t = 0; t < 320; ++t) {
-      for (int l = 0; l < kL; ++l) c.write(l, t, rows.k[static_cast<size_t>(t)], rows.v[static_cast<size_t>(t)]);
-    }
-    return c;
-  };
-  const KvCache c = filled();
+  KvCache c("q8_0", kL, 4096, kH, kD);
+  WriteRows(c, rows, 0, 320);
   uint64_t chunk_bytes = 0;
   {
     PrefixStore probe("memory:head-probe", w.Options(64));
@@ -410,10 +411,7 @@ TEST(PrefixStore, ASizeCapDoesNotRescanTheDirectoryPerWrite) {
   o.max_bytes = uint64_t{1} << 30;
   PrefixStore s(d.string(), o);
   const uint64_t before = dir_store_scans.load();
-  for (int t = 0; t < 320; ++t) {
-    for (int l = 0; l < kL; ++l) c.write(l, t, rows.k[static_cast<size_t>(t)], rows.v[static_cast<size_t>(t)]);
-    s.put(tok, c);
-  }
+  FillAndPut(s, c, rows, tok, 0, 320);
   EXPECT_EQ(CountFiles(d, false), 5);
   EXPECT_EQ(dir_store_scans.load() - before, 1u);
   EXPECT_TRUE(w.lines.empty());
@@ -428,9 +426,7 @@ TEST(PrefixStore, ForeignEntriesAreRefusedBySizeOrContent) {
   const test::Rows rows = test::MakeRows(100, 5);
   const std::vector<int> tok = Tokens(64);
   KvCache c("q8_0", kL, 4096, kH, kD);
-  for (int t = 0; t < 64; ++t) {
-    for (int l = 0; l < kL; ++l) c.write(l, t, rows.k[static_cast<size_t>(t)], rows.v[static_cast<size_t>(t)]);
-  }
+  WriteRows(c, rows, 0, 64);
   PrefixStore s(d.string(), w.Options(64));
   ASSERT_EQ(s.put(tok, c), 1);
   const std::vector<Key> keys = chunk_keys(c, tok, 64, std::nullopt);
@@ -762,9 +758,7 @@ TEST(PrefixStoreRedisCluster, ChunksSpreadOverThreeMastersAndSurviveAMovedSlotAn
   const test::Rows rows = test::MakeRows(200, 3);
   const std::vector<int> tok = Tokens(200);
   KvCache c("q8_0", kL, 4096, kH, kD);
-  for (int t = 0; t < 192; ++t) {
-    for (int l = 0; l < kL; ++l) c.write(l, t, rows.k[static_cast<size_t>(t)], rows.v[static_cast<size_t>(t)]);
-  }
+  WriteRows(c, rows, 0, 192);
   const std::vector<Key> keys = chunk_keys(c, tok, 16, std::nullopt);  // 12 chunks of 16 tokens
   ASSERT_EQ(keys.size(), 12u);
   Warnings w;
