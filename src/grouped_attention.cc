@@ -125,14 +125,16 @@ struct Work {
   int16_t* p16;  // [q head][G]: P^ of the group
   int16_t* kc;   // [hd / 4][64]: one tile's K codes of one head
   int16_t* vc;   // [G / 4][4 vw]: one V channel block's codes of one head
+  uint8_t* vc8;  // the same codes as bytes (the byte path, x86)
   void InitWide(size_t vw) {
     wide = true;
-    const size_t n = nh * hd + nh * G + hd * 16 + G * vw;
+    const size_t n = nh * hd + nh * G + hd * 16 + G * vw + G * vw / 2;
     s16 = hwy::AllocateAligned<int16_t>(n + 64);
     std::fill(s16.get(), s16.get() + n + 64, int16_t{0});
     w16 = s16.get(), p16 = w16 + nh * hd, kc = p16 + nh * G;
     kc = reinterpret_cast<int16_t*>((reinterpret_cast<uintptr_t>(kc) + 63) & ~uintptr_t{63});
     vc = kc + hd * 16;
+    vc8 = reinterpret_cast<uint8_t*>(vc + G * vw);  // 32-byte aligned: G * vw is a multiple of 32 codes
   }
   void Init(size_t hd_, size_t G_, size_t nh_, size_t nkv) {
     hd = hd_, G = G_, nh = nh_;
@@ -320,6 +322,7 @@ void SoftmaxStep(const Call& c, size_t qh, Work& w) {
     vsum = hn::Add(vsum, pi);
     if (w.wide) {  // P^ itself: the digits' value 128 hi + lo (P^ <= kMaxP)
       hn::StoreU(hn::DemoteTo(d16, pi), d16, p16 + t);
+      if (c.v_digits == 1) hn::StoreU(hn::DemoteTo(d8, pi), d8, lo + t);  // and as bytes (the byte path)
     } else if (c.v_digits == 1) {
       hn::StoreU(hn::DemoteTo(d8, pi), d8, lo + t);
     } else {
@@ -430,6 +433,24 @@ using V32 = hn::Vec<D32>;
 // one KV head (the rotation and lo / step loaded once): the weights as
 // 16-bit integers (w.w16; |W^| <= kMaxW by the choice of sigma, so the
 // digits' value 128 hi + lo is W^ itself) and C, in one pass.
+// Rounds a and b (in the int16 range) to the nearest integer, ties to even,
+// and stores them as 2 N 16-bit integers in order: on x86 one cvtps2dq each
+// (no overflow fix-up: the values are in range by construction) and one
+// pack; elsewhere NearestInt and DemoteTo.
+template <class D>
+HWY_INLINE void StoreNearest16x2(D d, hn::Vec<D> a, hn::Vec<D> b, int16_t* HWY_RESTRICT out) {
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
+  if constexpr (hn::MaxLanes(D()) == 8) {
+    const __m256i p = _mm256_packs_epi32(_mm256_cvtps_epi32(a.raw), _mm256_cvtps_epi32(b.raw));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permute4x64_epi64(p, 0xD8));
+    return;
+  }
+#endif
+  const hn::Rebind<int16_t, D> d16;
+  hn::StoreU(hn::DemoteTo(d16, hn::NearestInt(a)), d16, out);
+  hn::StoreU(hn::DemoteTo(d16, hn::NearestInt(b)), d16, out + hn::Lanes(d));
+}
+
 template <int RB, class D>
 HWY_INLINE void TileWeightsWideBlock(D d, size_t h, size_t qh0, Work& w) {
   const hn::Rebind<int16_t, D> d16;
@@ -437,7 +458,21 @@ HWY_INLINE void TileWeightsWideBlock(D d, size_t h, size_t qh0, Work& w) {
   const float* lam = w.lam + h * hd;
   hn::Vec<D> s[RB];
   for (int r = 0; r < RB; ++r) s[r] = hn::Zero(d);
-  for (size_t i = 0; i < hd; i += N) {
+  size_t i = 0;
+  for (; i + 2 * N <= hd; i += 2 * N) {  // two vectors at a time: one pack
+    const auto c0 = hn::LoadU(d, w.cos2 + i), s0 = hn::LoadU(d, w.sin2 + i), l0 = hn::LoadU(d, lam + i);
+    const auto c1 = hn::LoadU(d, w.cos2 + i + N), s1 = hn::LoadU(d, w.sin2 + i + N), l1 = hn::LoadU(d, lam + i + N);
+    for (int r = 0; r < RB; ++r) {
+      const size_t qh = qh0 + static_cast<size_t>(r);
+      const float* a = w.a + qh * hd + i;
+      const float* b = w.b + qh * hd + i;
+      const auto w0 = hn::MulAdd(hn::LoadU(d, a), c0, hn::Mul(hn::LoadU(d, b), s0));
+      const auto w1 = hn::MulAdd(hn::LoadU(d, a + N), c1, hn::Mul(hn::LoadU(d, b + N), s1));
+      StoreNearest16x2(d, w0, w1, w.w16 + qh * hd + i);
+      s[r] = hn::MulAdd(w1, l1, hn::MulAdd(w0, l0, s[r]));
+    }
+  }
+  for (; i < hd; i += N) {
     const auto c2 = hn::LoadU(d, w.cos2 + i), s2 = hn::LoadU(d, w.sin2 + i), l = hn::LoadU(d, lam + i);
     for (int r = 0; r < RB; ++r) {
       const size_t qh = qh0 + static_cast<size_t>(r);
@@ -599,9 +634,74 @@ void AccumulateVWide(const Call& c, const uint8_t* rec, const uint8_t* end, size
     }
   }
 }
+
+#undef KVQ_BYTES
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
+#define KVQ_BYTES 1
+// ---- the byte path of the V sums (x86: AVX2, AVX3) -----------------------------
+// With one digit (P^ <= 127, codes of at most 3 bits) a V sum takes one
+// vpmaddubsw (u8 codes x i8 weights -> i16 pair sums) and one i16 add per 32
+// codes and query head, where the 16-bit path takes two vpmaddwd and two
+// adds: the codes as bytes (unpacked once per block and head, shared by the
+// query heads), pair sums accumulated in i16 for as many token quads as
+// cannot overflow (a pair sum is at most 2 (2^B - 1) 127), then widened by
+// vpmaddwd with ones into exact int32 channel sums. No product saturates
+// (2 x 127 x 127 < 2^15). Same integers as AccumulateVPortable, same float
+// operations after them (FinishVVec), so the same outputs bit for bit.
+static_assert(kN16 == 16, "the byte path reads 256-bit vectors of 16-bit lanes");
+
+// NB vectors of 32 codes per operand (4 vw / 32).
+template <size_t NB>
+void AccumulateVBytes(const Call& c, const uint8_t* rec, const uint8_t* end, size_t h, size_t rep, Work& w) {
+  const DF2 df;
+  constexpr size_t ncodes = 32 * NB, vw = ncodes / 4;
+  const size_t hd = w.hd, G = w.G, nops = G / 4;
+  const int maxc = (1 << c.v_bits) - 1;
+  const size_t pass = static_cast<size_t>(32767 / (2 * maxc * 127));  // token quads per i16 pass (>= 18)
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (size_t x = 0; x < hd / vw; ++x) {
+    UnpackWide(rec + c.layout.voperand(h, x, 0), nops * ncodes, c.v_bits, end, w.vc);
+    // To bytes in code order: packus interleaves the 128-bit halves, the
+    // qword permute puts them back.
+    for (size_t i = 0; i < nops * ncodes; i += 32) {
+      const __m256i a = _mm256_load_si256(reinterpret_cast<const __m256i*>(w.vc + i));
+      const __m256i b = _mm256_load_si256(reinterpret_cast<const __m256i*>(w.vc + i + 16));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(w.vc8 + i), _mm256_permute4x64_epi64(_mm256_packus_epi16(a, b), 0xD8));
+    }
+    for (size_t r = 0; r < rep; ++r) {
+      const size_t qh = h * rep + r;
+      const int8_t* p8 = reinterpret_cast<const int8_t*>(w.pd + qh * 2 * (G / 4));  // P^ as bytes (SoftmaxStep)
+      __m256i tot[NB];
+      for (size_t v = 0; v < NB; ++v) tot[v] = _mm256_setzero_si256();
+      for (size_t q0 = 0; q0 < nops; q0 += pass) {
+        __m256i s[NB];
+        for (size_t v = 0; v < NB; ++v) s[v] = _mm256_setzero_si256();
+        const size_t q1 = std::min(nops, q0 + pass);
+        for (size_t r4 = q0; r4 < q1; ++r4) {
+          int32_t pw;
+          std::memcpy(&pw, p8 + 4 * r4, 4);
+          const __m256i pv = _mm256_set1_epi32(pw);  // the quad's 4 weights, repeated
+          const uint8_t* codes = w.vc8 + r4 * ncodes;
+          for (size_t v = 0; v < NB; ++v) {
+            const __m256i cv = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes + 32 * v));
+            s[v] = _mm256_add_epi16(s[v], _mm256_maddubs_epi16(cv, pv));
+          }
+        }
+        // i16 lanes 2n, 2n + 1 hold channel n's two pairs: one vpmaddwd sums them.
+        for (size_t v = 0; v < NB; ++v) tot[v] = _mm256_add_epi32(tot[v], _mm256_madd_epi16(s[v], ones));
+      }
+      for (size_t v = 0; v < NB; ++v) FinishVVec(qh, h, x * vw + v * 8, hn::ConvertTo(df, V32{tot[v]}), w);
+    }
+  }
+}
+#else
+#define KVQ_BYTES 0
+#endif
 #else
 #undef KVQ_WIDE
 #define KVQ_WIDE 0
+#undef KVQ_BYTES
+#define KVQ_BYTES 0
 #endif  // wide path
 
 #if HWY_TARGET == HWY_AVX3_DL
@@ -930,6 +1030,16 @@ void AttendImpl(const Call& c) {
 #endif
 #if KVQ_WIDE
       if (w.wide) {
+#if KVQ_BYTES
+        if (c.v_digits == 1) {
+          if (L.vw == 16) {
+            AccumulateVBytes<2>(c, rec, end, h, rep, w);
+          } else {
+            AccumulateVBytes<1>(c, rec, end, h, rep, w);
+          }
+          continue;
+        }
+#endif
         if (L.vw == 16) {
           AccumulateVWide<64 / kN16>(c, rec, end, h, rep, w);
         } else {

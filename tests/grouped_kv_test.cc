@@ -652,6 +652,8 @@ TEST(GroupedKv, FusedKernelMatchesTheReferenceWithinItsBoundOnEveryTarget) {
 // digits, head_dim 8..512 (V blocks of 8 and 16 channels), groups of 16..512
 // (long groups of 8-bit V codes: sums past 2^31 across passes), sinks,
 // windows, calibrated and p8 parameters, GQA 1..8, lengths around hand-overs.
+// On x86 (AVX2, AVX3) one-digit V sums take the byte path (vpmaddubsw, i16
+// passes), so the same comparison covers it.
 TEST(GroupedKv, WideDotsEqualTheScalarLoopsBitForBitOnEveryTarget) {
   struct Case {
     const char* scheme;
@@ -662,7 +664,9 @@ TEST(GroupedKv, WideDotsEqualTheScalarLoopsBitForBitOnEveryTarget) {
                              {"k8v8g512", 1, 16, 2, 1100},      {"k5v6g48s1", 1, 32, 4, 200},
                              {"k7v7g32", 2, 24, 4, 99},         {"k4v3c", 2, 16, 8, 77},
                              {"k4av4cr9s2", 1, 64, 4, 100},     {"k2v2g16p8mo4x1w3r4", 2, 16, 4, 90},
-                             {"k3av2g32p8o4x2r5", 2, 16, 16, 150}, {"k6v5g128", 1, 512, 1, 300}};
+                             {"k3av2g32p8o4x2r5", 2, 16, 16, 150}, {"k6v5g128", 1, 512, 1, 300},
+                             // one-digit V over long groups: x86's byte path in several i16 passes
+                             {"k4v3g256", 2, 32, 8, 600},       {"k3v2g512r7", 1, 16, 4, 1100}};
   for (const auto& [preset, g] : grouped_kv_presets()) cases.push_back({preset.c_str(), 2, 128, 8, g.group * 2 + 37});
   if (test::Quick()) {  // under qemu: the small cases, every width and both V blocks
     std::erase_if(cases, [](const Case& cs) { return cs.hd > 64 || cs.N > 300; });
@@ -701,6 +705,40 @@ TEST(GroupedKv, WideDotsEqualTheScalarLoopsBitForBitOnEveryTarget) {
       EXPECT_GT(checked, 0);
     }
   });
+}
+
+// The largest sums the V paths can meet: a zero query (every weight P^ at
+// kMaxP) and V codes at their maximum for every token but the first of each
+// channel, over long groups. The byte path's i16 passes and the wide path's
+// int32 passes must hold them exactly (a pass one quad too long wraps).
+TEST(GroupedKv, WideDotsHoldTheLargestSums) {
+  const int H = 1, hd = 16, nq = 2;
+  for (const char* scheme : {"k4v3g256", "k3v2g512", "k2v2g96", "k8v8g512"}) {
+    SCOPED_TRACE(scheme);
+    const GroupedKvScheme g = parse_grouped_kv_scheme(scheme);
+    const int N = g.group + 3;
+    test::ForEachTarget([&](const char* target) {
+      GroupedKvCache c(g, 1, N, H, hd, nullptr);
+      std::vector<float> k(static_cast<size_t>(H * hd)), v(k.size());
+      for (int t = 0; t < N; ++t) {
+        for (int i = 0; i < H * hd; ++i) {
+          k[static_cast<size_t>(i)] = static_cast<float>((t * 7 + i) % 5);
+          v[static_cast<size_t>(i)] = t == 0 ? -1.0f : 1.0f;
+        }
+        c.write(0, t, k, v);
+      }
+      const std::vector<float> q(static_cast<size_t>(nq * hd), 0.0f);
+      std::vector<float> a(q.size()), b(q.size());
+      grouped::SetDotPathForTest(grouped::DotPath::kWide);
+      c.attend(0, q, nq, a, 1);
+      grouped::SetDotPathForTest(grouped::DotPath::kScalar);
+      c.attend(0, q, nq, b, 1);
+      grouped::SetDotPathForTest(grouped::DotPath::kAuto);
+      ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << target;
+      // Every token but one holds 1 (coded within the fp16 step's rounding): the average is (N - 2) / N.
+      EXPECT_NEAR(a[0], static_cast<float>(N - 2) / static_cast<float>(N), 1e-2) << target;
+    });
+  }
 }
 
 // What the object holds is what it counts: its allocations equal bytes()
