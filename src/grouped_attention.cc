@@ -495,37 +495,57 @@ void TileWeightsWide(D d, size_t h, size_t rep, Work& w) {
   for (; r < rep; ++r) TileWeightsWideBlock<1>(d, h, h * rep + r, w);
 }
 
-// The n codes (a multiple of kN16) of `bits` bits packed from p on (whole
-// operands back to back), one 16-bit lane each, to out (aligned). A vector
-// reads 16 bytes from its first source byte: the last ones, within 16 bytes
-// of `end` (the record's end), read from a copy.
+// Vector v of codes (16-bit lanes) of an operand run of `bits` bits packed
+// from p on (whole operands back to back). A vector reads 16 bytes from its
+// first source byte: the last ones, within 16 bytes of `end` (the record's
+// end), read from a copy (At checks; AtInPlace is for v < in_place).
+class CodeVectors {
+ public:
+  HWY_INLINE CodeVectors(const uint8_t* p, int bits, const uint8_t* end)
+      : p_(p), bits_(bits), step_(kN16 * static_cast<size_t>(bits) / 8) {
+    const hn::Repartition<uint8_t, D16> du8;
+    const hn::RebindToUnsigned<D16> du16;
+    in_place = bits == 8 ? ~size_t{0} : end - p >= 16 ? (static_cast<size_t>(end - p) - 16) / step_ + 1 : 0;
+    if (bits < 8) idx_ = hn::LoadU(du8, kWide.idx[bits]), mul_ = hn::LoadU(du16, kWide.mul[bits]);
+  }
+  HWY_INLINE hn::Vec<D16> AtInPlace(size_t v) const { return From(p_ + v * step_); }
+  HWY_INLINE hn::Vec<D16> At(size_t v) const {
+    if (HWY_LIKELY(v < in_place)) return AtInPlace(v);
+    HWY_ALIGN uint8_t copy[32] = {};
+    std::memcpy(copy, p_ + v * step_, step_);  // step <= 14 bytes are this vector's
+    return From(copy);
+  }
+  size_t in_place;
+
+ private:
+  HWY_INLINE hn::Vec<D16> From(const uint8_t* src) const {
+    const D16 d16;
+    const hn::RebindToUnsigned<D16> du16;
+    const hn::Repartition<uint8_t, D16> du8;
+    if (bits_ == 8) return hn::BitCast(d16, hn::PromoteTo(du16, hn::LoadU(hn::Rebind<uint8_t, D16>(), src)));
+    const auto x = hn::BitCast(du16, hn::TableLookupBytes(hn::LoadDup128(du8, src), idx_));
+    return hn::BitCast(d16, hn::ShiftRightSame(hn::Mul(x, mul_), 16 - bits_));
+  }
+  const uint8_t* p_;
+  int bits_;
+  size_t step_;
+  hn::Vec<hn::Repartition<uint8_t, D16>> idx_;
+  hn::Vec<hn::RebindToUnsigned<D16>> mul_;
+};
+
+// The n codes (a multiple of kN16) of `bits` bits packed from p on, one
+// 16-bit lane each, to out (aligned).
 HWY_INLINE void UnpackWide(const uint8_t* p, size_t n, int bits, const uint8_t* end, int16_t* HWY_RESTRICT out) {
   const D16 d16;
-  const hn::RebindToUnsigned<D16> du16;
-  const hn::Repartition<uint8_t, D16> du8;
   constexpr size_t N = kN16;
-  const size_t step = N * static_cast<size_t>(bits) / 8;  // source bytes per vector
-  const size_t safe = end - p >= 16 ? (static_cast<size_t>(end - p) - 16) / step + 1 : 0;  // vectors read in place
-  const size_t nv = n / N;
-  HWY_ALIGN uint8_t copy[48];
-  if (bits == 8) {
-    const hn::Rebind<uint8_t, D16> d8;
-    for (size_t v = 0; v < nv; ++v) hn::Store(hn::BitCast(d16, hn::PromoteTo(du16, hn::LoadU(d8, p + v * N))), d16, out + v * N);
-    return;
+  const CodeVectors cv(p, bits, end);
+  const size_t nv = n / N, fast = std::min(nv, cv.in_place);
+  size_t v = 0;
+  for (; v + 2 <= fast; v += 2) {
+    const auto a = cv.AtInPlace(v), b = cv.AtInPlace(v + 1);
+    hn::Store(a, d16, out + v * N), hn::Store(b, d16, out + (v + 1) * N);
   }
-  const auto idx = hn::LoadU(du8, kWide.idx[bits]);
-  const auto mul = hn::LoadU(du16, kWide.mul[bits]);
-  const int shift = 16 - bits;
-  for (size_t v = 0; v < nv; ++v) {
-    const uint8_t* src = p + v * step;
-    if (HWY_UNLIKELY(v >= safe)) {  // step <= 14 bytes are this vector's
-      std::memset(copy, 0, sizeof(copy));
-      std::memcpy(copy, src, step);
-      src = copy;
-    }
-    const auto x = hn::BitCast(du16, hn::TableLookupBytes(hn::LoadDup128(du8, src), idx));
-    hn::Store(hn::BitCast(d16, hn::ShiftRightSame(hn::Mul(x, mul), shift)), d16, out + v * N);
-  }
+  for (; v < nv; ++v) hn::Store(cv.At(v), d16, out + v * N);
 }
 
 // Four 16-bit weights, repeated over the vector.
@@ -544,39 +564,63 @@ HWY_INLINE V32 SumPairs(V32 a, V32 b) {
   return hn::Add(hn::ConcatEven(d32, b, a), hn::ConcatOdd(d32, b, a));
 }
 
+// The tile's K codes of head h as 16-bit lanes into w.kc, a run of quads
+// (back to back, one width) at a time.
+HWY_INLINE void UnpackTile(const Call& c, const uint8_t* tile, const uint8_t* end, size_t h, Work& w) {
+  const uint32_t* ko = c.k_quad_off + h * (w.hd / 4);
+  for (size_t ri = w.run_begin[h]; ri < w.run_begin[h + 1]; ++ri) {
+    const Run& run = w.runs[ri];
+    UnpackWide(tile + ko[run.k0], 64 * (run.k1 - run.k0), run.bits, end, w.kc + 64 * run.k0);
+  }
+}
+
+// Query head qh's 16 scores of tile j from its NV pair-sum vectors (vector
+// v: tokens 4v .. 4v + 3, each as the pair sums of its channels 0-1, 2-3).
+template <size_t NV>
+HWY_INLINE void StoreScores(size_t qh, size_t j, const V32 (&s0)[NV], const V32 (&s1)[NV], Work& w) {
+  const DF2 df;
+  constexpr size_t N = kN16;
+  // Token l of the tile: pairs 2l and 2l + 1 (its four channels).
+  float* out = w.scores + qh * w.G + j * kTile;
+  const auto sigma = hn::Set(df, w.sigma[qh]), cst = hn::Set(df, w.cst[qh]);
+  for (size_t u = 0; u < NV / 2; ++u) {
+    const V32 t = SumPairs(hn::RearrangeToOddPlusEven(s0[2 * u], s1[2 * u]), hn::RearrangeToOddPlusEven(s0[2 * u + 1], s1[2 * u + 1]));
+    hn::StoreU(hn::Add(hn::Mul(hn::ConvertTo(df, t), sigma), cst), df, out + u * (N / 2));
+  }
+}
+
 // NV vectors of codes per operand (64 / kN16).
 template <size_t NV>
 void ScoresWide(const Call& c, const uint8_t* tile, const uint8_t* end, size_t h, size_t rep, size_t j, Work& w) {
   const D16 d16;
   const D32 d32;
-  const DF2 df;
   constexpr size_t N = kN16;
   const size_t hd = w.hd, nq = hd / 4;
-  const uint32_t* ko = c.k_quad_off + h * nq;
-  int16_t* HWY_RESTRICT kc = w.kc;
-  // A run's quads are back to back: one unpack per run.
-  for (size_t ri = w.run_begin[h]; ri < w.run_begin[h + 1]; ++ri) {
-    const Run& run = w.runs[ri];
-    UnpackWide(tile + ko[run.k0], 64 * (run.k1 - run.k0), run.bits, end, kc + 64 * run.k0);
-  }
-  for (size_t r = 0; r < rep; ++r) {
-    const size_t qh = h * rep + r;
-    const int16_t* wq = w.w16 + qh * hd;
-    V32 s0[NV], s1[NV];
-    for (size_t v = 0; v < NV; ++v) s0[v] = s1[v] = hn::Zero(d32);
+  UnpackTile(c, tile, end, h, w);
+  // RB query heads a pass over the codes (each code vector loaded once for
+  // them): two when their accumulators and the codes fit the registers.
+  constexpr size_t RB = NV <= 4 ? 2 : 1;
+  const auto heads = [&](size_t r0, auto rb) {
+    constexpr size_t B = decltype(rb)::value;
+    V32 s0[B][NV], s1[B][NV];
+    for (size_t b = 0; b < B; ++b) {
+      for (size_t v = 0; v < NV; ++v) s0[b][v] = s1[b][v] = hn::Zero(d32);
+    }
+    const int16_t* wq = w.w16 + (h * rep + r0) * hd;
     for (size_t k = 0; k < nq; ++k) {
-      const auto wv = Repeat4(wq + 4 * k);
-      const int16_t* codes = kc + 64 * k;
-      for (size_t v = 0; v < NV; ++v) s0[v] = hn::ReorderWidenMulAccumulate(d32, hn::Load(d16, codes + v * N), wv, s0[v], s1[v]);
+      const int16_t* codes = w.kc + 64 * k;
+      hn::Vec<D16> cv[NV];
+      for (size_t v = 0; v < NV; ++v) cv[v] = hn::Load(d16, codes + v * N);
+      for (size_t b = 0; b < B; ++b) {
+        const auto wv = Repeat4(wq + b * hd + 4 * k);
+        for (size_t v = 0; v < NV; ++v) s0[b][v] = hn::ReorderWidenMulAccumulate(d32, cv[v], wv, s0[b][v], s1[b][v]);
+      }
     }
-    // Token l of the tile: pairs 2l and 2l + 1 (its four channels).
-    float* out = w.scores + qh * w.G + j * kTile;
-    const auto sigma = hn::Set(df, w.sigma[qh]), cst = hn::Set(df, w.cst[qh]);
-    for (size_t u = 0; u < NV / 2; ++u) {
-      const V32 t = SumPairs(hn::RearrangeToOddPlusEven(s0[2 * u], s1[2 * u]), hn::RearrangeToOddPlusEven(s0[2 * u + 1], s1[2 * u + 1]));
-      hn::StoreU(hn::Add(hn::Mul(hn::ConvertTo(df, t), sigma), cst), df, out + u * (N / 2));
-    }
-  }
+    for (size_t b = 0; b < B; ++b) StoreScores<NV>(h * rep + r0 + b, j, s0[b], s1[b], w);
+  };
+  size_t r = 0;
+  for (; r + RB <= rep; r += RB) heads(r, std::integral_constant<size_t, RB>());
+  for (; r < rep; ++r) heads(r, std::integral_constant<size_t, 1>());
 }
 
 // FinishV for the channels [c0, c0 + Lanes(DF2)) from a vector of sums (the
@@ -650,6 +694,22 @@ void AccumulateVWide(const Call& c, const uint8_t* rec, const uint8_t* end, size
 // operations after them (FinishVVec), so the same outputs bit for bit.
 static_assert(kN16 == 16, "the byte path reads 256-bit vectors of 16-bit lanes");
 
+// Block x of head h's V codes as bytes (w.vc8), in code order: unpacked to
+// 16-bit lanes, then packus (which interleaves the 128-bit halves) and a
+// qword permute that puts them back.
+HWY_INLINE void UnpackVBytes(const Call& c, const uint8_t* rec, const uint8_t* end, size_t h, size_t x, size_t ncodes,
+                             Work& w) {
+  const size_t nv = w.G / 4 * ncodes / 16;  // vectors of 16 codes, an even number
+  const CodeVectors cv(rec + c.layout.voperand(h, x, 0), c.v_bits, end);
+  const auto pack = [&](size_t v, hn::Vec<D16> a, hn::Vec<D16> b) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(w.vc8 + 16 * v),
+                       _mm256_permute4x64_epi64(_mm256_packus_epi16(a.raw, b.raw), 0xD8));
+  };
+  size_t v = 0;
+  for (; v + 2 <= std::min(nv, cv.in_place); v += 2) pack(v, cv.AtInPlace(v), cv.AtInPlace(v + 1));
+  for (; v < nv; v += 2) pack(v, cv.At(v), cv.At(v + 1));
+}
+
 // NB vectors of 32 codes per operand (4 vw / 32).
 template <size_t NB>
 void AccumulateVBytes(const Call& c, const uint8_t* rec, const uint8_t* end, size_t h, size_t rep, Work& w) {
@@ -660,43 +720,51 @@ void AccumulateVBytes(const Call& c, const uint8_t* rec, const uint8_t* end, siz
   const size_t pass = static_cast<size_t>(32767 / (2 * maxc * 127));  // token quads per i16 pass (>= 18)
   const __m256i ones = _mm256_set1_epi16(1);
   for (size_t x = 0; x < hd / vw; ++x) {
-    UnpackWide(rec + c.layout.voperand(h, x, 0), nops * ncodes, c.v_bits, end, w.vc);
-    // To bytes in code order: packus interleaves the 128-bit halves, the
-    // qword permute puts them back.
-    for (size_t i = 0; i < nops * ncodes; i += 32) {
-      const __m256i a = _mm256_load_si256(reinterpret_cast<const __m256i*>(w.vc + i));
-      const __m256i b = _mm256_load_si256(reinterpret_cast<const __m256i*>(w.vc + i + 16));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(w.vc8 + i), _mm256_permute4x64_epi64(_mm256_packus_epi16(a, b), 0xD8));
-    }
-    for (size_t r = 0; r < rep; ++r) {
-      const size_t qh = h * rep + r;
-      const int8_t* p8 = reinterpret_cast<const int8_t*>(w.pd + qh * 2 * (G / 4));  // P^ as bytes (SoftmaxStep)
-      __m256i tot[NB];
-      for (size_t v = 0; v < NB; ++v) tot[v] = _mm256_setzero_si256();
+    UnpackVBytes(c, rec, end, h, x, ncodes, w);
+    // Two query heads a pass over the codes (each code vector loaded once for both).
+    const auto heads = [&](size_t r0, auto rb) {
+      constexpr size_t B = decltype(rb)::value;
+      const int8_t* p8[B];  // P^ as bytes (SoftmaxStep)
+      for (size_t b = 0; b < B; ++b) p8[b] = reinterpret_cast<const int8_t*>(w.pd + (h * rep + r0 + b) * 2 * (G / 4));
+      __m256i tot[B][NB];
+      for (size_t b = 0; b < B; ++b) {
+        for (size_t v = 0; v < NB; ++v) tot[b][v] = _mm256_setzero_si256();
+      }
       for (size_t q0 = 0; q0 < nops; q0 += pass) {
-        __m256i s[NB];
-        for (size_t v = 0; v < NB; ++v) s[v] = _mm256_setzero_si256();
+        __m256i s[B][NB];
+        for (size_t b = 0; b < B; ++b) {
+          for (size_t v = 0; v < NB; ++v) s[b][v] = _mm256_setzero_si256();
+        }
         const size_t q1 = std::min(nops, q0 + pass);
         for (size_t r4 = q0; r4 < q1; ++r4) {
-          int32_t pw;
-          std::memcpy(&pw, p8 + 4 * r4, 4);
-          const __m256i pv = _mm256_set1_epi32(pw);  // the quad's 4 weights, repeated
           const uint8_t* codes = w.vc8 + r4 * ncodes;
-          for (size_t v = 0; v < NB; ++v) {
-            const __m256i cv = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes + 32 * v));
-            s[v] = _mm256_add_epi16(s[v], _mm256_maddubs_epi16(cv, pv));
+          __m256i cv[NB];
+          for (size_t v = 0; v < NB; ++v) cv[v] = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes + 32 * v));
+          for (size_t b = 0; b < B; ++b) {
+            int32_t pw;
+            std::memcpy(&pw, p8[b] + 4 * r4, 4);
+            const __m256i pv = _mm256_set1_epi32(pw);  // the quad's 4 weights, repeated
+            for (size_t v = 0; v < NB; ++v) s[b][v] = _mm256_add_epi16(s[b][v], _mm256_maddubs_epi16(cv[v], pv));
           }
         }
         // i16 lanes 2n, 2n + 1 hold channel n's two pairs: one vpmaddwd sums them.
-        for (size_t v = 0; v < NB; ++v) tot[v] = _mm256_add_epi32(tot[v], _mm256_madd_epi16(s[v], ones));
+        for (size_t b = 0; b < B; ++b) {
+          for (size_t v = 0; v < NB; ++v) tot[b][v] = _mm256_add_epi32(tot[b][v], _mm256_madd_epi16(s[b][v], ones));
+        }
       }
-      for (size_t v = 0; v < NB; ++v) FinishVVec(qh, h, x * vw + v * 8, hn::ConvertTo(df, V32{tot[v]}), w);
-    }
+      for (size_t b = 0; b < B; ++b) {
+        for (size_t v = 0; v < NB; ++v) FinishVVec(h * rep + r0 + b, h, x * vw + v * 8, hn::ConvertTo(df, V32{tot[b][v]}), w);
+      }
+    };
+    size_t r = 0;
+    for (; r + 2 <= rep; r += 2) heads(r, std::integral_constant<size_t, 2>());
+    for (; r < rep; ++r) heads(r, std::integral_constant<size_t, 1>());
   }
 }
 #else
 #define KVQ_BYTES 0
 #endif
+
 #else
 #undef KVQ_WIDE
 #define KVQ_WIDE 0
