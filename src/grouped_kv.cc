@@ -949,7 +949,8 @@ struct OpenReader {
         const uint8_t* c8 = ly.w8.data() + static_cast<size_t>(pos) % m.wslots * 2 * E;
         for (size_t c = 0; c < 2 * E; ++c) out[c] = og.lo[c] + og.st8[c] * static_cast<float>(c8[c]);
       } else {
-        std::vector<uint8_t> q(2 * E);
+        thread_local std::vector<uint8_t> q;  // read once per open token and attend: no allocation each time
+        if (q.size() < 2 * E) q.resize(2 * E);
         grouped::UnpackCodes(ly.ncodes.data() + slot * m.nslot, 2 * E, m.N, q.data());
         for (size_t c = 0; c < 2 * E; ++c) out[c] = og.lo[c] + og.st[c] * static_cast<float>(q[c]);
       }
