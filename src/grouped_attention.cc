@@ -455,20 +455,25 @@ template <int RB, class D>
 HWY_INLINE void TileWeightsWideBlock(D d, size_t h, size_t qh0, Work& w) {
   const hn::Rebind<int16_t, D> d16;
   const size_t N = hn::Lanes(d), hd = w.hd;
-  const float* lam = w.lam + h * hd;
+  // The arrays as restrict locals: the stores to w16 need not reload them.
+  const float* HWY_RESTRICT lam = w.lam + h * hd;
+  const float* HWY_RESTRICT cos2 = w.cos2;
+  const float* HWY_RESTRICT sin2 = w.sin2;
+  const float* HWY_RESTRICT wa = w.a + qh0 * hd;
+  const float* HWY_RESTRICT wb = w.b + qh0 * hd;
+  int16_t* HWY_RESTRICT w16 = w.w16 + qh0 * hd;
   hn::Vec<D> s[RB];
   for (int r = 0; r < RB; ++r) s[r] = hn::Zero(d);
   size_t i = 0;
   for (; i + 2 * N <= hd; i += 2 * N) {  // two vectors at a time: one pack
-    const auto c0 = hn::LoadU(d, w.cos2 + i), s0 = hn::LoadU(d, w.sin2 + i), l0 = hn::LoadU(d, lam + i);
-    const auto c1 = hn::LoadU(d, w.cos2 + i + N), s1 = hn::LoadU(d, w.sin2 + i + N), l1 = hn::LoadU(d, lam + i + N);
+    const auto c0 = hn::LoadU(d, cos2 + i), s0 = hn::LoadU(d, sin2 + i), l0 = hn::LoadU(d, lam + i);
+    const auto c1 = hn::LoadU(d, cos2 + i + N), s1 = hn::LoadU(d, sin2 + i + N), l1 = hn::LoadU(d, lam + i + N);
     for (int r = 0; r < RB; ++r) {
-      const size_t qh = qh0 + static_cast<size_t>(r);
-      const float* a = w.a + qh * hd + i;
-      const float* b = w.b + qh * hd + i;
+      const float* a = wa + static_cast<size_t>(r) * hd + i;
+      const float* b = wb + static_cast<size_t>(r) * hd + i;
       const auto w0 = hn::MulAdd(hn::LoadU(d, a), c0, hn::Mul(hn::LoadU(d, b), s0));
       const auto w1 = hn::MulAdd(hn::LoadU(d, a + N), c1, hn::Mul(hn::LoadU(d, b + N), s1));
-      StoreNearest16x2(d, w0, w1, w.w16 + qh * hd + i);
+      StoreNearest16x2(d, w0, w1, w16 + static_cast<size_t>(r) * hd + i);
       s[r] = hn::MulAdd(w1, l1, hn::MulAdd(w0, l0, s[r]));
     }
   }
