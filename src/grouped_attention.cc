@@ -63,19 +63,21 @@ struct UnpackTables {
 constexpr UnpackTables kUnpack;
 
 // Unpacking tables of the wide path, per width b (1..7): 16-bit lane i (of
-// up to 16; every 128-bit block of the vector holds the same 16 source bytes)
+// up to 16; every 128-bit block of a 256-bit vector holds the same 16 source
+// bytes, and lanes 16..31 of a 512-bit one the 16 bytes of codes 16..31)
 // takes the two bytes from byte (i b) / 8; the product with 2^(16 - s - b),
 // s = (i b) % 8, moves its code to the top bits and a shift by 16 - b brings
 // it down.
 struct WideTables {
-  alignas(32) uint8_t idx[8][32];
-  alignas(32) uint16_t mul[8][16];
+  alignas(64) uint8_t idx[8][64];
+  alignas(64) uint16_t mul[8][32];
   constexpr WideTables() : idx(), mul() {
     for (int b = 1; b <= 7; ++b) {
-      for (int i = 0; i < 16; ++i) {
-        idx[b][2 * i] = static_cast<uint8_t>(i * b / 8);
-        idx[b][2 * i + 1] = static_cast<uint8_t>(i * b / 8 + 1);
-        mul[b][i] = static_cast<uint16_t>(1u << (16 - (i * b) % 8 - b));
+      for (int k = 0; k < 32; ++k) {  // lanes 16..31 (512-bit vectors) repeat 0..15 from their own 16 bytes
+        const int i = k % 16;
+        idx[b][2 * k] = static_cast<uint8_t>(i * b / 8);
+        idx[b][2 * k + 1] = static_cast<uint8_t>(i * b / 8 + 1);
+        mul[b][k] = static_cast<uint16_t>(1u << (16 - (i * b) % 8 - b));
       }
     }
   }
@@ -423,16 +425,6 @@ void AccumulateVPortable(const Call& c, const uint8_t* rec, size_t h, size_t rep
 // paired by RearrangeToOddPlusEven: the same exact integer sums as
 // ScoresPortable / AccumulateVPortable, then the same float operations, so
 // the same scores and outputs bit for bit (tested).
-using D16 = hn::CappedTag<int16_t, 16>;
-using D32 = hn::Repartition<int32_t, D16>;
-using DF2 = hn::Repartition<float, D16>;  // half as many lanes as D16
-constexpr size_t kN16 = hn::MaxLanes(D16());
-using V32 = hn::Vec<D32>;
-
-// TileWeights for the wide path, for the RB query heads [qh0, qh0 + RB) of
-// one KV head (the rotation and lo / step loaded once): the weights as
-// 16-bit integers (w.w16; |W^| <= kMaxW by the choice of sigma, so the
-// digits' value 128 hi + lo is W^ itself) and C, in one pass.
 // Rounds a and b (in the int16 range) to the nearest integer, ties to even,
 // and stores them as 2 N 16-bit integers in order: on x86 one cvtps2dq each
 // (no overflow fix-up: the values are in range by construction) and one
@@ -451,6 +443,10 @@ HWY_INLINE void StoreNearest16x2(D d, hn::Vec<D> a, hn::Vec<D> b, int16_t* HWY_R
   hn::StoreU(hn::DemoteTo(d16, hn::NearestInt(b)), d16, out + hn::Lanes(d));
 }
 
+// TileWeights for the wide path, for the RB query heads [qh0, qh0 + RB) of
+// one KV head (the rotation and lo / step loaded once): the weights as
+// 16-bit integers (w.w16; |W^| <= kMaxW by the choice of sigma, so the
+// digits' value 128 hi + lo is W^ itself) and C, in one pass.
 template <int RB, class D>
 HWY_INLINE void TileWeightsWideBlock(D d, size_t h, size_t qh0, Work& w) {
   const hn::Rebind<int16_t, D> d16;
@@ -500,24 +496,38 @@ void TileWeightsWide(D d, size_t h, size_t rep, Work& w) {
   for (; r < rep; ++r) TileWeightsWideBlock<1>(d, h, h * rep + r, w);
 }
 
+// The wide path's 16-bit vectors: WideOps<D16> holds every function whose
+// vectors are D16's (16 lanes of 256 bits on x86's AVX2 / AVX3 and
+// AVX3_DL's head sizes that are not a multiple of 16, 8 lanes on SSE4 and
+// NEON; 32 lanes of 512 bits on AVX3 and AVX3_DL at head sizes that are).
+template <class D16Tag>
+struct WideOps {
+using D16 = D16Tag;
+using D32 = hn::Repartition<int32_t, D16>;
+using DF2 = hn::Repartition<float, D16>;  // half as many lanes as D16
+static constexpr size_t kN16 = hn::MaxLanes(D16());
+using V32 = hn::Vec<D32>;
+
 // Vector v of codes (16-bit lanes) of an operand run of `bits` bits packed
 // from p on (whole operands back to back). A vector reads 16 bytes from its
-// first source byte: the last ones, within 16 bytes of `end` (the record's
-// end), read from a copy (At checks; AtInPlace is for v < in_place).
+// first source byte (and, with 32 lanes, 16 from that of its code 16): the
+// last ones, within reach of `end` (the record's end), read from a copy (At
+// checks; AtInPlace is for v < in_place).
 class CodeVectors {
  public:
   HWY_INLINE CodeVectors(const uint8_t* p, int bits, const uint8_t* end)
       : p_(p), bits_(bits), step_(kN16 * static_cast<size_t>(bits) / 8) {
     const hn::Repartition<uint8_t, D16> du8;
     const hn::RebindToUnsigned<D16> du16;
-    in_place = bits == 8 ? ~size_t{0} : end - p >= 16 ? (static_cast<size_t>(end - p) - 16) / step_ + 1 : 0;
+    const size_t reach = 16 + (kN16 > 16 ? step_ / 2 : 0), avail = static_cast<size_t>(end - p);
+    in_place = bits == 8 ? ~size_t{0} : avail >= reach ? (avail - reach) / step_ + 1 : 0;
     if (bits < 8) idx_ = hn::LoadU(du8, kWide.idx[bits]), mul_ = hn::LoadU(du16, kWide.mul[bits]);
   }
   HWY_INLINE hn::Vec<D16> AtInPlace(size_t v) const { return From(p_ + v * step_); }
   HWY_INLINE hn::Vec<D16> At(size_t v) const {
     if (HWY_LIKELY(v < in_place)) return AtInPlace(v);
-    HWY_ALIGN uint8_t copy[32] = {};
-    std::memcpy(copy, p_ + v * step_, step_);  // step <= 14 bytes are this vector's
+    HWY_ALIGN uint8_t copy[64] = {};
+    std::memcpy(copy, p_ + v * step_, step_);  // step <= 28 bytes are this vector's
     return From(copy);
   }
   size_t in_place;
@@ -528,7 +538,14 @@ class CodeVectors {
     const hn::RebindToUnsigned<D16> du16;
     const hn::Repartition<uint8_t, D16> du8;
     if (bits_ == 8) return hn::BitCast(d16, hn::PromoteTo(du16, hn::LoadU(hn::Rebind<uint8_t, D16>(), src)));
-    const auto x = hn::BitCast(du16, hn::TableLookupBytes(hn::LoadDup128(du8, src), idx_));
+    hn::Vec<decltype(du8)> bytes;
+    if constexpr (kN16 > 16) {  // codes 0..15 and 16..31 from their own 16 bytes
+      const hn::Half<decltype(du8)> dh;
+      bytes = hn::Combine(du8, hn::LoadDup128(dh, src + step_ / 2), hn::LoadDup128(dh, src));
+    } else {
+      bytes = hn::LoadDup128(du8, src);
+    }
+    const auto x = hn::BitCast(du16, hn::TableLookupBytes(bytes, idx_));
     return hn::BitCast(d16, hn::ShiftRightSame(hn::Mul(x, mul_), 16 - bits_));
   }
   const uint8_t* p_;
@@ -540,7 +557,7 @@ class CodeVectors {
 
 // The n codes (a multiple of kN16) of `bits` bits packed from p on, one
 // 16-bit lane each, to out (aligned).
-HWY_INLINE void UnpackWide(const uint8_t* p, size_t n, int bits, const uint8_t* end, int16_t* HWY_RESTRICT out) {
+static HWY_INLINE void UnpackWide(const uint8_t* p, size_t n, int bits, const uint8_t* end, int16_t* HWY_RESTRICT out) {
   const D16 d16;
   constexpr size_t N = kN16;
   const CodeVectors cv(p, bits, end);
@@ -554,7 +571,7 @@ HWY_INLINE void UnpackWide(const uint8_t* p, size_t n, int bits, const uint8_t* 
 }
 
 // Four 16-bit weights, repeated over the vector.
-HWY_INLINE hn::Vec<D16> Repeat4(const int16_t* p) {
+static HWY_INLINE hn::Vec<D16> Repeat4(const int16_t* p) {
   const D16 d16;
   const hn::Repartition<int64_t, D16> d64;
   int64_t bits;
@@ -564,14 +581,14 @@ HWY_INLINE hn::Vec<D16> Repeat4(const int16_t* p) {
 
 // Vectors a, b of pair sums (lane m: codes 2m, 2m + 1) -> the sums of
 // pairs (2i, 2i + 1): a's in the lower half, b's in the upper.
-HWY_INLINE V32 SumPairs(V32 a, V32 b) {
+static HWY_INLINE V32 SumPairs(V32 a, V32 b) {
   const D32 d32;
   return hn::Add(hn::ConcatEven(d32, b, a), hn::ConcatOdd(d32, b, a));
 }
 
 // The tile's K codes of head h as 16-bit lanes into w.kc, a run of quads
 // (back to back, one width) at a time.
-HWY_INLINE void UnpackTile(const Call& c, const uint8_t* tile, const uint8_t* end, size_t h, Work& w) {
+static HWY_INLINE void UnpackTile(const Call& c, const uint8_t* tile, const uint8_t* end, size_t h, Work& w) {
   const uint32_t* ko = c.k_quad_off + h * (w.hd / 4);
   for (size_t ri = w.run_begin[h]; ri < w.run_begin[h + 1]; ++ri) {
     const Run& run = w.runs[ri];
@@ -582,7 +599,7 @@ HWY_INLINE void UnpackTile(const Call& c, const uint8_t* tile, const uint8_t* en
 // Query head qh's 16 scores of tile j from its NV pair-sum vectors (vector
 // v: tokens 4v .. 4v + 3, each as the pair sums of its channels 0-1, 2-3).
 template <size_t NV>
-HWY_INLINE void StoreScores(size_t qh, size_t j, const V32 (&s0)[NV], const V32 (&s1)[NV], Work& w) {
+static HWY_INLINE void StoreScores(size_t qh, size_t j, const V32 (&s0)[NV], const V32 (&s1)[NV], Work& w) {
   const DF2 df;
   constexpr size_t N = kN16;
   // Token l of the tile: pairs 2l and 2l + 1 (its four channels).
@@ -596,7 +613,7 @@ HWY_INLINE void StoreScores(size_t qh, size_t j, const V32 (&s0)[NV], const V32 
 
 // NV vectors of codes per operand (64 / kN16).
 template <size_t NV>
-void ScoresWide(const Call& c, const uint8_t* tile, const uint8_t* end, size_t h, size_t rep, size_t j, Work& w) {
+static void ScoresWide(const Call& c, const uint8_t* tile, const uint8_t* end, size_t h, size_t rep, size_t j, Work& w) {
   const D16 d16;
   const D32 d32;
   constexpr size_t N = kN16;
@@ -630,7 +647,7 @@ void ScoresWide(const Call& c, const uint8_t* tile, const uint8_t* end, size_t h
 
 // FinishV for the channels [c0, c0 + Lanes(DF2)) from a vector of sums (the
 // same operations, lane by lane).
-HWY_INLINE void FinishVVec(size_t qh, size_t h, size_t c0, hn::Vec<DF2> sums, Work& w) {
+static HWY_INLINE void FinishVVec(size_t qh, size_t h, size_t c0, hn::Vec<DF2> sums, Work& w) {
   const DF2 d;
   float* HWY_RESTRICT acc = w.acc + qh * w.hd + c0;
   const auto al = hn::Set(d, w.al[qh]), sp = hn::Set(d, w.sp[qh]), ps = hn::Set(d, static_cast<float>(w.psumi[qh]));
@@ -640,7 +657,7 @@ HWY_INLINE void FinishVVec(size_t qh, size_t h, size_t c0, hn::Vec<DF2> sums, Wo
 
 // NV vectors of codes per operand (4 vw / kN16).
 template <size_t NV>
-void AccumulateVWide(const Call& c, const uint8_t* rec, const uint8_t* end, size_t h, size_t rep, Work& w) {
+static void AccumulateVWide(const Call& c, const uint8_t* rec, const uint8_t* end, size_t h, size_t rep, Work& w) {
   const D16 d16;
   const D32 d32;
   const DF2 df;
@@ -697,33 +714,52 @@ void AccumulateVWide(const Call& c, const uint8_t* rec, const uint8_t* end, size
 // vpmaddwd with ones into exact int32 channel sums. No product saturates
 // (2 x 127 x 127 < 2^15). Same integers as AccumulateVPortable, same float
 // operations after them (FinishVVec), so the same outputs bit for bit.
-static_assert(kN16 == 16, "the byte path reads 256-bit vectors of 16-bit lanes");
+// The raw operations the byte path needs beyond Highway 1.0.3 (vpmaddubsw,
+// vpackuswb), on the D16 vector width.
+using DU8 = hn::Repartition<uint8_t, D16>;
+static HWY_INLINE hn::Vec<D16> MaddUbs(hn::Vec<DU8> codes, hn::Vec<DU8> wts) {
+#if HWY_TARGET <= HWY_AVX3
+  if constexpr (kN16 == 32) return hn::Vec<D16>{_mm512_maddubs_epi16(codes.raw, wts.raw)};
+#endif
+  if constexpr (kN16 == 16) return hn::Vec<D16>{_mm256_maddubs_epi16(codes.raw, wts.raw)};
+}
+// a's codes then b's as bytes, in order (packus interleaves 128-bit blocks;
+// a qword permute puts them back).
+static HWY_INLINE hn::Vec<DU8> PackBytes(hn::Vec<D16> a, hn::Vec<D16> b) {
+#if HWY_TARGET <= HWY_AVX3
+  if constexpr (kN16 == 32) {
+    const __m512i order = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7);
+    return hn::Vec<DU8>{_mm512_permutexvar_epi64(order, _mm512_packus_epi16(a.raw, b.raw))};
+  }
+#endif
+  if constexpr (kN16 == 16) return hn::Vec<DU8>{_mm256_permute4x64_epi64(_mm256_packus_epi16(a.raw, b.raw), 0xD8)};
+}
 
-// Block x of head h's V codes as bytes (w.vc8), in code order: unpacked to
-// 16-bit lanes, then packus (which interleaves the 128-bit halves) and a
-// qword permute that puts them back.
-HWY_INLINE void UnpackVBytes(const Call& c, const uint8_t* rec, const uint8_t* end, size_t h, size_t x, size_t ncodes,
-                             Work& w) {
-  const size_t nv = w.G / 4 * ncodes / 16;  // vectors of 16 codes, an even number
+// Block x of head h's V codes as bytes (w.vc8), in code order.
+static HWY_INLINE void UnpackVBytes(const Call& c, const uint8_t* rec, const uint8_t* end, size_t h, size_t x,
+                                    size_t ncodes, Work& w) {
+  const DU8 du8;
+  const size_t nv = w.G / 4 * ncodes / kN16;  // vectors of kN16 codes, an even number
   const CodeVectors cv(rec + c.layout.voperand(h, x, 0), c.v_bits, end);
-  const auto pack = [&](size_t v, hn::Vec<D16> a, hn::Vec<D16> b) {
-    _mm256_store_si256(reinterpret_cast<__m256i*>(w.vc8 + 16 * v),
-                       _mm256_permute4x64_epi64(_mm256_packus_epi16(a.raw, b.raw), 0xD8));
-  };
+  const auto pack = [&](size_t v, hn::Vec<D16> a, hn::Vec<D16> b) { hn::Store(PackBytes(a, b), du8, w.vc8 + kN16 * v); };
   size_t v = 0;
   for (; v + 2 <= std::min(nv, cv.in_place); v += 2) pack(v, cv.AtInPlace(v), cv.AtInPlace(v + 1));
   for (; v < nv; v += 2) pack(v, cv.At(v), cv.At(v + 1));
 }
 
-// NB vectors of 32 codes per operand (4 vw / 32).
+// NB byte vectors (of 2 kN16 codes) per operand.
 template <size_t NB>
-void AccumulateVBytes(const Call& c, const uint8_t* rec, const uint8_t* end, size_t h, size_t rep, Work& w) {
+static void AccumulateVBytes(const Call& c, const uint8_t* rec, const uint8_t* end, size_t h, size_t rep, Work& w) {
+  const D16 d16;
+  const D32 d32;
+  const DU8 du8;
   const DF2 df;
-  constexpr size_t ncodes = 32 * NB, vw = ncodes / 4;
+  constexpr size_t kB = 2 * kN16;  // codes (bytes) a vector
+  constexpr size_t ncodes = kB * NB, vw = ncodes / 4;
   const size_t hd = w.hd, G = w.G, nops = G / 4;
   const int maxc = (1 << c.v_bits) - 1;
   const size_t pass = static_cast<size_t>(32767 / (2 * maxc * 127));  // token quads per i16 pass (>= 18)
-  const __m256i ones = _mm256_set1_epi16(1);
+  const auto ones = hn::Set(d16, int16_t{1});
   for (size_t x = 0; x < hd / vw; ++x) {
     UnpackVBytes(c, rec, end, h, x, ncodes, w);
     // Two query heads a pass over the codes (each code vector loaded once for both).
@@ -731,34 +767,37 @@ void AccumulateVBytes(const Call& c, const uint8_t* rec, const uint8_t* end, siz
       constexpr size_t B = decltype(rb)::value;
       const int8_t* p8[B];  // P^ as bytes (SoftmaxStep)
       for (size_t b = 0; b < B; ++b) p8[b] = reinterpret_cast<const int8_t*>(w.pd + (h * rep + r0 + b) * 2 * (G / 4));
-      __m256i tot[B][NB];
+      V32 tot[B][NB];
       for (size_t b = 0; b < B; ++b) {
-        for (size_t v = 0; v < NB; ++v) tot[b][v] = _mm256_setzero_si256();
+        for (size_t v = 0; v < NB; ++v) tot[b][v] = hn::Zero(d32);
       }
       for (size_t q0 = 0; q0 < nops; q0 += pass) {
-        __m256i s[B][NB];
+        hn::Vec<D16> s[B][NB];
         for (size_t b = 0; b < B; ++b) {
-          for (size_t v = 0; v < NB; ++v) s[b][v] = _mm256_setzero_si256();
+          for (size_t v = 0; v < NB; ++v) s[b][v] = hn::Zero(d16);
         }
         const size_t q1 = std::min(nops, q0 + pass);
         for (size_t r4 = q0; r4 < q1; ++r4) {
           const uint8_t* codes = w.vc8 + r4 * ncodes;
-          __m256i cv[NB];
-          for (size_t v = 0; v < NB; ++v) cv[v] = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes + 32 * v));
+          hn::Vec<DU8> cv[NB];
+          for (size_t v = 0; v < NB; ++v) cv[v] = hn::Load(du8, codes + kB * v);
           for (size_t b = 0; b < B; ++b) {
             int32_t pw;
             std::memcpy(&pw, p8[b] + 4 * r4, 4);
-            const __m256i pv = _mm256_set1_epi32(pw);  // the quad's 4 weights, repeated
-            for (size_t v = 0; v < NB; ++v) s[b][v] = _mm256_add_epi16(s[b][v], _mm256_maddubs_epi16(cv[v], pv));
+            const auto pv = hn::BitCast(du8, hn::Set(d32, pw));  // the quad's 4 weights, repeated
+            for (size_t v = 0; v < NB; ++v) s[b][v] = hn::Add(s[b][v], MaddUbs(cv[v], pv));
           }
         }
         // i16 lanes 2n, 2n + 1 hold channel n's two pairs: one vpmaddwd sums them.
         for (size_t b = 0; b < B; ++b) {
-          for (size_t v = 0; v < NB; ++v) tot[b][v] = _mm256_add_epi32(tot[b][v], _mm256_madd_epi16(s[b][v], ones));
+          for (size_t v = 0; v < NB; ++v) {
+            V32 unused = hn::Zero(d32);
+            tot[b][v] = hn::Add(tot[b][v], hn::ReorderWidenMulAccumulate(d32, s[b][v], ones, hn::Zero(d32), unused));
+          }
         }
       }
       for (size_t b = 0; b < B; ++b) {
-        for (size_t v = 0; v < NB; ++v) FinishVVec(h * rep + r0 + b, h, x * vw + v * 8, hn::ConvertTo(df, V32{tot[b][v]}), w);
+        for (size_t v = 0; v < NB; ++v) FinishVVec(h * rep + r0 + b, h, x * vw + v * (kB / 4), hn::ConvertTo(df, tot[b][v]), w);
       }
     };
     size_t r = 0;
@@ -770,11 +809,59 @@ void AccumulateVBytes(const Call& c, const uint8_t* rec, const uint8_t* end, siz
 #define KVQ_BYTES 0
 #endif
 
+};  // WideOps
+
+using W256 = WideOps<hn::CappedTag<int16_t, 16>>;
+#undef KVQ_WIDE512
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+// AVX3 and AVX3_DL (when its VNNI path does not run): 512-bit vectors at head
+// sizes that are a multiple of 16 (V blocks of 16 channels: 64 codes an operand).
+#define KVQ_WIDE512 1
+using W512 = WideOps<hn::CappedTag<int16_t, 32>>;
+#else
+#define KVQ_WIDE512 0
+#endif
+
+// A tile's K scores of head h on the wide path W.
+template <class W>
+HWY_INLINE void WideScores(const Call& c, const uint8_t* tile, const uint8_t* end, size_t h, size_t rep, size_t j,
+                           Work& w) {
+  W::template ScoresWide<64 / W::kN16>(c, tile, end, h, rep, j, w);
+}
+
+// A group's V sums of head h on the wide path W (the byte path for one digit
+// on x86).
+template <class W>
+HWY_INLINE void WideV(const Call& c, const uint8_t* rec, const uint8_t* end, size_t h, size_t rep, Work& w) {
+  const bool vw16 = c.layout.vw == 16;  // W512 runs only there
+#if KVQ_BYTES
+  if (c.v_digits == 1) {
+    if constexpr (W::kN16 == 32) {
+      W::template AccumulateVBytes<1>(c, rec, end, h, rep, w);
+    } else if (vw16) {
+      W::template AccumulateVBytes<2>(c, rec, end, h, rep, w);
+    } else {
+      W::template AccumulateVBytes<1>(c, rec, end, h, rep, w);
+    }
+    return;
+  }
+#endif
+  if constexpr (W::kN16 == 32) {
+    W::template AccumulateVWide<2>(c, rec, end, h, rep, w);
+  } else if (vw16) {
+    W::template AccumulateVWide<64 / W::kN16>(c, rec, end, h, rep, w);
+  } else {
+    W::template AccumulateVWide<32 / W::kN16>(c, rec, end, h, rep, w);
+  }
+}
+
 #else
 #undef KVQ_WIDE
 #define KVQ_WIDE 0
 #undef KVQ_BYTES
 #define KVQ_BYTES 0
+#undef KVQ_WIDE512
+#define KVQ_WIDE512 0
 #endif  // wide path
 
 #if HWY_TARGET == HWY_AVX3_DL
@@ -1021,6 +1108,9 @@ void AttendImpl(const Call& c) {
 #endif
   const bool scalar = forced == DotPath::kScalar || !KVQ_WIDE;
   if (!vnni && !scalar) w.InitWide(c.layout.vw);
+#if KVQ_WIDE512
+  const bool wide512 = w.wide && hd % 16 == 0;
+#endif
   // Software prefetches pay on the VNNI path (measured); the wide path leaves
   // the stream to the hardware prefetcher.
   const bool prefetch = !w.wide;
@@ -1078,9 +1168,15 @@ void AttendImpl(const Call& c) {
           continue;
         }
 #endif
+#if KVQ_WIDE512
+        if (wide512) {
+          WideScores<W512>(c, tile, end, h, rep, j, w);
+          continue;
+        }
+#endif
 #if KVQ_WIDE
         if (w.wide) {
-          ScoresWide<64 / kN16>(c, tile, end, h, rep, j, w);
+          WideScores<W256>(c, tile, end, h, rep, j, w);
           continue;
         }
 #endif
@@ -1101,23 +1197,15 @@ void AttendImpl(const Call& c) {
         continue;
       }
 #endif
+#if KVQ_WIDE512
+      if (wide512) {
+        WideV<W512>(c, rec, end, h, rep, w);
+        continue;
+      }
+#endif
 #if KVQ_WIDE
       if (w.wide) {
-#if KVQ_BYTES
-        if (c.v_digits == 1) {
-          if (L.vw == 16) {
-            AccumulateVBytes<2>(c, rec, end, h, rep, w);
-          } else {
-            AccumulateVBytes<1>(c, rec, end, h, rep, w);
-          }
-          continue;
-        }
-#endif
-        if (L.vw == 16) {
-          AccumulateVWide<64 / kN16>(c, rec, end, h, rep, w);
-        } else {
-          AccumulateVWide<32 / kN16>(c, rec, end, h, rep, w);
-        }
+        WideV<W256>(c, rec, end, h, rep, w);
         continue;
       }
 #endif
