@@ -1,5 +1,5 @@
-// KV schemes (SPEC §6): registry, ggml block layout and golden blocks, per
-// scheme round-trip bounds, exact byte accounting, and RowKvCache behaviour.
+// KV schemes (SPEC §6): registry, per scheme round-trip bounds, exact byte
+// accounting, and RowKvCache behaviour (ggml's blocks: ggml_quants_test.cc).
 //
 // Tolerances per value x in a row (derived from each format):
 //   fp16: |e| <= |x| 2^-11 (normal range), 2^-25 below 2^-14; bf16: |e| <= |x| 2^-8
@@ -75,62 +75,6 @@ TEST(KvScheme, RegistryHoldsEverySchemeOnceInFormatOrder) {
   EXPECT_STREQ(kv_scheme_name(static_cast<KvScheme>(200)), "unknown");
   const std::string e = test::ErrorOf([] { KvRowCodec c(static_cast<KvScheme>(10), 64, 8); });
   EXPECT_NE(e.find("unknown KV scheme value 10"), std::string::npos) << e;
-}
-
-TEST(GgmlBlocks, LayoutMatchesGgml) {
-  EXPECT_EQ(sizeof(ggml::BlockQ8_0), 34u);
-  EXPECT_EQ(offsetof(ggml::BlockQ8_0, d), 0u);
-  EXPECT_EQ(offsetof(ggml::BlockQ8_0, qs), 2u);
-  EXPECT_EQ(sizeof(ggml::BlockQ4_0), 18u);
-  EXPECT_EQ(offsetof(ggml::BlockQ4_0, qs), 2u);
-}
-
-// Hand-checked: amax = 127 -> d = 1 (fp16 0x3C00); roundf rounds halves away
-// from zero (unlike the seed's int8 rule).
-TEST(GgmlBlocks, GoldenQ8_0) {
-  std::vector<float> x(32, 0.0f);
-  const float vals[] = {127.0f, 2.5f, -2.5f, 0.5f, -0.5f, 1.4f, -1.6f, 126.5f, -127.0f};
-  std::memcpy(x.data(), vals, sizeof vals);
-  ggml::BlockQ8_0 b{};
-  ggml::quantize_row_q8_0(x, {&b, 1});
-  uint8_t bytes[34];
-  std::memcpy(bytes, &b, 34);
-  const uint8_t want_head[] = {0x00, 0x3C, 0x7F, 0x03, 0xFD, 0x01, 0xFF, 0x01, 0xFE, 0x7F, 0x81};
-  for (size_t i = 0; i < sizeof want_head; ++i) EXPECT_EQ(bytes[i], want_head[i]) << "byte " << i;
-  for (size_t i = sizeof want_head; i < 34; ++i) EXPECT_EQ(bytes[i], 0) << "byte " << i;
-  std::vector<float> y(32);
-  ggml::dequantize_row_q8_0({&b, 1}, y);
-  EXPECT_EQ(y[1], 3.0f);
-  EXPECT_EQ(y[2], -3.0f);
-}
-
-// Hand-checked: the value of largest |x| is -8 -> d = -8 / -8 = 1 (0x3C00),
-// nibble = min(15, trunc(x + 8.5)); low nibble holds x[j], high x[j + 16].
-TEST(GgmlBlocks, GoldenQ4_0) {
-  std::vector<float> x(32);
-  for (int j = 0; j < 16; ++j) x[static_cast<size_t>(j)] = static_cast<float>(j - 8);   // nibbles 0..15
-  for (int j = 0; j < 16; ++j) x[static_cast<size_t>(16 + j)] = (j % 2) ? 0.5f : -0.5f;  // 9 / 8
-  ggml::BlockQ4_0 b{};
-  ggml::quantize_row_q4_0(x, {&b, 1});
-  uint8_t bytes[18];
-  std::memcpy(bytes, &b, 18);
-  EXPECT_EQ(bytes[0], 0x00);
-  EXPECT_EQ(bytes[1], 0x3C);
-  for (int j = 0; j < 16; ++j) {
-    const int hi = (j % 2) ? 9 : 8;
-    EXPECT_EQ(bytes[2 + j], static_cast<uint8_t>(j | (hi << 4))) << "qs[" << j << "]";
-  }
-  // Positive max: d = max / -8 is negative, codes flip.
-  std::vector<float> p(32, 0.0f);
-  p[3] = 4.0f;  // d = -0.5 (fp16 0xB800): 4 / -0.5 = -8 -> nibble 0
-  ggml::quantize_row_q4_0(p, {&b, 1});
-  EXPECT_EQ(b.d, 0xB800);
-  EXPECT_EQ(b.qs[3] & 0x0F, 0);
-  EXPECT_EQ(b.qs[0], 0x88);
-  std::vector<float> y(32);
-  ggml::dequantize_row_q4_0({&b, 1}, y);
-  EXPECT_EQ(y[3], 4.0f);
-  EXPECT_EQ(y[0], 0.0f);
 }
 
 double Bound(KvScheme s, float x, const float* row, int n, int head_dim, int i) {

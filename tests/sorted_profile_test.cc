@@ -10,7 +10,6 @@
 #include <string>
 #include <vector>
 
-#include "kvq/crc32c.h"
 #include "kvq/half.h"
 #include "tests/test_util.h"
 
@@ -83,18 +82,6 @@ double BruteKs(const std::vector<float>& v, const Estimator& f, const LocScale& 
     d = std::max({d, std::fabs(le / m - F), std::fabs(lt / m - F)});
   }
   return d;
-}
-
-// ---- CRC32C -----------------------------------------------------------------
-
-TEST(Crc32c, KnownAnswerAndIncremental) {
-  const std::string s = "123456789";
-  const std::span<const uint8_t> b(reinterpret_cast<const uint8_t*>(s.data()), s.size());
-  EXPECT_EQ(crc32c(b), 0xE3069283u);
-  EXPECT_EQ(crc32c({}), 0u);
-  EXPECT_EQ(crc32c(b.subspan(4), crc32c(b.first(4))), 0xE3069283u);
-  std::vector<uint8_t> zeros(32, 0);
-  EXPECT_EQ(crc32c(zeros), 0x8A9136AAu);  // RFC 3720 B.4: 32 bytes of zeros
 }
 
 // ---- estimators --------------------------------------------------------------
