@@ -29,6 +29,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "hwy/aligned_allocator.h"
@@ -324,7 +325,9 @@ void SoftmaxStep(const Call& c, size_t qh, Work& w) {
     vsum = hn::Add(vsum, pi);
     if (w.wide) {  // P^ itself: the digits' value 128 hi + lo (P^ <= kMaxP)
       hn::StoreU(hn::DemoteTo(d16, pi), d16, p16 + t);
-      if (c.v_digits == 1) hn::StoreU(hn::DemoteTo(d8, pi), d8, lo + t);  // and as bytes (the byte path)
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
+      if (c.v_digits == 1) hn::StoreU(hn::DemoteTo(d8, pi), d8, lo + t);  // and as bytes (x86's byte path)
+#endif
     } else if (c.v_digits == 1) {
       hn::StoreU(hn::DemoteTo(d8, pi), d8, lo + t);
     } else {
@@ -496,6 +499,15 @@ void TileWeightsWide(D d, size_t h, size_t rep, Work& w) {
   for (; r < rep; ++r) TileWeightsWideBlock<1>(d, h, h * rep + r, w);
 }
 
+// fn(r0, integral_constant<B>) for the query heads of one KV head in blocks
+// of RB (B = RB), then one at a time (B = 1).
+template <size_t RB, class Fn>
+HWY_INLINE void ForHeadBlocks(size_t rep, const Fn& fn) {
+  size_t r = 0;
+  for (; r + RB <= rep; r += RB) fn(r, std::integral_constant<size_t, RB>());
+  for (; r < rep; ++r) fn(r, std::integral_constant<size_t, 1>());
+}
+
 // The wide path's 16-bit vectors: WideOps<D16> holds every function whose
 // vectors are D16's (16 lanes of 256 bits on x86's AVX2 / AVX3 and
 // AVX3_DL's head sizes that are not a multiple of 16, 8 lanes on SSE4 and
@@ -640,9 +652,7 @@ static void ScoresWide(const Call& c, const uint8_t* tile, const uint8_t* end, s
     }
     for (size_t b = 0; b < B; ++b) StoreScores<NV>(h * rep + r0 + b, j, s0[b], s1[b], w);
   };
-  size_t r = 0;
-  for (; r + RB <= rep; r += RB) heads(r, std::integral_constant<size_t, RB>());
-  for (; r < rep; ++r) heads(r, std::integral_constant<size_t, 1>());
+  ForHeadBlocks<RB>(rep, heads);
 }
 
 // FinishV for the channels [c0, c0 + Lanes(DF2)) from a vector of sums (the
@@ -714,6 +724,7 @@ static void AccumulateVWide(const Call& c, const uint8_t* rec, const uint8_t* en
 // vpmaddwd with ones into exact int32 channel sums. No product saturates
 // (2 x 127 x 127 < 2^15). Same integers as AccumulateVPortable, same float
 // operations after them (FinishVVec), so the same outputs bit for bit.
+
 // The raw operations the byte path needs beyond Highway 1.0.3 (vpmaddubsw,
 // vpackuswb), on the D16 vector width.
 using DU8 = hn::Repartition<uint8_t, D16>;
@@ -800,9 +811,7 @@ static void AccumulateVBytes(const Call& c, const uint8_t* rec, const uint8_t* e
         for (size_t v = 0; v < NB; ++v) FinishVVec(h * rep + r0 + b, h, x * vw + v * (kB / 4), hn::ConvertTo(df, tot[b][v]), w);
       }
     };
-    size_t r = 0;
-    for (; r + 2 <= rep; r += 2) heads(r, std::integral_constant<size_t, 2>());
-    for (; r < rep; ++r) heads(r, std::integral_constant<size_t, 1>());
+    ForHeadBlocks<2>(rep, heads);
   }
 }
 #else
