@@ -16,7 +16,7 @@
 
 #include "kvq/kv_cache.h"
 #include "model/llama2.h"
-#include "src/container.h"
+#include "src/io/container.h"
 
 namespace kvq::fuzz {
 

@@ -18,7 +18,7 @@
 #include "kvq/kv_cache.h"
 #include "kvq/sorted_profile.h"
 #include "fuzz/fuzz_util.h"
-#include "src/container.h"
+#include "src/io/container.h"
 
 namespace {
 

@@ -16,8 +16,8 @@
 
 #include "kvq/attention.h"
 #include "kvq/half.h"
-#include "src/grouped_attention.h"
-#include "src/grouped_encode.h"
+#include "src/groups/attention.h"
+#include "src/groups/encode.h"
 #include "tests/test_util.h"
 
 namespace kvq {

@@ -13,7 +13,7 @@
 #include <fstream>
 #include <vector>
 
-#include "src/container.h"
+#include "src/io/container.h"
 #include "tests/kv_cache_util.h"
 #include "tests/test_util.h"
 

@@ -22,7 +22,7 @@
 #include "kvq/error.h"
 #include "kvq/ggml_quants.h"
 #include "kvq/half.h"
-#include "src/schemes/row_scheme.h"
+#include "src/rows/row_scheme.h"
 #include "tests/test_util.h"
 
 namespace kvq {

@@ -15,7 +15,7 @@
 
 #include "hwy/targets.h"
 #include "kvq/error.h"
-#include "src/container.h"
+#include "src/io/container.h"
 
 namespace kvq::test {
 

@@ -1,5 +1,5 @@
 // The one table of KV cache families (see families.h).
-#include "src/schemes/families.h"
+#include "src/cache/families.h"
 
 #include "kvq/error.h"
 

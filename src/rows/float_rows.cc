@@ -3,7 +3,7 @@
 #include <cstring>
 
 #include "kvq/half.h"
-#include "src/schemes/row_scheme.h"
+#include "src/rows/row_scheme.h"
 
 namespace kvq::schemes {
 namespace {

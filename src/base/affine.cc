@@ -11,11 +11,11 @@
 #include "kvq/fp8.h"
 
 #undef HWY_TARGET_INCLUDE
-#define HWY_TARGET_INCLUDE "src/affine.cc"
+#define HWY_TARGET_INCLUDE "src/base/affine.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
 #include "hwy/cache_control.h"
-#include "src/fp8-inl.h"
+#include "src/base/fp8-inl.h"
 
 // Elements per OpenMP work item: large enough to amortise scheduling, a
 // multiple of every vector length so aligned (streaming) stores stay aligned.

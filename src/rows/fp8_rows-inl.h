@@ -11,9 +11,9 @@
 #define KVQ_SRC_SCHEMES_FP8_ROWS_INL_H_
 #endif
 
-#include "src/fp8-inl.h"
-#include "src/schemes/kernel_common-inl.h"
-#include "src/schemes/scale_io.h"
+#include "src/base/fp8-inl.h"
+#include "src/rows/kernel_common-inl.h"
+#include "src/rows/scale_io.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace kvq {

@@ -14,7 +14,7 @@
 
 #include "hwy/contrib/sort/vqsort.h"
 
-#include "src/container.h"
+#include "src/io/container.h"
 
 namespace kvq {
 namespace {

@@ -14,8 +14,8 @@
 
 #include "kvq/error.h"
 #include "kvq/half.h"
-#include "src/grouped_attention.h"
-#include "src/grouped_encode.h"
+#include "src/groups/attention.h"
+#include "src/groups/encode.h"
 
 namespace kvq {
 

@@ -20,7 +20,7 @@
 // grouped_kv.h, tested in grouped_kv_test.cc): a score moves by at most
 // sigma / 2 * sum_i q_ti, a weight by at most sigma_p / 2.
 #undef HWY_TARGET_INCLUDE
-#define HWY_TARGET_INCLUDE "src/grouped_attention.cc"
+#define HWY_TARGET_INCLUDE "src/groups/attention.cc"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 #include <hwy/highway.h>
 
@@ -36,7 +36,7 @@
 #include "hwy/cache_control.h"
 #include "hwy/contrib/math/math-inl.h"
 #include "kvq/half.h"
-#include "src/grouped_attention.h"
+#include "src/groups/attention.h"
 
 #ifndef KVQ_GROUPED_ATTENTION_ONCE
 #define KVQ_GROUPED_ATTENTION_ONCE

@@ -5,7 +5,7 @@
 #include <cstring>
 
 #include "kvq/error.h"
-#include "src/schemes/families.h"
+#include "src/cache/families.h"
 
 namespace kvq::detail {
 namespace {

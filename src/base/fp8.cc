@@ -7,10 +7,10 @@
 #include "kvq/error.h"
 
 #undef HWY_TARGET_INCLUDE
-#define HWY_TARGET_INCLUDE "src/fp8.cc"
+#define HWY_TARGET_INCLUDE "src/base/fp8.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
-#include "src/fp8-inl.h"
+#include "src/base/fp8-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace kvq {

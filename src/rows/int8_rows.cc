@@ -3,8 +3,8 @@
 #include <span>
 
 #include "kvq/affine.h"
-#include "src/schemes/row_scheme.h"
-#include "src/schemes/scale_io.h"
+#include "src/rows/row_scheme.h"
+#include "src/rows/scale_io.h"
 
 namespace kvq::schemes {
 namespace {

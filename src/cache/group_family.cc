@@ -3,7 +3,7 @@
 // length. A saved state is GroupedKvCache::save_state; the tables are its
 // save_tables.
 #include "kvq/error.h"
-#include "src/schemes/families.h"
+#include "src/cache/families.h"
 
 namespace kvq::detail {
 namespace {

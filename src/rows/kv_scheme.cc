@@ -9,7 +9,7 @@
 #include "kvq/affine.h"
 #include "kvq/error.h"
 #include "kvq/ggml_quants.h"
-#include "src/schemes/row_scheme.h"
+#include "src/rows/row_scheme.h"
 
 namespace kvq {
 namespace {

@@ -1,7 +1,7 @@
 // Row schemes q8_0 and q4_0: ggml's blocks of 32 values (ggml_quants.h),
 // in K and V tiles when heads are block-aligned (kQ8, kQ4).
 #include "kvq/ggml_quants.h"
-#include "src/schemes/row_scheme.h"
+#include "src/rows/row_scheme.h"
 
 namespace kvq::schemes {
 namespace {

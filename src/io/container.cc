@@ -1,4 +1,4 @@
-#include "src/container.h"
+#include "src/io/container.h"
 
 #include "kvq/crc32c.h"
 #include "kvq/file.h"

@@ -7,7 +7,7 @@
 #include "kvq/error.h"
 
 #undef HWY_TARGET_INCLUDE
-#define HWY_TARGET_INCLUDE "src/half.cc"
+#define HWY_TARGET_INCLUDE "src/base/half.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
 

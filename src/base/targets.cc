@@ -1,6 +1,6 @@
 // SIMD target selection (kvq/targets.h).
 #undef HWY_TARGET_INCLUDE
-#define HWY_TARGET_INCLUDE "src/targets.cc"
+#define HWY_TARGET_INCLUDE "src/base/targets.cc"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 #include <hwy/highway.h>
 

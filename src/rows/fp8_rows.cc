@@ -4,8 +4,8 @@
 
 #include "kvq/affine.h"
 #include "kvq/fp8.h"
-#include "src/schemes/row_scheme.h"
-#include "src/schemes/scale_io.h"
+#include "src/rows/row_scheme.h"
+#include "src/rows/scale_io.h"
 
 namespace kvq::schemes {
 namespace {

@@ -11,7 +11,7 @@
 #endif
 
 #include "kvq/ggml_quants.h"
-#include "src/schemes/kernel_common-inl.h"
+#include "src/rows/kernel_common-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace kvq {

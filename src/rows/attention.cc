@@ -18,7 +18,7 @@
 #include "kvq/error.h"
 #include "kvq/ggml_quants.h"
 #include "kvq/half.h"
-#include "src/schemes/row_scheme.h"
+#include "src/rows/row_scheme.h"
 
 #ifndef KVQ_ATTENTION_SHARED_
 #define KVQ_ATTENTION_SHARED_
@@ -66,11 +66,11 @@ struct Call {
 #endif  // KVQ_ATTENTION_SHARED_
 
 #undef HWY_TARGET_INCLUDE
-#define HWY_TARGET_INCLUDE "src/attention.cc"
+#define HWY_TARGET_INCLUDE "src/rows/attention.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
 #include "hwy/contrib/math/math-inl.h"
-#include "src/schemes/kernels-inl.h"
+#include "src/rows/kernels-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace kvq {

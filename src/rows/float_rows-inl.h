@@ -8,7 +8,7 @@
 #define KVQ_SRC_SCHEMES_FLOAT_ROWS_INL_H_
 #endif
 
-#include "src/schemes/kernel_common-inl.h"
+#include "src/rows/kernel_common-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace kvq {

@@ -9,8 +9,8 @@
 #define KVQ_SRC_SCHEMES_INT8_ROWS_INL_H_
 #endif
 
-#include "src/schemes/kernel_common-inl.h"
-#include "src/schemes/scale_io.h"
+#include "src/rows/kernel_common-inl.h"
+#include "src/rows/scale_io.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace kvq {

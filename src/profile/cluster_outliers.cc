@@ -6,7 +6,7 @@
 #include <cstring>
 #include <limits>
 
-#include "src/container.h"
+#include "src/io/container.h"
 
 namespace kvq {
 namespace {

@@ -19,8 +19,8 @@
 #include "kvq/error.h"
 #include "kvq/file.h"
 #include "kvq/sha256.h"
-#include "src/container.h"
-#include "src/schemes/families.h"
+#include "src/io/container.h"
+#include "src/cache/families.h"
 
 namespace kvq {
 

@@ -1,6 +1,6 @@
 // The one table of row schemes (row_scheme.h). A new row scheme: its
 // definition in a family file, one line here, one in kernels-inl.h.
-#include "src/schemes/row_scheme.h"
+#include "src/rows/row_scheme.h"
 
 #include <iterator>
 

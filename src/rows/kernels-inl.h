@@ -22,10 +22,10 @@
 #define KVQ_SRC_SCHEMES_KERNELS_INL_H_
 #endif
 
-#include "src/schemes/float_rows-inl.h"
-#include "src/schemes/fp8_rows-inl.h"
-#include "src/schemes/ggml_rows-inl.h"
-#include "src/schemes/int8_rows-inl.h"
+#include "src/rows/float_rows-inl.h"
+#include "src/rows/fp8_rows-inl.h"
+#include "src/rows/ggml_rows-inl.h"
+#include "src/rows/int8_rows-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace kvq {

@@ -14,7 +14,7 @@
 
 #include "hwy/highway.h"
 #include "kvq/half.h"
-#include "src/schemes/row_scheme.h"
+#include "src/rows/row_scheme.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace kvq {

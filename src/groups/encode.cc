@@ -1,7 +1,7 @@
 // The channel coder of grouped caches (see grouped_encode.h): the scalar
 // reference and its Highway version, 16 channels a vector, bit for bit alike.
 #undef HWY_TARGET_INCLUDE
-#define HWY_TARGET_INCLUDE "src/grouped_encode.cc"
+#define HWY_TARGET_INCLUDE "src/groups/encode.cc"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 #include <hwy/highway.h>
 
@@ -10,8 +10,8 @@
 #include <cstring>
 #include <limits>
 
-#include "src/grouped_attention.h"
-#include "src/grouped_encode.h"
+#include "src/groups/attention.h"
+#include "src/groups/encode.h"
 
 #ifndef KVQ_GROUPED_ENCODE_ONCE
 #define KVQ_GROUPED_ENCODE_ONCE

@@ -1,0 +1,44 @@
+# The core library's sources, one list for the main build (CMakeLists.txt)
+# and the fuzz build (fuzz/CMakeLists.txt, clang + sanitizers). Folders by
+# concept, lower before higher (ARCHITECTURE.md):
+#   base/     numbers: tensors, fp16 / bf16 / fp8, affine int8, ggml blocks, RoPE, statistics, SIMD targets
+#   io/       bytes: the CRC32C container, whole-file writes, SHA-256
+#   profile/  the seed's sorted profiles, cluster bank and outliers
+#   attn/     what every attention kernel shares: parts and their merge
+#   rows/     row schemes: the registry, each family's codecs, the row store and the row kernel
+#   groups/   grouped schemes: grammar and presets, codes, the streaming store, encoding, the kernel, state I/O
+#   cache/    the one KvCache: families over rows/ and groups/, saved caches (KVQS) and ranges (KVQR)
+set(KVQ_CORE_SOURCES
+  src/base/tensor.cc
+  src/base/half.cc
+  src/base/fp8.cc
+  src/base/affine.cc
+  src/base/ggml_quants.cc
+  src/base/rope.cc
+  src/base/stats.cc
+  src/base/targets.cc
+  src/io/crc32c.cc
+  src/io/container.cc
+  src/io/file.cc
+  src/io/sha256.cc
+  src/profile/sorted_profile.cc
+  src/profile/cluster_bank.cc
+  src/profile/cluster_outliers.cc
+  src/rows/kv_scheme.cc
+  src/rows/registry.cc
+  src/rows/float_rows.cc
+  src/rows/int8_rows.cc
+  src/rows/fp8_rows.cc
+  src/rows/ggml_rows.cc
+  src/rows/attention.cc
+  src/groups/grouped_kv.cc
+  src/groups/attention.cc
+  src/groups/encode.cc
+  src/cache/families.cc
+  src/cache/row_family.cc
+  src/cache/group_family.cc
+  src/cache/kv_cache.cc
+)
+# The parsers the fuzz targets reach (fuzz/CMakeLists.txt): the core and the
+# model's loaders, no forward pass.
+set(KVQ_MODEL_LOADER_SOURCES model/loaders.cc model/gguf.cc model/gguf_model.cc model/tokens.cc)
