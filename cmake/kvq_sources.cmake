@@ -4,7 +4,7 @@
 #   base/     numbers: tensors, fp16 / bf16 / fp8, affine int8, ggml blocks, RoPE, statistics, SIMD targets
 #   io/       bytes: the CRC32C container, whole-file writes, SHA-256
 #   profile/  the seed's sorted profiles, cluster bank and outliers
-#   attn/     what every attention kernel shares: parts and their merge
+#   calib/    calibrated static ranges and per-channel bit allocation
 #   rows/     row schemes: the registry, each family's codecs, the row store and the row kernel
 #   groups/   grouped schemes: grammar and presets, codes, the streaming store, encoding, the kernel, state I/O
 #   cache/    the one KvCache: families over rows/ and groups/, saved caches (KVQS) and ranges (KVQR)
@@ -31,7 +31,11 @@ set(KVQ_CORE_SOURCES
   src/rows/fp8_rows.cc
   src/rows/ggml_rows.cc
   src/rows/attention.cc
-  src/groups/grouped_kv.cc
+  src/calib/static_ranges.cc
+  src/groups/scheme.cc
+  src/groups/store.cc
+  src/groups/read.cc
+  src/groups/state_io.cc
   src/groups/attention.cc
   src/groups/encode.cc
   src/cache/families.cc

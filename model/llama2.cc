@@ -113,7 +113,9 @@ Transformer::Transformer(const Checkpoint& ckpt, KvCache cache, const WindowPoli
   KVQ_CHECK_ARG(policy.window >= 0, "window: expected >= 0, got ", policy.window);
   KVQ_CHECK_ARG(policy.sinks >= 0, "sinks: expected >= 0, got ", policy.sinks);
   KVQ_CHECK_ARG(policy.chunk >= 1, "window chunk: expected >= 1, got ", policy.chunk);
-  if (policy.window > 0) (void)cache_.rows(0, 0);  // windowed attention reads rows: kvq::Error for other schemes
+  KVQ_CHECK_ARG(policy.window == 0 || cache_.any_length(), "window: windowed attention reads token ranges apart, ",
+                "which the scheme ", cache_.info().label, " does not keep (a streaming grouped cache attends its ",
+                "whole length; its own sinks and recent window are in the scheme name)");
   if (policy.bank) {
     KVQ_CHECK_ARG(policy.window > 0, "bank: expected a window > 0");
     ClusterBank check(cfg_.n_kv_heads, cfg_.head_size(), policy.bank_options);  // validates the options
@@ -158,16 +160,15 @@ void Transformer::attention(int layer, int pos, const float* q, float* out) {
     cache_.attend(layer, {q, n}, cfg_.n_heads, {out, n}, o);
     return;
   }
-  const KvRowsView all = cache_.rows(layer, T);
   std::vector<AttentionPart> parts;
   const std::span<const float> qs(q, n);
-  if (policy_.sinks > 0) parts.push_back(decode_attention_part(qs, cfg_.n_heads, all.subview(0, policy_.sinks)));
+  if (policy_.sinks > 0) parts.push_back(cache_.attend_part(layer, qs, cfg_.n_heads, 0, policy_.sinks));
   if (!policy_.bank) {
-    parts.push_back(decode_attention_part(qs, cfg_.n_heads, all.subview(T - policy_.window, T)));
+    parts.push_back(cache_.attend_part(layer, qs, cfg_.n_heads, T - policy_.window, T));
   } else {
     LayerBank& lb = banks_[static_cast<size_t>(layer)];
     while (T - policy_.window - lb.banked_end >= policy_.chunk) BankChunk(layer, lb.banked_end, lb.banked_end + policy_.chunk);
-    parts.push_back(decode_attention_part(qs, cfg_.n_heads, all.subview(lb.banked_end, T)));
+    parts.push_back(cache_.attend_part(layer, qs, cfg_.n_heads, lb.banked_end, T));
     if (lb.bank->num_clusters() > 0) parts.push_back(lb.bank->far_field(qs, cfg_.n_heads));
     const int64_t n_out = static_cast<int64_t>(lb.out_k.size()) / cfg_.kv_dim();
     if (n_out > 0) {
@@ -280,9 +281,11 @@ std::span<const float> Transformer::Run(std::span<const Row> rows, Pass pass) {
   ensure(x_, dim), ensure(xb_, dim), ensure(xb2_, dim), ensure(q_, dim), ensure(k_, kv_dim), ensure(v_, kv_dim);
   ensure(hb_, hid), ensure(hb2_, hid), ensure(logits_, vocab);
   const float eps = cfg_.norm_eps;
-  // The batched pass hands a layer's block to KvCache::prefill (row schemes,
-  // no window); grouped caches and windows keep the per-token loop below.
-  const bool prefill = single && pass == Pass::kBlas && policy_.window == 0 && cache_.grouped() == nullptr;
+  // The batched pass hands a layer's block to KvCache::prefill (caches read
+  // at any length: rows; no window); a streaming (grouped) cache, whose bytes
+  // are counted at each length as it grows, and windows keep the per-token
+  // loop below.
+  const bool prefill = single && pass == Pass::kBlas && policy_.window == 0 && cache_.any_length();
   auto mm = [&](float* out, const float* in, const float* w, int n, int d) {
     if (pass == Pass::kBlas) {
       Gemm(out, in, w, T, n, d);

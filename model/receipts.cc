@@ -32,17 +32,17 @@ void Append(std::vector<float>& to, const Tensor& t) {
   to.insert(to.end(), t.data_as<float>(), t.data_as<float>() + t.numel());
 }
 
-WindowLayer RunLayer(const KvRowsView& rows, int ctx, const ReceiptOptions& o) {
-  const int H = rows.n_kv_heads, D = rows.head_dim;
-  const size_t row_bytes = static_cast<size_t>(H) * static_cast<size_t>(D) * sizeof(float);  // fp32 rows
+WindowLayer RunLayer(const KvCache& cache, int layer, int ctx, const ReceiptOptions& o) {
+  const int H = cache.n_kv_heads(), D = cache.head_dim();
+  const size_t row = static_cast<size_t>(H) * static_cast<size_t>(D);
   ClusterBank bank(H, D, o.bank);
   WindowLayer w;
   for (int c0 = 0; c0 < ctx; c0 += o.chunk) {
     const int T = std::min(o.chunk, ctx - c0);
     Tensor k({T, H, D}, DType::F32), v({T, H, D}, DType::F32);
     for (int t = 0; t < T; ++t) {
-      rows.gather_row(0, c0 + t, k.data_as<uint8_t>() + t * row_bytes);
-      rows.gather_row(1, c0 + t, v.data_as<uint8_t>() + t * row_bytes);
+      cache.read(layer, c0 + t, {k.data_as<float>() + static_cast<size_t>(t) * row, row},
+                 {v.data_as<float>() + static_cast<size_t>(t) * row, row});
     }
     const BirthMergeReceipt r = bank.birth_and_merge(k, v);
     w.residual.insert(w.residual.end(), r.per_token_residual.begin(), r.per_token_residual.end());
@@ -111,7 +111,7 @@ ReceiptReport run_receipts(const ReceiptOptions& o) {
       tf->forward_window({text.window(w), static_cast<size_t>(text.ctx)});
       for (int l = 0; l < L; ++l)
         per[static_cast<size_t>(w) * static_cast<size_t>(L) + static_cast<size_t>(l)] =
-            RunLayer(tf->cache().rows(l, text.ctx), text.ctx, o);
+            RunLayer(tf->cache(), l, text.ctx, o);
       if (tty) {
 #pragma omp critical(kvq_progress)
         std::fprintf(stderr, "\r[kvq receipts] window %d/%d", ++done, text.windows);

@@ -61,18 +61,14 @@ uint64_t max_chunk_bytes(const KvCache& cache, int64_t end) {
 
 int chunk_tokens_for(const KvCache& cache, int requested) {
   KVQ_CHECK_ARG(requested >= 1 && requested <= (1 << 20), "chunk_tokens: expected 1..2^20, got ", requested);
-  const GroupedKvCache* g = cache.grouped();
-  const int unit = g ? g->scheme().group : 1;
+  const int unit = cache.range_alignment().unit;
   return (requested + unit - 1) / unit * unit;
 }
 
 ChunkPlan chunk_plan(const KvCache& cache, int requested) {
   ChunkPlan p;
   p.tokens = chunk_tokens_for(cache, requested);
-  if (const GroupedKvCache* g = cache.grouped()) {
-    const GroupedKvScheme& s = g->scheme();
-    p.offset = s.sinks + (s.calibrated ? 0 : s.recent);
-  }
+  p.offset = cache.range_alignment().offset;
   return p;
 }
 
@@ -236,9 +232,9 @@ int PrefixStore::put(std::span<const int> tokens, const KvCache& cache, uint64_t
   if (!b_->writable() || T < plan.end(0)) return 0;
   const std::vector<Key> keys = chunk_keys(cache, tokens.first(static_cast<size_t>(T)), plan.tokens, o_.model);
   if (full_chain_ && *full_chain_ == keys[0]) return 0;  // its next chunk would be evicted at once too
-  // A grouped cache gives only the range ending at its length.
+  // A cache read at its length only (grouped) gives only the range ending there.
   size_t first = 0;
-  if (cache.grouped()) {
+  if (!cache.any_length()) {
     if (!plan.is_end(T)) return 0;
     first = keys.size() - 1;
   }

@@ -55,20 +55,32 @@ TEST(KvCache, OneTypeTakesEverySchemeAndAttendsThroughOneCall) {
     std::vector<float> k(kE), v(kE);
     c.read(1, 99, k, v);
     for (int i = 0; i < kE; ++i) EXPECT_NEAR(v[static_cast<size_t>(i)], rows.v[99][static_cast<size_t>(i)], 0.6f);
-    // Row schemes read any earlier length and give rows; grouped ones their length.
+    // Row schemes read any earlier length and attend any token range; grouped ones their length.
+    EXPECT_EQ(c.any_length(), info.family == "rows");
     if (info.family == "rows") {
       DecodeAttentionOptions o;
       o.length = 40;
       c.attend(1, q, 4, a, o);
-      EXPECT_EQ(c.rows(1, 40).tokens, 40);
       EXPECT_EQ(c.bytes(40) * 100, c.bytes() * 40);
-      EXPECT_EQ(c.grouped(), nullptr);
+      // Tokens [0, 40) as a part equal attention at length 40; [0, 40) and
+      // [40, 100) merged equal attention at 100.
+      const AttentionPart head = c.attend_part(1, q, 4, 0, 40), tail = c.attend_part(1, q, 4, 40, 100);
+      for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(head.value[i], a[i], 1e-6f) << i;
+      const AttentionPart both = merge_attention_parts({head, tail});
+      std::vector<float> all(a.size());
+      c.attend(1, q, 4, all);
+      for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(both.value[i], all[i], 1e-5f) << i;
+      EXPECT_NE(ErrorOf([&] { c.attend_part(1, q, 4, 40, 101); }).find("begin < end <= 100"), std::string::npos);
+      EXPECT_EQ(c.range_alignment().unit, 1);
+      EXPECT_EQ(c.range_alignment().offset, 0);
     } else {
       DecodeAttentionOptions o;
       o.length = 40;
       EXPECT_NE(ErrorOf([&] { c.attend(1, q, 4, a, o); }).find("current length"), std::string::npos);
-      EXPECT_NE(ErrorOf([&] { c.rows(1, 40); }).find("does not store rows"), std::string::npos);
-      EXPECT_NE(c.grouped(), nullptr);
+      EXPECT_NE(ErrorOf([&] { c.attend_part(1, q, 4, 0, 40); }).find("whole length"), std::string::npos);
+      const GroupedKvScheme s = parse_grouped_kv_scheme(info.name);
+      EXPECT_EQ(c.range_alignment().unit, s.group);
+      EXPECT_EQ(c.range_alignment().offset, s.sinks + (s.calibrated ? 0 : s.recent));
     }
   }
 }

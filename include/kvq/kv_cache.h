@@ -79,6 +79,12 @@ struct KvCacheMeta {
 // A 32-byte identity as 64 lowercase hex digits.
 std::string hex_digest(const std::array<uint8_t, 32>& d);
 
+// See KvCache::range_alignment.
+struct KvRangeAlignment {
+  int unit = 1;
+  int offset = 0;
+};
+
 // What a restore must match (each field checked when set); a mismatch is a
 // kvq::Error naming the field and both values.
 struct KvCacheExpect {
@@ -156,11 +162,21 @@ class KvCache {
   // The object's K/V allocations: bytes() plus a bounded constant.
   uint64_t allocated_bytes() const;
 
-  // Row schemes: the stored rows of `layer` for the row kernel and windowed
-  // attention (throws kvq::Error for other schemes).
-  KvRowsView rows(int layer, int64_t tokens) const;
-  // Grouped schemes: the grouped cache (null for row schemes).
-  const GroupedKvCache* grouped() const;
+  // Whether attend, bytes, to_bytes and range_to_bytes take any length <=
+  // written (row schemes) or only the current one (grouped schemes: a
+  // streaming store keeps no earlier form of its open tokens).
+  bool any_length() const;
+  // Attention over tokens [begin, end) of `layer` alone, as a part that
+  // merge_attention_parts combines with others (a sink window, a recent
+  // window, a far field): schemes with any_length(); others throw
+  // kvq::Error. q as for attend (opts.length unused).
+  AttentionPart attend_part(int layer, std::span<const float> q, int n_heads, int64_t begin, int64_t end,
+                            const DecodeAttentionOptions& opts = {}) const;
+  // How token ranges align (the prefix store's chunks): the ranges of a
+  // sequence end at offset + a multiple of unit tokens (grouped schemes:
+  // unit = G, offset = the sinks and, for dynamic groups, the recent
+  // window; row schemes 1 and 0).
+  KvRangeAlignment range_alignment() const;
 
   // Save and restore (layout above). tokens: -1 = tokens(); a row scheme
   // saves any 1 <= tokens <= written by every layer, a grouped one its

@@ -5,8 +5,10 @@
 
 namespace kvq::detail {
 
-KvRowsView KvCacheBackend::rows(int, int64_t) const {
-  Fail("rows: the cache's scheme does not store rows (a grouped scheme); read it through attend() or read()");
+AttentionPart KvCacheBackend::attend_part(int, int64_t, int64_t, std::span<const float>, int,
+                                          const DecodeAttentionOptions&) const {
+  Fail("attend_part: the cache's scheme attends only its whole length (a streaming grouped scheme does not keep ",
+       "token ranges apart); use attend()");
 }
 
 const std::vector<KvCacheFamily>& kv_cache_families() {

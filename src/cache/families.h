@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <span>
 #include <string>
@@ -36,8 +37,18 @@ class KvCacheBackend {
   // Bytes of the layer's first T tokens, its share of the tables included.
   virtual uint64_t layer_bytes(int layer, int64_t T) const = 0;
   virtual uint64_t allocated_bytes() const = 0;
-  virtual KvRowsView rows(int layer, int64_t T) const;  // default: kvq::Error
-  virtual const GroupedKvCache* grouped() const { return nullptr; }
+  // Whether the backend attends, counts and saves any T <= written(layer)
+  // (rows) or only its current length (groups: a streaming store keeps no
+  // earlier form of its open tokens).
+  virtual bool any_length() const = 0;
+  // Attention over tokens [begin, end) as a part (any-length backends; the
+  // default is a kvq::Error naming the scheme).
+  virtual AttentionPart attend_part(int layer, int64_t begin, int64_t end, std::span<const float> q, int n_heads,
+                                    const DecodeAttentionOptions& o) const;
+  // How token ranges align (KvCache::range_alignment) and the largest |value|
+  // the backend stores (grouped: fp16's 65504).
+  virtual KvRangeAlignment range_alignment() const { return {}; }
+  virtual float value_limit() const { return std::numeric_limits<float>::max(); }
   // The calibrated tables as held (saved before the state), and the state
   // of every layer's first T tokens; load_state fills a fresh backend made
   // by the family's restore() from those tables.
@@ -74,7 +85,7 @@ struct KvCacheFamily {
 const std::vector<KvCacheFamily>& kv_cache_families();
 
 // The families, each in its own file.
-const KvCacheFamily& RowFamily();      // row_cache.cc
-const KvCacheFamily& GroupedFamily();  // grouped_cache.cc
+const KvCacheFamily& RowFamily();      // row_family.cc
+const KvCacheFamily& GroupedFamily();  // group_family.cc
 
 }  // namespace kvq::detail

@@ -30,7 +30,14 @@ class GroupedBackend final : public KvCacheBackend {
     return c_.layer_bytes(layer);
   }
   uint64_t allocated_bytes() const override { return c_.allocated_bytes(); }
-  const GroupedKvCache* grouped() const override { return &c_; }
+  bool any_length() const override { return false; }
+  // Ranges start after the sinks and, for dynamic groups, the recent window
+  // (the tokens a range's end leaves open), and span whole groups.
+  KvRangeAlignment range_alignment() const override {
+    const GroupedKvScheme& s = c_.scheme();
+    return {s.group, s.sinks + (s.calibrated ? 0 : s.recent)};
+  }
+  float value_limit() const override { return 65504.0f; }
   void save_tables(std::vector<uint8_t>& out) const override { c_.save_tables(out); }
   void save_state(int64_t T, std::vector<uint8_t>& out) const override {
     for (int l = 0; l < c_.n_layers(); ++l) Check(l, T);

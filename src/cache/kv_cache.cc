@@ -190,17 +190,18 @@ void KvCache::prefill(int layer, int pos0, std::span<const float> k, std::span<c
   KVQ_CHECK_ARG(pos0 == 0 || pos0 == b_->written(layer), "pos0: expected 0 or ", b_->written(layer), ", got ", pos0);
   KVQ_CHECK_ARG(static_cast<int64_t>(pos0) + static_cast<int64_t>(n) <= max_seq_, "pos0: tokens ", pos0, "..",
                 static_cast<int64_t>(pos0) + static_cast<int64_t>(n) - 1, " exceed the cache size ", max_seq_);
-  const bool grouped = b_->grouped() != nullptr;
-  const float lim = grouped ? 65504.0f : std::numeric_limits<float>::max();
+  const float lim = b_->value_limit();
+  const std::string within =
+      lim < std::numeric_limits<float>::max() ? " within +-" + std::to_string(static_cast<int64_t>(lim)) : "";
   for (const auto& [x, name] : {std::pair{k, "k"}, std::pair{v, "v"}, std::pair{q, "q"}}) {
     for (float f : x) {
       KVQ_CHECK_ARG(std::isfinite(f) && (x.data() == q.data() || std::fabs(f) <= lim), name,
-                    ": expected finite values", grouped ? " within +-65504" : "", ", got ", f);
+                    ": expected finite values", within, ", got ", f);
     }
   }
   const auto row = [](auto s, size_t i, size_t w) { return s.subspan(i * w, w); };
   DecodeAttentionOptions o = opts;
-  if (grouped) {  // queries one after the other; each attend splits its coded groups over opts.threads
+  if (!b_->any_length()) {  // grouped: queries one after the other; each attend splits its coded groups over opts.threads
     for (size_t i = 0; i < n; ++i) {
       write(layer, pos0 + static_cast<int>(i), row(k, i, kvw), row(v, i, kvw));
       o.length = pos0 + static_cast<int64_t>(i) + 1;
@@ -244,8 +245,16 @@ double KvCache::bits(int64_t tokens) const {
 }
 
 uint64_t KvCache::allocated_bytes() const { return b_->allocated_bytes(); }
-KvRowsView KvCache::rows(int layer, int64_t tokens) const { return b_->rows(layer, tokens); }
-const GroupedKvCache* KvCache::grouped() const { return b_->grouped(); }
+bool KvCache::any_length() const { return b_->any_length(); }
+KvRangeAlignment KvCache::range_alignment() const { return b_->range_alignment(); }
+
+AttentionPart KvCache::attend_part(int layer, std::span<const float> q, int n_heads, int64_t begin, int64_t end,
+                                   const DecodeAttentionOptions& opts) const {
+  const int64_t w = b_->written(layer);
+  KVQ_CHECK_ARG(begin >= 0 && begin < end && end <= w, "tokens: expected 0 <= begin < end <= ", w,
+                " (tokens written to layer ", layer, "), got ", begin, " and ", end);
+  return b_->attend_part(layer, begin, end, q, n_heads, opts);
+}
 
 void decode_attention(std::span<const float> q, int n_heads, const KvCache& cache, int layer, std::span<float> out,
                       const DecodeAttentionOptions& opts) {

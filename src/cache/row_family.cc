@@ -64,9 +64,11 @@ class RowBackend final : public KvCacheBackend {
     return 2 * static_cast<uint64_t>(c_.n_layers()) * (static_cast<uint64_t>(v.k - v.k_header) +
                                                        static_cast<uint64_t>(v.slices) * v.slice_stride);
   }
-  KvRowsView rows(int layer, int64_t T) const override {
-    Check(layer, T);
-    return c_.view(layer, T);
+  bool any_length() const override { return true; }
+  AttentionPart attend_part(int layer, int64_t begin, int64_t end, std::span<const float> q, int n_heads,
+                            const DecodeAttentionOptions& o) const override {
+    KVQ_CHECK_ARG(begin >= 0 && begin < end, "tokens: expected 0 <= begin < end, got ", begin, " and ", end);
+    return decode_attention_part(q, n_heads, rows(layer, end).subview(begin, end), o);
   }
   void save_tables(std::vector<uint8_t>&) const override {}
   void save_state(int64_t T, std::vector<uint8_t>& out) const override { save_range(0, T, out); }
@@ -136,6 +138,10 @@ class RowBackend final : public KvCacheBackend {
   }
 
  private:
+  KvRowsView rows(int layer, int64_t T) const {
+    Check(layer, T);
+    return c_.view(layer, T);
+  }
   void Check(int layer, int64_t T) const {
     const int64_t w = written(layer);
     KVQ_CHECK_ARG(T >= 0 && T <= w, "tokens: expected 0..", w, " (tokens written to layer ", layer, "), got ", T);
