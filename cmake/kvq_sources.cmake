@@ -21,16 +21,19 @@ set(KVQ_CORE_SOURCES
   src/io/container.cc
   src/io/file.cc
   src/io/sha256.cc
+  src/attn/parts.cc
   src/profile/sorted_profile.cc
   src/profile/cluster_bank.cc
   src/profile/cluster_outliers.cc
   src/rows/kv_scheme.cc
+  src/rows/row_store.cc
   src/rows/registry.cc
   src/rows/float_rows.cc
   src/rows/int8_rows.cc
   src/rows/fp8_rows.cc
   src/rows/ggml_rows.cc
   src/rows/attention.cc
+  src/rows/attention_api.cc
   src/calib/static_ranges.cc
   src/groups/scheme.cc
   src/groups/store.cc

@@ -10,6 +10,7 @@
 
 #include "hwy/targets.h"
 #include "tests/test_util.h"
+#include "src/rows/row_store.h"
 
 namespace kvq {
 namespace {

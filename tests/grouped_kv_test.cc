@@ -19,6 +19,8 @@
 #include "src/groups/attention.h"
 #include "src/groups/encode.h"
 #include "tests/test_util.h"
+#include "src/rows/row_store.h"
+#include "src/groups/grouped_cache.h"
 
 namespace kvq {
 namespace {

@@ -16,6 +16,7 @@
 #include "src/io/container.h"
 #include "tests/kv_cache_util.h"
 #include "tests/test_util.h"
+#include "src/rows/row_store.h"
 
 namespace kvq {
 namespace {

@@ -24,6 +24,7 @@
 #include "kvq/half.h"
 #include "src/rows/row_scheme.h"
 #include "tests/test_util.h"
+#include "src/rows/row_store.h"
 
 namespace kvq {
 namespace {

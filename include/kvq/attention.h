@@ -2,7 +2,7 @@
 //
 // One new query position attends over T cached tokens whose K and V rows are
 // stored in a KvScheme (kv_scheme.h row layouts), laid out as a KvRowsView
-// describes (RowKvCache: head-major payload slices, scales apart, K and V of
+// describes (the row store: head-major payload slices, scales apart, K and V of
 // int8 / int8-head / q8_0 / q4_0 in 16-token tiles). The kernel reads the codes
 // directly, streaming each KV head's slice: each K/V vector is dequantized in
 // registers (per-row and per-head scales are folded into the score and the
@@ -34,6 +34,7 @@
 #include <span>
 #include <vector>
 
+#include "kvq/attention_part.h"
 #include "kvq/kv_scheme.h"
 #include "kvq/tensor.h"
 
@@ -64,17 +65,6 @@ void decode_attention(std::span<const float> q, int n_heads, const KvRowsView& k
 // q: F32 tensor of shape (n_heads, head_dim); returns (n_heads, head_dim).
 Tensor decode_attention(const TensorView& q, const KvRowsView& kv,
                         const DecodeAttentionOptions& opts = {});
-
-// One part of an attention result: log of the softmax mass it carries,
-// log sum_t exp(score_t), and its normalised value, per query head (value:
-// n_heads * head_dim, head-major). Parts over disjoint token sets (a sink
-// window, a recent window, E2's far field) combine exactly by log-sum-exp.
-struct AttentionPart {
-  std::vector<double> log_mass;  // -inf for an empty part
-  std::vector<float> value;
-};
-// Throws kvq::Error on no parts or a geometry mismatch.
-AttentionPart merge_attention_parts(const std::vector<AttentionPart>& parts);
 
 // decode_attention as an AttentionPart (the log-mass comes from the same
 // online-softmax state, scores including the scale).

@@ -81,7 +81,7 @@
 #include <utility>
 #include <vector>
 
-#include "kvq/attention.h"
+#include "kvq/attention_part.h"
 #include "kvq/tensor.h"
 
 namespace kvq {

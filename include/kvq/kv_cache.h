@@ -23,7 +23,7 @@
 //        row schemes)
 //   u64  state bytes, then exactly what the cache holds for those tokens
 //        (row schemes: each layer's K then V codec rows; grouped schemes:
-//        GroupedKvCache::save_state)
+//        the grouped store's state, src/groups/state_io.cc)
 //
 // The header is at most 4 KiB; the tables and the state are bytes(tokens).
 // A saved cache holds 1..2^30 tokens and no capacity: the restoring caller
@@ -199,8 +199,8 @@ class KvCache {
   //        (the restoring cache's must match)
   //   u64  state bytes, then the range's state: per layer what a cache of
   //        `end` tokens holds that one of `begin` did not (row schemes: the
-  //        K then V rows of the range; grouped schemes:
-  //        GroupedKvCache::save_range_state: the new sinks and final
+  //        K then V rows of the range; grouped schemes (the grouped
+  //        store's range state, src/groups/state_io.cc): the new sinks and final
   //        records, then what is still open at `end`).
   // Ranges of one token sequence, saved as the cache reached each end,
   // restore exactly the cache an uninterrupted run has at the last end.

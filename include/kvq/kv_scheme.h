@@ -14,7 +14,7 @@
 // A row is its header (the f32 scales, when the scheme has any) followed by
 // its payload (codes, or ggml blocks).
 //
-// RowKvCache layout, per layer and for K and V separately: the headers of all
+// The row store's layout (src/rows/row_store.h), per layer and for K and V separately: the headers of all
 // positions in one array, then the payload cut into `slices` pieces, one per
 // KV head (head-major: one head's codes of consecutive positions are
 // contiguous, so attention streams them), except q8_0/q4_0 with head_dim not
@@ -130,7 +130,7 @@ class KvRowCodec {
 };
 
 // Read-only view of the stored K and V of one layer (the input of the fused
-// attention kernel, attention.h), in RowKvCache's layout: token t's header at
+// attention kernel, attention.h), in the row store's layout: token t's header at
 // k_header + t * header_bytes; its K payload piece s at
 // k + s * slice_stride + t * slice_bytes when k_tile == 0 (rows), else
 // lane (tile_first + t) % 16 of the K tile at
@@ -161,49 +161,5 @@ struct KvRowsView {
   KvRowsView subview(int64_t t0, int64_t t1) const;
 };
 
-// K and V rows of n_layers layers for positions [0, max_seq), stored in one
-// scheme and in the layout above: the stored bytes are the only copy
-// (attention reads the codes through view()). Memory is allocated once, at
-// construction, 64-byte aligned.
-class RowKvCache {
- public:
-  RowKvCache(KvScheme scheme, int n_layers, int max_seq, int n_kv_heads, int head_dim);
-
-  KvScheme scheme() const { return codec_.scheme(); }
-  const KvRowCodec& codec() const { return codec_; }
-  int max_seq() const { return max_seq_; }
-  int n_layers() const { return n_layers_; }
-  int n_kv_heads() const { return n_kv_heads_; }
-  int head_dim() const { return head_dim_; }
-
-  // Stores the K and V rows of `layer` at `pos`. Throws kvq::Error on an out
-  // of range layer/pos, a wrong row length or a non-finite value.
-  void write(int layer, int pos, std::span<const float> k, std::span<const float> v);
-  // Places one token's encoded K and V codec rows (header | payload, as
-  // KvRowCodec::encode writes them) at `pos`: what write() does after
-  // encoding (restoring a saved cache). Throws on a bad layer or pos.
-  void write_rows(int layer, int pos, const uint8_t* k_row, const uint8_t* v_row);
-  // The first `tokens` stored rows of `layer`.
-  KvRowsView view(int layer, int64_t tokens) const;
-  // Decode one stored row from its bytes.
-  void read_k(int layer, int pos, std::span<float> out) const { read(layer, pos, 0, out); }
-  void read_v(int layer, int pos, std::span<float> out) const { read(layer, pos, 1, out); }
-
-  // Exact stored bytes for one token (K and V, all layers) and for `tokens`.
-  size_t bytes_per_token() const { return 2 * codec_.row_bytes() * static_cast<size_t>(n_layers_); }
-  size_t bytes(int64_t tokens) const { return bytes_per_token() * static_cast<size_t>(tokens); }
-  double bits_per_element() const { return codec_.bits_per_element(); }
-
- private:
-  void read(int layer, int pos, int kv, std::span<float> out) const;
-  size_t PartOffset(int layer, int kv) const;  // byte offset of (layer, K or V) in data_
-  KvRowCodec codec_;
-  int n_layers_;
-  int max_seq_;
-  int n_kv_heads_;
-  int head_dim_;
-  size_t header_region_ = 0, slice_stride_ = 0, part_bytes_ = 0;
-  Tensor data_;  // U8, [layer][K | V][headers | slices], 64-byte aligned
-};
 
 }  // namespace kvq

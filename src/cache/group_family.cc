@@ -4,6 +4,7 @@
 // save_tables.
 #include "kvq/error.h"
 #include "src/cache/families.h"
+#include "src/groups/grouped_cache.h"
 
 namespace kvq::detail {
 namespace {

@@ -6,6 +6,7 @@
 
 #include "kvq/error.h"
 #include "src/cache/families.h"
+#include "src/rows/row_store.h"
 
 namespace kvq::detail {
 namespace {

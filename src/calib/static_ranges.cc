@@ -1,10 +1,10 @@
-// Calibrated ranges and per-channel bit allocation (kvq/grouped_kv.h).
+// Calibrated ranges and per-channel bit allocation (kvq/static_ranges.h).
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include "kvq/error.h"
-#include "kvq/grouped_kv.h"
+#include "kvq/static_ranges.h"
 
 namespace kvq {
 

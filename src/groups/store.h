@@ -17,6 +17,7 @@
 #include "kvq/half.h"
 #include "src/groups/attention.h"
 #include "src/groups/encode.h"
+#include "src/groups/grouped_cache.h"
 
 namespace kvq {
 namespace grouped {

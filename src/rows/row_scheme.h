@@ -44,6 +44,12 @@ std::span<const RowSchemeDef* const> row_schemes();
 // The scheme's definition; nullptr for a value that names none.
 const RowSchemeDef* find_row_scheme(KvScheme s);
 
+// One head slice's payload in codec order <-> lane `lane` of its K (which
+// 0) or V (1) tile (layouts in kv_scheme.h; kv_scheme.cc): what the row
+// store writes and KvRowsView::gather_row reads back.
+void SliceToTile(int which, TileCodes t, size_t hd, const uint8_t* src, uint8_t* tile, int lane);
+void TileToSlice(int which, TileCodes t, size_t hd, const uint8_t* tile, int lane, uint8_t* dst);
+
 // The families' definitions (each in its own file).
 extern const RowSchemeDef kFp32Rows, kFp16Rows, kBf16Rows;                  // float_rows.cc
 extern const RowSchemeDef kInt8Rows, kInt8HeadRows;                         // int8_rows.cc
