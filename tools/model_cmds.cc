@@ -25,7 +25,7 @@
 #include "model/llama2.h"
 #include "model/receipts.h"
 #include "nlohmann/json.hpp"
-#include "store/prefix_store.h"
+#include "session/generate.h"
 #include "tools/commands.h"
 
 namespace kvq::tools {
@@ -41,33 +41,6 @@ std::string DefaultTokenizerFor(const std::string& model) {
   return model::is_gguf_file(model) ? std::string() : DefaultTokenizer();
 }
 std::string DefaultText() { return SharedDir() + "/data/tinystories-valid-dev.txt"; }
-
-// --json is checked before any work starts: not a directory, not one of the
-// run's inputs (same device and inode, so a link to an input counts), and its
-// directory exists and takes a new file (one is created there and removed).
-// An output path (option `arg`) is checked before any work: not a
-// directory, not one of the run's inputs, in a directory we can write.
-void CheckOutputPath(const char* arg, const std::string& path, std::initializer_list<std::string> inputs) {
-  if (path.empty()) return;
-  struct stat out {};
-  if (::stat(path.c_str(), &out) == 0) {
-    KVQ_CHECK_ARG(!S_ISDIR(out.st_mode), arg, ": '", path, "' is a directory");
-    for (const std::string& in : inputs) {
-      struct stat st {};
-      KVQ_CHECK_ARG(!(::stat(in.c_str(), &st) == 0 && st.st_dev == out.st_dev && st.st_ino == out.st_ino),
-                    arg, ": '", path, "' is this run's input '", in, "'; refusing to overwrite it");
-    }
-  }
-  const auto dir = std::filesystem::path(path).parent_path();
-  KVQ_CHECK_ARG(dir.empty() || std::filesystem::is_directory(dir), arg, ": directory '", dir.string(),
-                "' does not exist");
-  std::string probe = (dir.empty() ? std::string(".kvq-out-XXXXXX") : (dir / ".kvq-out-XXXXXX").string());
-  const int fd = ::mkstemp(probe.data());
-  KVQ_CHECK_ARG(fd >= 0, arg, ": cannot create a file in '", dir.empty() ? "." : dir.string(), "' (",
-                std::strerror(errno), ")");
-  ::close(fd);
-  ::unlink(probe.c_str());
-}
 
 // Whole or not at all (kvq/file.h): never a partial JSON file, never a
 // temporary file left behind.
@@ -251,7 +224,7 @@ int RunEval(const EvalCliOptions& o) {
   e.forward = o.forward == "batched" || (o.forward == "auto" && model::is_gguf_file(e.model_path))
                   ? model::ForwardPass::kBatched
                   : model::ForwardPass::kExact;
-  CheckOutputPath("--json", o.json, {e.model_path, e.tokenizer_path, e.text_path, e.tokens_path});
+  check_output_path("--json", o.json, {e.model_path, e.tokenizer_path, e.text_path, e.tokens_path});
   e.per_token = o.per_token;
   KVQ_CHECK_ARG(!o.per_token || !o.json.empty(), "--per-token: expected --json FILE to write them to");
   const model::EvalReport r = model::run_eval(e);
@@ -323,7 +296,7 @@ int RunReceipts(const ReceiptsCliOptions& o) {
   FillModelText(o, r);
   r.chunk = o.chunk;
   r.bank = o.bank;
-  CheckOutputPath("--json", o.json, {r.model_path, r.tokenizer_path, r.text_path});
+  check_output_path("--json", o.json, {r.model_path, r.tokenizer_path, r.text_path});
   const model::ReceiptReport rep = model::run_receipts(r);
   std::fputs(model::format_receipts(rep).c_str(), stdout);
   if (!o.json.empty()) {
@@ -423,153 +396,29 @@ static std::string StoreSecret(const std::string& key_file) {
 }
 
 int RunGenerate(const GenerateOptions& o) {
-  const std::string model_path = o.model.empty() ? DefaultModel() : o.model;
-  const std::string tok_path = o.tokenizer.empty() ? DefaultTokenizerFor(model_path) : o.tokenizer;
-  CheckOutputPath("--save-cache", o.save_cache, {model_path, tok_path, o.load_cache});
-  const model::Checkpoint ckpt(model_path);
-  const model::Config& cfg = ckpt.config();
-  const std::shared_ptr<const model::Tokenizer> tok_ptr = model::load_tokenizer(ckpt, tok_path);
-  const model::Tokenizer& tok = *tok_ptr;
-  KVQ_CHECK_ARG(o.steps >= 1 && o.steps <= cfg.seq_len, "--steps: expected 1..", cfg.seq_len, ", got ", o.steps);
-  KVQ_CHECK_ARG(std::isfinite(o.temperature) && o.temperature >= 0, "--temperature: expected >= 0");
-  const std::vector<int> prompt = tok.encode(o.prompt, /*bos=*/true);
-  const int P = static_cast<int>(prompt.size());
-  KVQ_CHECK_ARG(P <= o.steps, "--prompt: ", P, " tokens do not fit in --steps ", o.steps);
-  // A saved cache holds the prompt but its last token: that token's forward
-  // pass gives the logits generation starts from (so a restore always
-  // evaluates it, as llama.cpp's prompt cache re-evaluates its last token).
-  KVQ_CHECK_ARG(o.save_cache.empty() || P >= 2, "--save-cache: the prompt is ", P,
-                " token(s); the cache holds the prompt but its last token, so give --prompt text");
-  KVQ_CHECK_ARG(!o.prompt_cache || o.load_cache.empty(), "--prompt-cache: not with --load-cache (one source of the prefix)");
-  std::optional<model::Digest> fingerprint;
-  if (!o.save_cache.empty() || !o.load_cache.empty() || o.prompt_cache) {
-    fingerprint = model::model_fingerprint(model_path, tok_path.empty() ? model_path : tok_path);
-  }
-  std::optional<store::PrefixStore> pstore;
-  if (o.prompt_cache) {
-    store::StoreOptions so;
-    so.chunk_tokens = o.prompt_cache_chunk;
-    so.max_bytes = static_cast<uint64_t>(o.prompt_cache_max_mb * 1048576.0);
-    so.ttl_seconds = o.prompt_cache_ttl;
-    so.model = fingerprint;
-    so.secret = StoreSecret(o.prompt_cache_key_file);
-    pstore.emplace(*o.prompt_cache, so);
-  }
-  std::optional<model::Transformer> tf;
-  int start = 0;
-  if (!o.load_cache.empty()) {
-    KvCacheExpect e;
-    if (!o.kv.empty()) e.scheme = o.kv;
-    e.n_layers = cfg.n_layers, e.n_kv_heads = cfg.n_kv_heads, e.head_dim = cfg.head_size();
-    e.rope = cfg.rope;
-    e.model_fingerprint = fingerprint;
-    e.max_seq = o.steps;
-    KvCacheMeta meta;
-    KvCache c = KvCache::load(o.load_cache, e, &meta);
-    const int n = static_cast<int>(c.tokens());
-    KVQ_CHECK_ARG(meta.tokens_digest.has_value(), "--load-cache: '", o.load_cache,
-                  "' carries no token-ids digest (expected a file written by kvq generate --save-cache)");
-    KVQ_CHECK_ARG(n < P, "--load-cache: the file holds ", n, " tokens; the prompt (", P,
-                  " tokens with BOS) must start with them and have at least one more");
-    KVQ_CHECK_ARG(model::tokens_digest(std::span(prompt).first(static_cast<size_t>(n))) == *meta.tokens_digest,
-                  "--load-cache: the prompt's first ", n, " tokens are not the ones '", o.load_cache, "' holds");
-    std::fprintf(stderr, "kvq generate: restored %d tokens from %s (kv %s, %llu bytes), evaluating %d prompt token(s)\n",
-                 n, o.load_cache.c_str(), c.info().label.c_str(), static_cast<unsigned long long>(c.bytes()), P - n);
-    tf.emplace(ckpt, std::move(c));
-    start = n;
-  } else {
-    const std::vector<model::CacheScheme> schemes = model::parse_cache_schemes(o.kv.empty() ? "fp32" : o.kv, "--kv");
-    KVQ_CHECK_ARG(schemes.size() == 1, "--kv: expected one scheme, got '", o.kv, "'");
-    model::CacheScheme scheme = schemes.front();
-    if (scheme.info().needs_ranges) {  // ranges: never the prompt
-      scheme.ranges = std::make_shared<const StaticRanges>(model::calibrate_static_ranges(ckpt));
-    }
-    tf.emplace(ckpt, scheme, o.steps);
-  }
-  // The prefix store: the longest stored run of full chunks of the prompt
-  // but its last token (whose forward pass gives the first logits).
-  store::LookupReport lookup;
-  if (pstore) {
-    KvCache c = tf->cache().Copy();
-    if (pstore->longest_prefix(prompt, c, P - 1, &lookup) > 0) {
-      tf.emplace(ckpt, std::move(c));
-      start = static_cast<int>(lookup.tokens);
-    }
-  }
-  int stored_chunks = 0;
-  uint64_t stored_bytes = 0;
-  double store_s = 0;
-  auto store_if_due = [&] {
-    const int64_t T = tf->cache().tokens();
-    if (!pstore || T > P || !pstore->plan(tf->cache()).is_end(T)) return;
-    const auto t0 = std::chrono::steady_clock::now();
-    uint64_t b = 0;
-    stored_chunks += pstore->put(prompt, tf->cache(), &b);
-    stored_bytes += b;
-    store_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  };
-  auto save_if_due = [&] {
-    if (o.save_cache.empty() || tf->cache().tokens() != P - 1) return;
-    KvCacheMeta meta;
-    meta.model_fingerprint = fingerprint;
-    meta.tokens_digest = model::tokens_digest(std::span(prompt).first(static_cast<size_t>(P - 1)));
-    tf->cache().save(o.save_cache, -1, meta);
-    std::fprintf(stderr, "kvq generate: saved %d tokens to %s (%llu bytes: %llu the cache holds, %.3f bits/element)\n",
-                 P - 1, o.save_cache.c_str(), static_cast<unsigned long long>(std::filesystem::file_size(o.save_cache)),
-                 static_cast<unsigned long long>(tf->cache().bytes()), tf->cache().bits());
-  };
-  save_if_due();
-  uint64_t rng = o.seed ? o.seed : 0x9E3779B97F4A7C15ull;
-  // Each token's text is printed as it is known: the prompt's, then the
-  // sampled ones (BOS itself prints nothing).
-  auto print = [&](int prev, int next) {
-    const std::string piece = tok.decode(prev, next);
-    // Like llama2.c's safe_printf: skip lone unprintable bytes.
-    if (!(piece.size() == 1 && !std::isprint(static_cast<unsigned char>(piece[0])) &&
-          !std::isspace(static_cast<unsigned char>(piece[0])))) {
-      std::fputs(piece.c_str(), stdout);
-    }
-  };
-  for (int pos = 0; pos < start; ++pos) print(prompt[static_cast<size_t>(pos)], prompt[static_cast<size_t>(pos) + 1]);
-  int token = prompt[static_cast<size_t>(start)];
-  int evaluated = 0;
-  const auto t0 = std::chrono::steady_clock::now();
-  for (int pos = start; pos < o.steps; ++pos) {
-    const std::span<const float> logits = tf->forward(token, pos);
-    ++evaluated;
-    save_if_due();
-    store_if_due();
-    if (pstore && pos + 1 == P) {
-      const double prefill = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() - store_s;
-      std::fprintf(stderr,
-                   "kvq generate: prompt cache: reused %d of %d prompt tokens (%s, chunks of %d, the first %lld; lookup %.2f ms, "
-                   "restore %.2f ms, prefill of %d tokens %.2f ms; stored %d chunk(s), %llu bytes, in %.2f ms)\n",
-                   start, P, pstore->backend().describe().c_str(), pstore->chunk_tokens(tf->cache()),
-                   static_cast<long long>(pstore->plan(tf->cache()).end(0)),
-                   1e3 * lookup.lookup_s, 1e3 * lookup.restore_s, P - start, 1e3 * prefill, stored_chunks,
-                   static_cast<unsigned long long>(stored_bytes), 1e3 * store_s);
-    }
-    int next;
-    if (pos + 1 < P) {
-      next = prompt[static_cast<size_t>(pos) + 1];
-    } else {
-      next = model::sample_token(logits, o.temperature, rng);
-    }
-    if (next == model::Tokenizer::kBos) break;  // BOS delimits sequences
-    print(token, next);
-    token = next;
-  }
+  session::GenerateOptions g;
+  g.model = o.model.empty() ? DefaultModel() : o.model;
+  g.tokenizer = o.tokenizer.empty() ? DefaultTokenizerFor(g.model) : o.tokenizer;
+  g.prompt = o.prompt;
+  g.kv = o.kv;
+  g.save_cache = o.save_cache, g.load_cache = o.load_cache;
+  g.prompt_cache = o.prompt_cache;
+  g.prompt_cache_chunk = o.prompt_cache_chunk;
+  g.prompt_cache_max_mb = o.prompt_cache_max_mb;
+  g.prompt_cache_ttl = o.prompt_cache_ttl;
+  if (o.prompt_cache) g.prompt_cache_secret = StoreSecret(o.prompt_cache_key_file);
+  g.temperature = o.temperature;
+  g.seed = o.seed;
+  g.steps = o.steps;
+  const session::GenerateReport r = session::generate(
+      g, [](const std::string& piece) { std::fputs(piece.c_str(), stdout); },
+      [](const std::string& line) { std::fprintf(stderr, "kvq generate: %s\n", line.c_str()); });
   std::fputs("\n", stdout);
   std::fflush(stdout);
-  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  // Bits at the length reached, every stored bit counted.
-  const KvCache& cache = tf->cache();
-  const KvSchemeInfo& info = cache.info();
-  const std::string kv = info.label == info.name ? info.name : info.label + " = " + info.name;
   std::fprintf(stderr, "kvq generate: %d tokens (%d restored), kv %s (%.3f bits/element at %lld tokens, %llu bytes), "
                "%.1f tok/s\n",
-               start + evaluated, start, kv.c_str(), cache.bits(), static_cast<long long>(cache.tokens()),
-               static_cast<unsigned long long>(cache.bytes()), evaluated / secs);
+               r.tokens, r.restored, r.kv.c_str(), r.bits, static_cast<long long>(r.cache_tokens),
+               static_cast<unsigned long long>(r.bytes), r.evaluated / r.seconds);
   return 0;
 }
 

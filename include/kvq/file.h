@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <span>
 #include <string>
 #include <vector>
@@ -26,5 +27,11 @@ std::vector<uint8_t> read_file_whole(const std::string& path, uint64_t max_bytes
 // The first min(n, size) bytes of a regular file and, in *size, its size;
 // errors as read_file_whole's.
 std::vector<uint8_t> read_file_head(const std::string& path, size_t n, uint64_t* size, const char* arg = "path");
+
+// An output path (option `arg`) checked before any work: not a directory,
+// not one of the run's inputs (same device and inode, so a link to an input
+// counts), in a directory that exists and takes a new file (one is created
+// there and removed). An empty path passes. kvq::Error otherwise.
+void check_output_path(const char* arg, const std::string& path, std::initializer_list<std::string> inputs);
 
 }  // namespace kvq

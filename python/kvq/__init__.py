@@ -23,6 +23,11 @@ The KV cache and fused decode attention (kvq's C++ cache, not the note's)
     PrefixStore(url="", chunk_tokens=256, ...)   chunks of a prompt's cache in a directory, Redis or memory
         .put(tokens, cache) -> chunks written; .longest_prefix(tokens, like) -> (n_tokens, cache)
 
+Models and generation
+    Model(path).logits(tokens, kv="fp32", forward="window") -> (T, vocab)
+    generate(model, prompt="", *, kv="", steps=256, save_cache=None, load_cache=None,
+             prompt_cache=None, ...) -> {"text", "tokens", "bits", "status", ...}   kvq generate, in process
+
 E2, the ClusterBank, and I2 part 2
     ClusterBank(n_head, d_head, ...).birth_and_merge(chunk_k, chunk_v) -> receipt dict
     quantize_cluster_outliers(per_cluster_outlier_tokens, flat_k, flat_v, *, mode='int8',
@@ -50,13 +55,14 @@ from .cache import (KvCache, all_kv_scheme_names, decode_attention, grouped_kv_p
                     static_ranges_from_samples)
 from .prefix_store import PrefixStore
 from .model import Model, read_token_file
+from .session import generate
 from .clusters import (ClusterBank, QuantizedClusterOutliers, dequantize_cluster_outliers, quantize_cluster_outliers,
                        spearman)
 
 __all__ = [
     "AffineQuantized", "ClusterBank", "DEFAULT_KS_MAX", "Error", "Estimator", "GaussianEstimator",
     "KvCache", "LaplaceEstimator", "Model", "PrefixStore", "QuantizedClusterOutliers", "SortedProfileEncoding", "all_kv_scheme_names",
-    "decode_attention", "read_token_file",
+    "decode_attention", "generate", "read_token_file",
     "dequantize_cluster_outliers", "dequantize_kv_cache", "fit_sorted_profile", "grouped_kv_presets", "kv_scheme_info",
     "kv_schemes",
     "quantization_error_per_token", "static_ranges_from_samples", "quantize_cluster_outliers", "quantize_kv_cache", "spearman",

@@ -6,7 +6,9 @@
 
 #include <cerrno>
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 
 #include "kvq/error.h"
@@ -79,6 +81,28 @@ std::vector<uint8_t> read_file_whole(const std::string& path, uint64_t max_bytes
   f.read(reinterpret_cast<char*>(out.data()), static_cast<std::streamsize>(out.size()));
   out.resize(static_cast<size_t>(f.gcount()));  // a file that shrank meanwhile
   return out;
+}
+
+void check_output_path(const char* arg, const std::string& path, std::initializer_list<std::string> inputs) {
+  if (path.empty()) return;
+  struct stat out {};
+  if (::stat(path.c_str(), &out) == 0) {
+    KVQ_CHECK_ARG(!S_ISDIR(out.st_mode), arg, ": '", path, "' is a directory");
+    for (const std::string& in : inputs) {
+      struct stat st {};
+      KVQ_CHECK_ARG(!(::stat(in.c_str(), &st) == 0 && st.st_dev == out.st_dev && st.st_ino == out.st_ino),
+                    arg, ": '", path, "' is this run's input '", in, "'; refusing to overwrite it");
+    }
+  }
+  const auto dir = std::filesystem::path(path).parent_path();
+  KVQ_CHECK_ARG(dir.empty() || std::filesystem::is_directory(dir), arg, ": directory '", dir.string(),
+                "' does not exist");
+  std::string probe = (dir.empty() ? std::string(".kvq-out-XXXXXX") : (dir / ".kvq-out-XXXXXX").string());
+  const int fd = ::mkstemp(probe.data());
+  KVQ_CHECK_ARG(fd >= 0, arg, ": cannot create a file in '", dir.empty() ? "." : dir.string(), "' (",
+                std::strerror(errno), ")");
+  ::close(fd);
+  ::unlink(probe.c_str());
 }
 
 }  // namespace kvq

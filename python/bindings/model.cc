@@ -1,0 +1,91 @@
+// A model and its forward pass; token files; generation sessions (model/, session/).
+#include "python/bindings/common.h"
+
+#include <functional>
+
+#include "model/eval.h"
+#include "model/llama2.h"
+#include "model/tokens.h"
+#include "session/generate.h"
+
+namespace kvq::python {
+
+void BindModel(py::module_& m) {
+  // A model (GGUF or llama2.c) and its fp32 forward pass with the KV cache in a scheme.
+  py::class_<model::Checkpoint, std::shared_ptr<model::Checkpoint>>(m, "Model")
+      .def(py::init([](const std::string& path) { return std::make_shared<model::Checkpoint>(path); }))
+      .def("config",
+           [](const model::Checkpoint& c) {
+             const model::Config& g = c.config();
+             py::dict d;
+             d["arch"] = g.arch, d["dim"] = g.dim, d["hidden_dim"] = g.hidden_dim, d["n_layers"] = g.n_layers;
+             d["n_heads"] = g.n_heads, d["n_kv_heads"] = g.n_kv_heads, d["head_size"] = g.head_size();
+             d["vocab_size"] = g.vocab_size, d["seq_len"] = g.seq_len, d["norm_eps"] = g.norm_eps;
+             d["rope"] = g.rope.describe(), d["qkv_bias"] = g.qkv_bias, d["shared_classifier"] = g.shared_classifier;
+             d["format"] = c.is_gguf() ? "gguf" : "llama2.c", d["format_version"] = c.format_version();
+             d["tokenizer"] = c.tokenizer() != nullptr ? "sentencepiece" : c.tokenizer_problem();
+             return d;
+           })
+      // tokens: int list; pass: "token" (one forward() per token), "window" (forward_window), "batched".
+      .def("logits",
+           [](const model::Checkpoint& c, const std::vector<int>& tokens, const std::string& kv,
+              const std::string& pass) {
+             KVQ_CHECK_ARG(pass == "token" || pass == "window" || pass == "batched", "forward: expected token, window "
+                           "or batched, got '", pass, "'");
+             KVQ_CHECK_ARG(!tokens.empty() && static_cast<int64_t>(tokens.size()) <= c.config().seq_len,
+                           "tokens: expected 1..", c.config().seq_len, " ids, got ", tokens.size());
+             const int T = static_cast<int>(tokens.size()), V = c.config().vocab_size;
+             py::array_t<float> out({T, V});
+             float* o = out.mutable_data();
+             {
+               py::gil_scoped_release release;
+               model::Transformer tf(c, model::CacheScheme(kv), T);
+               if (pass == "token") {
+                 for (int t = 0; t < T; ++t) {
+                   const std::span<const float> l = tf.forward(tokens[static_cast<size_t>(t)], t);
+                   std::copy(l.begin(), l.end(), o + static_cast<size_t>(t) * V);
+                 }
+               } else {
+                 const std::span<const float> l =
+                     pass == "window" ? tf.forward_window(tokens) : tf.forward_batched(tokens);
+                 std::copy(l.begin(), l.end(), o);
+               }
+             }
+             return out;
+           })
+      .def("tokenize", [](const model::Checkpoint& c, const std::string& text, bool bos) {
+        return model::load_tokenizer(c, "")->encode(text, bos);
+      });
+  m.def("read_token_file", &model::read_token_file);
+  // A generation session (session/generate.h): the library half of kvq generate.
+  m.def("generate", [](const std::string& model, const std::string& tokenizer, const std::string& prompt,
+                       const std::string& kv, int steps, double temperature, uint64_t seed, const std::string& save_cache,
+                       const std::string& load_cache, const std::optional<std::string>& prompt_cache, int chunk,
+                       double max_mb, int ttl, const std::string& secret, const py::object& on_text) {
+    session::GenerateOptions o;
+    o.model = model, o.tokenizer = tokenizer, o.prompt = prompt, o.kv = kv;
+    o.steps = steps, o.temperature = temperature, o.seed = seed;
+    o.save_cache = save_cache, o.load_cache = load_cache;
+    o.prompt_cache = prompt_cache, o.prompt_cache_chunk = chunk, o.prompt_cache_max_mb = max_mb;
+    o.prompt_cache_ttl = ttl, o.prompt_cache_secret = secret;
+    std::vector<std::string> status;
+    std::function<void(const std::string&)> text;
+    if (!on_text.is_none()) {
+      text = [&on_text](const std::string& piece) {
+        py::gil_scoped_acquire gil;
+        on_text(py::bytes(piece));
+      };
+    }
+    const session::GenerateReport r = WithoutGil([&] {
+      return session::generate(o, text, [&status](const std::string& line) { status.push_back(line); });
+    });
+    py::dict d;
+    d["text"] = py::bytes(r.text);
+    d["tokens"] = r.tokens, d["restored"] = r.restored, d["evaluated"] = r.evaluated, d["seconds"] = r.seconds;
+    d["kv"] = r.kv, d["bits"] = r.bits, d["bytes"] = r.bytes, d["cache_tokens"] = r.cache_tokens;
+    d["stored_chunks"] = r.stored_chunks, d["stored_bytes"] = r.stored_bytes, d["status"] = status;
+    return d;
+  });
+}
+
+}  // namespace kvq::python

@@ -1,0 +1,76 @@
+"""kvq.generate (session/generate.h): the library half of `kvq generate`, called from Python."""
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import kvq
+
+ROOT = Path(__file__).resolve().parents[2]
+SHARED = Path(os.environ.get("KVQ_SHARED", os.environ.get("KVQ_DEFAULT_SHARED", ROOT.parent / "shared")))
+MODEL = SHARED / "models" / "stories260K" / "stories260K.bin"
+TOKENIZER = SHARED / "models" / "stories260K" / "tok512.bin"
+README = SHARED / "models" / "stories260K" / "README.md"
+
+
+def _need_data():
+    if not MODEL.exists():
+        if os.environ.get("KVQ_REQUIRE_DATA") == "1":
+            pytest.fail(f"KVQ_REQUIRE_DATA=1 but {MODEL} is missing")
+        pytest.skip(f"{MODEL} not found (set KVQ_SHARED)")
+
+
+def _known_good():
+    """The model README's greedy text from BOS (200 steps), between its ``` fences."""
+    text = README.read_text()
+    start = text.index("A known-good output")
+    body = text[text.index("```", start) + 3:]
+    return body[body.index("\n") + 1:body.index("```")].rstrip("\n")
+
+
+def test_greedy_text_is_the_models_known_good_output_and_streams():
+    _need_data()
+    pieces = []
+    r = kvq.generate(MODEL, tokenizer=TOKENIZER, steps=200, on_text=pieces.append)
+    assert r["text"].strip() == _known_good().strip()
+    assert "".join(pieces) == r["text"]
+    assert r["tokens"] == 200 and r["evaluated"] == 200 and r["restored"] == 0
+    assert r["kv"] == "fp32" and r["bits"] == 32.0 and r["cache_tokens"] == 200
+
+
+def test_same_text_as_the_cli_and_a_saved_cache_restores(tmp_path):
+    _need_data()
+    exe = Path(kvq.__file__).resolve().parents[2] / "kvq"
+    if not exe.exists():
+        pytest.skip(f"{exe} not built")
+    prompt = "Once upon a time, there was a cat"
+    cli = subprocess.run([str(exe), "generate", "--model", str(MODEL), "--tokenizer", str(TOKENIZER), "--kv",
+                          "kvq-4.5", "--prompt", prompt, "--steps", "96"], capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0, cli.stderr
+    saved = tmp_path / "p.kvqs"
+    a = kvq.generate(str(MODEL), prompt, tokenizer=str(TOKENIZER), kv="kvq-4.5", steps=96, save_cache=saved)
+    assert a["text"] + "\n" == cli.stdout
+    assert any(s.startswith("saved ") for s in a["status"]) and saved.stat().st_size > 0
+    b = kvq.generate(MODEL, prompt, tokenizer=TOKENIZER, steps=96, load_cache=saved)
+    assert b["text"] == a["text"] and b["restored"] > 0 and b["evaluated"] == 96 - b["restored"]
+    assert b["kv"] == a["kv"] and b["bytes"] == a["bytes"]
+    assert any(s.startswith(f"restored {b['restored']} tokens") for s in b["status"])
+
+
+def test_a_prompt_cache_in_memory_and_bad_arguments(tmp_path):
+    _need_data()
+    r = kvq.generate(MODEL, "Once upon a time", tokenizer=TOKENIZER, kv="q8_0", steps=40, prompt_cache="memory:",
+                     prompt_cache_chunk=2, prompt_cache_secret="s3cret")
+    assert any("prompt cache: reused 0 of" in s for s in r["status"]) and r["stored_chunks"] > 0
+    with pytest.raises(kvq.Error, match="--steps"):
+        kvq.generate(MODEL, tokenizer=TOKENIZER, steps=0)
+    with pytest.raises(kvq.Error, match="--save-cache.*input"):
+        kvq.generate(MODEL, "Once", tokenizer=TOKENIZER, steps=8, save_cache=MODEL)
+    with pytest.raises(kvq.Error, match="--kv"):
+        kvq.generate(MODEL, tokenizer=TOKENIZER, kv="int3", steps=8)
+    with pytest.raises(kvq.Error, match="steps"):
+        kvq.generate(MODEL, tokenizer=TOKENIZER, steps="8")
+    with pytest.raises(TypeError):
+        kvq.generate(MODEL, tokenizer=TOKENIZER, steps=8, on_text=3)
+    assert MODEL.stat().st_size > 0  # the input is still there
