@@ -87,13 +87,7 @@ double LastLevelCacheBytes() {
 // layer holds at T tokens.
 int ColdLayers(const std::string& scheme, int T) {
   const Geo g = kDefault;
-  const kvq::KvSchemeInfo info = kvq::describe_kv_scheme(scheme);
-  double layer_bytes;
-  if (info.family == "rows") {
-    layer_bytes = 2.0 * T * kvq::KvRowCodec(kvq::parse_kv_scheme(info.name), g.kv * g.hd, g.hd).row_bytes();
-  } else {
-    layer_bytes = static_cast<double>(kvq::parse_grouped_kv_scheme(info.name).layer_bytes(T, g.kv, g.hd));
-  }
+  const double layer_bytes = kvq::kv_scheme_layer_bytes(scheme, T, g.kv, g.hd);
   return static_cast<int>(std::clamp(std::ceil(3.0 * LastLevelCacheBytes() / layer_bytes), 2.0, 32.0));
 }
 

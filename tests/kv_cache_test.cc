@@ -58,6 +58,15 @@ TEST(KvCache, OneTypeTakesEverySchemeAndAttendsThroughOneCall) {
     for (int i = 0; i < kE; ++i) EXPECT_NEAR(v[static_cast<size_t>(i)], rows.v[99][static_cast<size_t>(i)], 0.6f);
     // Row schemes read any earlier length and attend any token range; grouped ones their length.
     EXPECT_EQ(c.any_length(), info.family == "rows");
+    // The scheme's count of a layer: what a row cache holds; a grouped one
+    // holds that or more (units outside their grid kept in fp16).
+    const double least = kv_scheme_layer_bytes(name, 100, kH, kD);
+    EXPECT_GT(least, 0.0);
+    if (info.family == "rows") {
+      EXPECT_EQ(least, static_cast<double>(c.layer_bytes(0)));
+    } else {
+      EXPECT_LE(least, static_cast<double>(c.layer_bytes(0)));
+    }
     if (info.family == "rows") {
       DecodeAttentionOptions o;
       o.length = 40;
@@ -84,6 +93,13 @@ TEST(KvCache, OneTypeTakesEverySchemeAndAttendsThroughOneCall) {
       EXPECT_EQ(c.range_alignment().offset, s.sinks + (s.calibrated ? 0 : s.recent));
     }
   }
+}
+
+TEST(KvCache, SchemeLayerBytesCheckTheirArguments) {
+  EXPECT_NE(ErrorOf([] { kv_scheme_layer_bytes("int3", 10, 2, 16); }).find("int3"), std::string::npos);
+  EXPECT_NE(ErrorOf([] { kv_scheme_layer_bytes("q8_0", -1, 2, 32); }).find("tokens"), std::string::npos);
+  EXPECT_NE(ErrorOf([] { kv_scheme_layer_bytes("kvq-4.5", 10, 0, 64); }).find("n_kv_heads"), std::string::npos);
+  EXPECT_EQ(kv_scheme_layer_bytes("fp16", 10, 2, 16), 2.0 * 10 * 2 * 16 * 2);
 }
 
 TEST(KvCache, UnknownNamesListEveryFamilyAndEveryPreset) {

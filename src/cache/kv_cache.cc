@@ -123,6 +123,14 @@ std::vector<std::string> all_kv_scheme_names() {
   return names;
 }
 
+double kv_scheme_layer_bytes(const std::string& name, int64_t tokens, int n_kv_heads, int head_dim) {
+  const KvSchemeInfo info = describe_kv_scheme(name, "scheme");
+  KVQ_CHECK_ARG(tokens >= 0 && tokens <= (int64_t{1} << 40), "tokens: expected 0..2^40, got ", tokens);
+  KVQ_CHECK_ARG(n_kv_heads >= 1 && head_dim >= 1 && int64_t{n_kv_heads} * head_dim <= static_cast<int64_t>(kMaxRow),
+                "n_kv_heads, head_dim: expected >= 1 with at most 2^20 values a token, got ", n_kv_heads, ", ", head_dim);
+  return FamilyOf(info).least_layer_bytes(info, {1, 1, n_kv_heads, head_dim, {}}, tokens);
+}
+
 KvCache::KvCache(const std::string& scheme, int n_layers, int max_seq, int n_kv_heads, int head_dim,
                  const StaticRanges* ranges, const RopeConfig& rope)
     : info_(describe_kv_scheme(scheme, "scheme")),
