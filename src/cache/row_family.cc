@@ -1,20 +1,30 @@
 // The row family of kvq::KvCache: the ten row schemes (kv_scheme.h) in a
 // RowKvCache, read by the fused row kernel (attention.h). A saved state is
 // every layer's K codec rows, then its V codec rows.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
 #include "kvq/error.h"
 #include "src/cache/families.h"
+#include "src/rows/attention_call.h"
 #include "src/rows/row_store.h"
 
 namespace kvq::detail {
 namespace {
 
+int CheckedHeadDim(int head_dim) {
+  KVQ_CHECK_ARG(head_dim > 0 && head_dim % 8 == 0, "head_dim: row schemes need a positive multiple of 8 (the row ",
+                "kernel's step), got ", head_dim);
+  return head_dim;
+}
+
 class RowBackend final : public KvCacheBackend {
  public:
+  // The row kernel reads head_dim in 8-wide steps: checked here once, so
+  // its views are valid by construction (attn::StoreAttention).
   RowBackend(KvScheme s, const KvCacheGeometry& g)
-      : c_(s, g.n_layers, g.max_seq, g.n_kv_heads, g.head_dim), T_(static_cast<size_t>(g.n_layers), 0) {}
+      : c_(s, g.n_layers, g.max_seq, g.n_kv_heads, CheckedHeadDim(g.head_dim)), T_(static_cast<size_t>(g.n_layers), 0) {}
 
   std::unique_ptr<KvCacheBackend> copy() const override {
     auto b = std::make_unique<RowBackend>(c_.scheme(), KvCacheGeometry{c_.n_layers(), c_.max_seq(), c_.n_kv_heads(),
@@ -50,7 +60,7 @@ class RowBackend final : public KvCacheBackend {
   }
   void attend(int layer, int64_t T, std::span<const float> q, int n_heads, std::span<float> out,
               const DecodeAttentionOptions& o) const override {
-    decode_attention(q, n_heads, rows(layer, T), out, o);
+    attn::StoreAttention(q, n_heads, rows(layer, T), out, nullptr, o);
   }
   void attend_ref(int layer, int64_t T, std::span<const float> q, int n_heads, std::span<float> out,
                   const DecodeAttentionOptions& o) const override {
@@ -69,7 +79,9 @@ class RowBackend final : public KvCacheBackend {
   AttentionPart attend_part(int layer, int64_t begin, int64_t end, std::span<const float> q, int n_heads,
                             const DecodeAttentionOptions& o) const override {
     KVQ_CHECK_ARG(begin >= 0 && begin < end, "tokens: expected 0 <= begin < end, got ", begin, " and ", end);
-    return decode_attention_part(q, n_heads, rows(layer, end).subview(begin, end), o);
+    AttentionPart p{std::vector<double>(static_cast<size_t>(std::max(n_heads, 0))), std::vector<float>(q.size())};
+    attn::StoreAttention(q, n_heads, rows(layer, end).subview(begin, end), p.value, p.log_mass.data(), o);
+    return p;
   }
   void save_tables(std::vector<uint8_t>&) const override {}
   void save_state(int64_t T, std::vector<uint8_t>& out) const override { save_range(0, T, out); }

@@ -29,23 +29,15 @@ struct Validated {
   size_t row_bytes = 0;
 };
 
-Validated Validate(std::span<const float> q, int n_heads, const KvRowsView& kv,
-                   std::span<float> out, const DecodeAttentionOptions& opts) {
+// The view's own checks: every field against the scheme's codec (a view
+// from the row store is valid by construction and skips them). Returns the
+// codec's row bytes.
+size_t ValidateView(const KvRowsView& kv) {
   KVQ_CHECK_ARG(kv.n_kv_heads > 0, "kv.n_kv_heads: expected > 0, got ", kv.n_kv_heads);
   KVQ_CHECK_ARG(kv.head_dim > 0 && kv.head_dim % 8 == 0,
                 "kv.head_dim: expected a positive multiple of 8, got ", kv.head_dim);
-  KVQ_CHECK_ARG(n_heads > 0 && n_heads % kv.n_kv_heads == 0, "n_heads: expected a positive multiple of ",
-                "kv.n_kv_heads = ", kv.n_kv_heads, ", got ", n_heads);
   const KvRowCodec codec(kv.scheme, kv.n_kv_heads * kv.head_dim, kv.head_dim);  // validates the scheme
-  const size_t want = static_cast<size_t>(n_heads) * static_cast<size_t>(kv.head_dim);
-  KVQ_CHECK_ARG(q.size() == want, "q: expected n_heads * head_dim = ", want, " values, got ", q.size());
-  KVQ_CHECK_ARG(out.size() == want, "out: expected ", want, " values, got ", out.size());
   KVQ_CHECK_ARG(kv.tokens >= 0, "kv.tokens: expected >= 0, got ", kv.tokens);
-  KVQ_CHECK_ARG(opts.length >= -1 && opts.length <= kv.tokens, "length: expected -1 or 0..",
-                kv.tokens, " (kv.tokens), got ", opts.length);
-  Validated r;
-  r.T = opts.length < 0 ? kv.tokens : opts.length;
-  KVQ_CHECK_ARG(r.T > 0, "kv: expected at least one token to attend to, got 0");
   KVQ_CHECK_ARG(kv.k != nullptr && kv.v != nullptr, "kv.k, kv.v: expected non-null payload pointers");
   KVQ_CHECK_ARG(kv.header_bytes == codec.header_bytes(), "kv.header_bytes: expected ", codec.header_bytes(),
                 " for scheme ", kv_scheme_name(kv.scheme), ", got ", kv.header_bytes);
@@ -75,7 +67,24 @@ Validated Validate(std::span<const float> q, int n_heads, const KvRowsView& kv,
   KVQ_CHECK_ARG(kv.slices == 1 || kv.slice_stride >= span * kv.slice_bytes,
                 "kv.slice_stride: expected >= ", span, " positions * kv.slice_bytes = ", span * kv.slice_bytes,
                 ", got ", kv.slice_stride);
-  r.row_bytes = codec.row_bytes();
+  return codec.row_bytes();
+}
+
+// The call's checks (q, out, length, threads, scale), after the view's
+// unless it comes from the row store (store_view).
+Validated Validate(std::span<const float> q, int n_heads, const KvRowsView& kv, std::span<float> out,
+                   const DecodeAttentionOptions& opts, bool store_view = false) {
+  Validated r;
+  r.row_bytes = store_view ? kv.slice_bytes * static_cast<size_t>(kv.slices) + kv.header_bytes : ValidateView(kv);
+  KVQ_CHECK_ARG(n_heads > 0 && n_heads % kv.n_kv_heads == 0, "n_heads: expected a positive multiple of ",
+                "kv.n_kv_heads = ", kv.n_kv_heads, ", got ", n_heads);
+  const size_t want = static_cast<size_t>(n_heads) * static_cast<size_t>(kv.head_dim);
+  KVQ_CHECK_ARG(q.size() == want, "q: expected n_heads * head_dim = ", want, " values, got ", q.size());
+  KVQ_CHECK_ARG(out.size() == want, "out: expected ", want, " values, got ", out.size());
+  KVQ_CHECK_ARG(opts.length >= -1 && opts.length <= kv.tokens, "length: expected -1 or 0..",
+                kv.tokens, " (kv.tokens), got ", opts.length);
+  r.T = opts.length < 0 ? kv.tokens : opts.length;
+  KVQ_CHECK_ARG(r.T > 0, "kv: expected at least one token to attend to, got 0");
   KVQ_CHECK_ARG(opts.threads >= 0, "threads: expected >= 0, got ", opts.threads);
   KVQ_CHECK_ARG(std::isfinite(opts.scale), "scale: expected a finite value, got ", opts.scale);
   r.scale = opts.scale != 0.0f ? opts.scale : 1.0f / std::sqrt(static_cast<float>(kv.head_dim));
@@ -167,8 +176,8 @@ bool QueryDigits(std::span<const float> q, int8_t* planes, float* scale) {
 
 // decode_attention, optionally writing each head's log-mass to lse.
 void DecodeAttention(std::span<const float> q, int n_heads, const KvRowsView& kv, std::span<float> out,
-                     double* lse, const DecodeAttentionOptions& opts) {
-  const Validated v = Validate(q, n_heads, kv, out, opts);
+                     double* lse, const DecodeAttentionOptions& opts, bool store_view = false) {
+  const Validated v = Validate(q, n_heads, kv, out, opts, store_view);
   const size_t hd = static_cast<size_t>(kv.head_dim);
   const size_t G = static_cast<size_t>(v.G);
 
@@ -276,6 +285,11 @@ void DecodeAttention(std::span<const float> q, int n_heads, const KvRowsView& kv
   }
 }
 }  // namespace
+
+void attn::StoreAttention(std::span<const float> q, int n_heads, const KvRowsView& kv, std::span<float> out,
+                          double* lse, const DecodeAttentionOptions& opts) {
+  DecodeAttention(q, n_heads, kv, out, lse, opts, /*store_view=*/true);
+}
 
 void decode_attention(std::span<const float> q, int n_heads, const KvRowsView& kv,
                       std::span<float> out, const DecodeAttentionOptions& opts) {

@@ -7,6 +7,9 @@
 #include <cstddef>
 #include <cstdint>
 
+#include <span>
+
+#include "kvq/attention.h"
 #include "kvq/kv_scheme.h"
 
 namespace kvq::attn {
@@ -48,6 +51,13 @@ struct Call {
   // 0 none, 1 the int8 query (int8_query), 3 the exact query's digits.
   int query_planes;
 };
+
+// decode_attention (lse null) or decode_attention_part (lse: n_heads
+// log-masses) over a view the row store made: the view's fields are valid
+// by construction and not checked again (no codec built per call); q, out
+// and opts are (attention_api.cc).
+void StoreAttention(std::span<const float> q, int n_heads, const KvRowsView& kv, std::span<float> out, double* lse,
+                    const DecodeAttentionOptions& opts);
 
 // Runs the kernel on the best target this CPU and KVQ_TARGETS allow.
 void RunDecodeAttentionKernel(const Call& c);
