@@ -26,9 +26,13 @@
 #include "model/receipts.h"
 #include "nlohmann/json.hpp"
 #include "session/generate.h"
+#include "src/base/names.h"
 #include "tools/commands.h"
 
 namespace kvq::tools {
+
+constexpr NamedValue<model::EvalProtocol> kProtocols[] = {{model::EvalProtocol::kKvq, "kvq"},
+                                                         {model::EvalProtocol::kLlamaPerplexity, "llama-perplexity"}};
 
 std::string SharedDir() {
   const char* env = std::getenv("KVQ_SHARED");
@@ -135,7 +139,8 @@ void AddEvalCommand(CLI::App& app, EvalCliOptions& o) {
                 "kvq: llama2.c's validation protocol (stories split on --story-sep, windows of ctx + 1, every position "
                 "scored); llama-perplexity: llama.cpp's (the whole file tokenized with BOS first, chunks of ctx with "
                 "BOS in place of their first token, the second half of each scored, its running [1]x.xxxx line)")
-      ->check(CLI::IsMember({"kvq", "llama-perplexity"}))
+      ->check(CLI::IsMember({name_of(kProtocols, model::EvalProtocol::kKvq),
+                             name_of(kProtocols, model::EvalProtocol::kLlamaPerplexity)}))
       ->capture_default_str();
   c->add_flag("--per-token", o.per_token,
               "with --json: also every token's NLL, KLD, p(target) and argmax agreement, for each scheme and fp32");
@@ -218,7 +223,7 @@ int RunEval(const EvalCliOptions& o) {
   KVQ_CHECK_ARG(o.window_chunk >= 1, "--window-chunk: expected >= 1, got ", o.window_chunk);
   e.tokens_path = o.tokens;
   KVQ_CHECK_ARG(o.tokens.empty() || o.text.empty(), "--tokens: use either --text or --tokens");
-  e.protocol = o.protocol == "llama-perplexity" ? model::EvalProtocol::kLlamaPerplexity : model::EvalProtocol::kKvq;
+  e.protocol = parse_name(kProtocols, o.protocol, "--protocol");
   KVQ_CHECK_ARG(e.protocol == model::EvalProtocol::kKvq || o.window == 0,
                 "--window: not with --protocol llama-perplexity (windowed attention is scored over whole windows)");
   e.forward = o.forward == "batched" || (o.forward == "auto" && model::is_gguf_file(e.model_path))
@@ -235,7 +240,7 @@ int RunEval(const EvalCliOptions& o) {
   if (!o.json.empty()) {
     nlohmann::json j = RunJson(o, r.model_path, r.text_path, r.config, r.ctx, r.windows, r.threads);
     j["tokens"] = r.tokens;
-    j["protocol"] = r.protocol == model::EvalProtocol::kLlamaPerplexity ? "llama-perplexity" : "kvq";
+    j["protocol"] = name_of(kProtocols, r.protocol);
     j["forward"] = r.forward == model::ForwardPass::kBatched ? "batched" : "exact";
     if (r.gemm_peak_gflops > 0) {
       j["flops_per_token"] = r.flops_per_token;

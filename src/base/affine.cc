@@ -16,6 +16,7 @@
 #include "hwy/highway.h"
 #include "hwy/cache_control.h"
 #include "src/base/fp8-inl.h"
+#include "src/base/names.h"
 
 // Elements per OpenMP work item: large enough to amortise scheduling, a
 // multiple of every vector length so aligned (streaming) stores stay aligned.
@@ -284,19 +285,9 @@ HWY_EXPORT(DequantizeInt8);
 HWY_EXPORT(QuantizeFp8);
 HWY_EXPORT(DequantizeFp8);
 
-const char* quant_mode_name(QuantMode m) {
-  switch (m) {
-    case QuantMode::Int8: return "int8";
-    case QuantMode::Fp8: return "fp8";
-  }
-  return "unknown";
-}
-
-QuantMode parse_quant_mode(const std::string& s, const char* arg) {
-  if (s == "int8") return QuantMode::Int8;
-  if (s == "fp8") return QuantMode::Fp8;
-  Fail(arg, ": expected 'int8' or 'fp8', got '", s, "'");
-}
+constexpr NamedValue<QuantMode> kQuantModes[] = {{QuantMode::Int8, "int8"}, {QuantMode::Fp8, "fp8"}};
+const char* quant_mode_name(QuantMode m) { return name_of(kQuantModes, m); }
+QuantMode parse_quant_mode(const std::string& s, const char* arg) { return parse_name(kQuantModes, s, arg); }
 
 float max_abs(std::span<const float> x) {
   return std::bit_cast<float>(HWY_DYNAMIC_DISPATCH(MaxAbsBits)(x.data(), x.size()));

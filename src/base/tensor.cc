@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "kvq/half.h"
+#include "src/base/names.h"
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -74,20 +75,11 @@ size_t dtype_size(DType t) {
   Fail("dtype: unknown value ", static_cast<int>(t));
 }
 
-const char* dtype_name(DType t) {
-  switch (t) {
-    case DType::F32: return "f32";
-    case DType::F16: return "f16";
-    case DType::BF16: return "bf16";
-    case DType::I8: return "i8";
-    case DType::U8: return "u8";
-    case DType::F8_E4M3: return "f8_e4m3";
-    case DType::F8_E5M2: return "f8_e5m2";
-    case DType::I32: return "i32";
-    case DType::I64: return "i64";
-  }
-  return "unknown";
-}
+constexpr NamedValue<DType> kDTypes[] = {
+    {DType::F32, "f32"},         {DType::F16, "f16"},         {DType::BF16, "bf16"}, {DType::I8, "i8"},
+    {DType::U8, "u8"},           {DType::F8_E4M3, "f8_e4m3"}, {DType::F8_E5M2, "f8_e5m2"},
+    {DType::I32, "i32"},         {DType::I64, "i64"}};
+const char* dtype_name(DType t) { return name_of(kDTypes, t); }
 
 int64_t shape_numel(const Shape& shape) {
   int64_t n = 1;

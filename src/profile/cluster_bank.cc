@@ -11,6 +11,7 @@
 
 #include "kvq/affine.h"
 #include "kvq/stats.h"
+#include "src/base/names.h"
 
 namespace kvq {
 namespace {
@@ -220,19 +221,10 @@ std::vector<double> PooledWithin(const std::vector<KeySummary>& cs, int n_head, 
 
 }  // namespace
 
-const char* far_field_closure_name(FarFieldClosure c) {
-  switch (c) {
-    case FarFieldClosure::kTwoPoint: return "two-point";
-    case FarFieldClosure::kGaussian: return "gaussian";
-  }
-  return "?";
-}
-
-FarFieldClosure parse_far_field_closure(const std::string& name) {
-  for (FarFieldClosure c : {FarFieldClosure::kTwoPoint, FarFieldClosure::kGaussian})
-    if (name == far_field_closure_name(c)) return c;
-  throw Error("closure: expected \"two-point\" or \"gaussian\", got \"" + name + "\"");
-}
+constexpr NamedValue<FarFieldClosure> kClosures[] = {{FarFieldClosure::kTwoPoint, "two-point"},
+                                                     {FarFieldClosure::kGaussian, "gaussian"}};
+const char* far_field_closure_name(FarFieldClosure c) { return name_of(kClosures, c, "?"); }
+FarFieldClosure parse_far_field_closure(const std::string& name) { return parse_name(kClosures, name, "closure"); }
 
 ClusterMoments::ClusterMoments(int d)
     : sum_k(static_cast<size_t>(d), 0.0),

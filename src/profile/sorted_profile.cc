@@ -15,6 +15,7 @@
 #include "hwy/contrib/sort/vqsort.h"
 
 #include "src/io/container.h"
+#include "src/base/names.h"
 
 namespace kvq {
 namespace {
@@ -131,19 +132,9 @@ double LaplaceEstimator::std_partial_mean(double a, double b) const {
 
 // ---- codebooks -----------------------------------------------------------
 
-const char* codebook_name(Codebook c) {
-  switch (c) {
-    case Codebook::LloydMax: return "lloyd_max";
-    case Codebook::Quantile: return "quantile";
-  }
-  return "?";
-}
-
-Codebook parse_codebook(const std::string& s, const char* arg) {
-  if (s == "lloyd_max") return Codebook::LloydMax;
-  if (s == "quantile") return Codebook::Quantile;
-  Fail(arg, ": expected 'lloyd_max' or 'quantile', got '", s, "'");
-}
+constexpr NamedValue<Codebook> kCodebooks[] = {{Codebook::LloydMax, "lloyd_max"}, {Codebook::Quantile, "quantile"}};
+const char* codebook_name(Codebook c) { return name_of(kCodebooks, c, "?"); }
+Codebook parse_codebook(const std::string& s, const char* arg) { return parse_name(kCodebooks, s, arg); }
 
 namespace {
 
@@ -345,15 +336,10 @@ inline uint8_t BinOf(const double* thr, int bits, double x) {
 
 // ---- fit / decode --------------------------------------------------------
 
-const char* tail_path_name(TailPath p) {
-  switch (p) {
-    case TailPath::Empty: return "empty";
-    case TailPath::Constant: return "constant";
-    case TailPath::Parametric: return "parametric";
-    case TailPath::Dense: return "dense";
-  }
-  return "?";
-}
+constexpr NamedValue<TailPath> kTailPaths[] = {
+    {TailPath::Empty, "empty"}, {TailPath::Constant, "constant"}, {TailPath::Parametric, "parametric"},
+    {TailPath::Dense, "dense"}};
+const char* tail_path_name(TailPath p) { return name_of(kTailPaths, p, "?"); }
 
 std::string SortedProfileEncoding::why() const {
   switch (path) {
