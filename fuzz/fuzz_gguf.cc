@@ -9,7 +9,8 @@
 
 #include "fuzz/fuzz_util.h"
 #include "kvq/error.h"
-#include "model/llama2.h"
+#include "model/checkpoint.h"
+#include "model/tokenizer.h"
 #include "model/tokens.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {

@@ -15,7 +15,8 @@
 #include <vector>
 
 #include "kvq/kv_cache.h"
-#include "model/llama2.h"
+#include "model/checkpoint.h"
+#include "model/tokenizer.h"
 #include "src/io/container.h"
 
 namespace kvq::fuzz {

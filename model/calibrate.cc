@@ -7,29 +7,10 @@
 #include <memory>
 
 #include "kvq/error.h"
+#include "model/sampling.h"
+#include "model/transformer.h"
 
 namespace kvq::model {
-
-int sample_token(std::span<const float> logits, double temperature, uint64_t& rng) {
-  const int V = static_cast<int>(logits.size());
-  if (temperature == 0.0) return static_cast<int>(std::max_element(logits.begin(), logits.end()) - logits.begin());
-  rng ^= rng >> 12, rng ^= rng << 25, rng ^= rng >> 27;  // xorshift64*
-  const float u = static_cast<float>((rng * 0x2545F4914F6CDD1Dull) >> 40) / 16777216.0f;
-  const float m = *std::max_element(logits.begin(), logits.end());
-  std::vector<float> probs(static_cast<size_t>(V));
-  double sum = 0;
-  for (int i = 0; i < V; ++i) {
-    sum += probs[static_cast<size_t>(i)] =
-        std::exp((logits[static_cast<size_t>(i)] - m) / static_cast<float>(temperature));
-  }
-  const double r = u * sum;
-  double c = 0;
-  for (int i = 0; i < V; ++i) {
-    c += probs[static_cast<size_t>(i)];
-    if (r < c) return i;
-  }
-  return V - 1;
-}
 
 void check_calibration_options(const Config& cfg, const CalibrationOptions& o) {
   const int len = o.length > 0 ? o.length : cfg.seq_len;

@@ -7,14 +7,10 @@
 #include <vector>
 
 #include "kvq/grouped_kv.h"
-#include "model/llama2.h"
+#include "model/checkpoint.h"
+#include "model/sampling.h"  // calibration samples; its callers sample too
 
 namespace kvq::model {
-
-// The next token from one position's logits: the argmax at temperature 0,
-// else a draw from softmax(logits / temperature) with the xorshift64* state
-// `rng` (kvq generate's sampler).
-int sample_token(std::span<const float> logits, double temperature, uint64_t& rng);
 
 struct CalibrationOptions {
   int sequences = 16;        // generated sequences, each from BOS

@@ -9,7 +9,7 @@
 
 #include "kvq/kv_scheme.h"
 #include "model/calibrate.h"
-#include "model/llama2.h"
+#include "model/transformer.h"
 
 namespace kvq::model {
 

@@ -16,7 +16,8 @@
 #include "kvq/affine.h"
 #include "kvq/error.h"
 #include "model/gguf.h"
-#include "model/llama2.h"
+#include "model/checkpoint.h"
+#include "model/tokenizer.h"
 
 namespace kvq::model {
 

@@ -10,7 +10,7 @@
 
 #include "kvq/cluster_bank.h"
 #include "model/eval.h"
-#include "model/llama2.h"
+#include "model/transformer.h"
 
 namespace kvq::model {
 

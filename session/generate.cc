@@ -17,7 +17,7 @@
 #include "model/calibrate.h"
 #include "model/eval.h"
 #include "model/fingerprint.h"
-#include "model/llama2.h"
+#include "model/transformer.h"
 #include "store/prefix_store.h"
 
 namespace kvq::session {

@@ -20,7 +20,7 @@
 #include "model/eval.h"
 #include "model/fingerprint.h"
 #include "model/receipts.h"
-#include "model/llama2.h"
+#include "model/transformer.h"
 #include "tests/test_util.h"
 
 namespace kvq::model {

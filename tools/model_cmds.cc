@@ -22,7 +22,7 @@
 #include "model/calibrate.h"
 #include "model/eval.h"
 #include "model/fingerprint.h"
-#include "model/llama2.h"
+#include "model/transformer.h"
 #include "model/receipts.h"
 #include "nlohmann/json.hpp"
 #include "session/generate.h"

@@ -4,7 +4,7 @@
 #include <functional>
 
 #include "model/eval.h"
-#include "model/llama2.h"
+#include "model/transformer.h"
 #include "model/tokens.h"
 #include "session/generate.h"
 

@@ -1,6 +1,6 @@
 // The llama2.c forward pass in fp32 with the K/V cache behind a KvScheme,
-// windowed attention and the E2 bank (the loaders are in loaders.cc).
-#include "model/llama2.h"
+// windowed attention and the E2 bank (checkpoints: checkpoint.cc, gguf_model.cc; the tokenizer: tokenizer.cc).
+#include "model/transformer.h"
 
 #include <algorithm>
 #include <chrono>

@@ -1,0 +1,14 @@
+// Sampling the next token (kvq generate, calibration).
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+namespace kvq::model {
+
+// The next token from one position's logits: the argmax at temperature 0,
+// else a draw from softmax(logits / temperature) with the xorshift64* state
+// `rng` (kvq generate's sampler).
+int sample_token(std::span<const float> logits, double temperature, uint64_t& rng);
+
+}  // namespace kvq::model

@@ -1,0 +1,140 @@
+// The fp32 forward pass of a checkpoint whose K/V go through a kvq::KvCache
+// (evaluation and generation): token by token, a window, batched (OpenBLAS sgemm +
+// KvCache::prefill), several sequences side by side; the windowed attention policies.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvq/attention.h"
+#include "kvq/cluster_bank.h"
+#include "kvq/grouped_kv.h"
+#include "kvq/kv_cache.h"
+#include "kvq/kv_scheme.h"
+#include "kvq/rope.h"
+#include "model/checkpoint.h"
+#include "model/config.h"
+#include "model/tokenizer.h"
+
+namespace kvq::model {
+
+// Which cached tokens attention reads (SPEC §7 windowed mode). window 0:
+// all of them. Otherwise the first `sinks` tokens and the last `window` are
+// attended exactly; the tokens in between are dropped (bank = false, a
+// sliding window with sinks) or, once a whole chunk of `chunk` tokens has
+// left the window, fed to a per-layer E2 ClusterBank and attended through
+// its far field (moment closure) plus its outlier tokens, exactly.
+struct WindowPolicy {
+  int window = 0;
+  int sinks = 4;
+  bool bank = false;
+  int chunk = 64;
+  ClusterBankOptions bank_options;
+};
+
+// The KV cache of a Transformer: any kvq::KvCache scheme name (a row scheme,
+// a grouped scheme or a preset) and, for the schemes that need them, the
+// calibrated ranges.
+struct CacheScheme {
+  std::string name = "fp32";
+  std::shared_ptr<const StaticRanges> ranges;
+  CacheScheme() = default;
+  CacheScheme(std::string n) : name(std::move(n)) {}             // NOLINT: implicit on purpose
+  CacheScheme(const char* n) : name(n) {}                        // NOLINT
+  CacheScheme(KvScheme s) : name(kv_scheme_name(s)) {}           // NOLINT
+  KvSchemeInfo info() const { return describe_kv_scheme(name); }
+  bool operator==(const CacheScheme& o) const { return info().name == o.info().name; }
+};
+
+// Scratch state for one sequence: activations and a KV cache in `scheme`.
+class Transformer {
+ public:
+  // Windowed policies (window > 0) need a scheme that stores rows.
+  Transformer(const Checkpoint& ckpt, const CacheScheme& scheme, int max_seq, const WindowPolicy& policy = {});
+  // Runs on `cache` (max_seq = cache.max_seq()). A cache that holds tokens
+  // (restored by KvCache::load or from_bytes) continues its sequence: the
+  // next forward() is at position cache.tokens(). The cache must be of this
+  // model's geometry and RoPE; windowed policies start empty. The bytes
+  // history holds the restored length only (what the cache held before is
+  // not in the file).
+  Transformer(const Checkpoint& ckpt, KvCache cache, const WindowPolicy& policy = {});
+
+  // One decoding step: token at pos (positions must be fed in order from 0).
+  // Returns the vocab logits (valid until the next call).
+  std::span<const float> forward(int token, int pos);
+  // Whole window at positions [0, tokens.size()): writes all K/V into the
+  // cache and returns logits (tokens.size() x vocab, row-major). Bitwise
+  // identical to calling forward() token by token.
+  std::span<const float> forward_window(std::span<const int> tokens);
+  // The same window through the BLAS (sgemm for every projection) and, for
+  // row schemes without a window, KvCache::prefill: the numbers of
+  // forward_window up to floating-point summation order.
+  std::span<const float> forward_batched(std::span<const int> tokens);
+  // One decoding step of several sequences at the same position: seqs[b]
+  // (each a Transformer of this checkpoint without a window, at length pos)
+  // takes tokens[b]; the projections run as one sgemm over the rows, each
+  // row's K/V go to its own sequence's cache. Returns seqs.size() x vocab
+  // logits in seqs[0]'s buffer (valid until its next call).
+  static std::span<const float> forward_many(std::span<Transformer* const> seqs, std::span<const int> tokens, int pos);
+
+  // The KV cache (one type for every scheme).
+  const KvCache& cache() const { return cache_; }
+
+  // Bytes attention state holds for the current sequence, all layers: the
+  // cached tokens it still reads (in the cache's scheme), plus with a bank
+  // its clusters (mean key, mean value, key covariance, A, count per head,
+  // float32) and its outlier tokens (float32 K and V).
+  uint64_t attention_state_bytes() const;
+  // What the cache held at every length of the current sequence: element
+  // T - 1 is its bytes at length T (all layers), recorded as the tokens are
+  // written (a streaming cache cannot tell its past afterwards).
+  const std::vector<uint64_t>& cache_bytes_history() const { return bytes_at_; }
+  const Config& config() const { return cfg_; }
+  // Called with every Q and K row after RoPE and every V row as they are
+  // computed (layer, pos, q, k, v); empty: none.
+  using KvObserver =
+      std::function<void(int, int, std::span<const float>, std::span<const float>, std::span<const float>)>;
+  void set_kv_observer(KvObserver f) { observer_ = std::move(f); }
+
+ private:
+  enum class Pass { kToken, kWindow, kBlas };
+  struct Row {
+    Transformer* seq;
+    int token, pos;
+  };
+  std::span<const float> run(std::span<const int> tokens, int pos0, Pass pass);
+  std::span<const float> Run(std::span<const Row> rows, Pass pass);
+  void attention(int layer, int pos, const float* q, float* out);
+  void BankChunk(int layer, int t0, int t1);
+  const Config& cfg_;
+  const Weights& w_;
+  KvCache cache_;
+  std::vector<uint64_t> bytes_at_;
+  KvObserver observer_;
+  RopeTable rope_;
+  int max_seq_;
+  WindowPolicy policy_;
+  int tokens_ = 0;  // tokens of the current sequence
+  struct LayerBank {
+    std::unique_ptr<ClusterBank> bank;
+    int banked_end = 0;                  // tokens [sinks, banked_end) went to the bank
+    std::vector<float> out_k, out_v;     // outlier tokens, float32 rows
+  };
+  std::vector<LayerBank> banks_;
+  std::vector<float> x_, xb_, xb2_, hb_, hb2_, q_, k_, v_, logits_;  // (T, width)
+};
+
+// The BLAS's threads for its own calls (the forward pass runs windows on
+// OpenMP threads and each sgemm on the caller's).
+void set_blas_threads(int n);
+// The BLAS's sgemm rate, GFLOP/s: `threads` threads each multiplying (T x n)
+// by (n x d)^T, as the forward pass does, for about `seconds`.
+double measure_gemm_gflops(int T, int n, int d, int threads, double seconds);
+
+}  // namespace kvq::model
