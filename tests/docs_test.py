@@ -5,9 +5,13 @@
   (docs/eval.md's eval table: bits, dPPL %, KLD; docs/performance.md's AVX3_DL and AVX2 warm
   tables: x q4_0; docs/prefix-store.md's table: bytes / token);
 - every `kvq <command> --option` in the README's and docs' code blocks is an option that
-  `kvq <command> --help` lists.
+  `kvq <command> --help` lists;
+- with EVAL_JSON (the JSON of `kvq eval --kv all --threads 2`, docs/eval.md's command, run on
+  today's code): every row of docs/eval.md's table is what that run measured (bits and KV bytes,
+  PPL, dPPL, KLD mean and max, top-1), to the digits printed (one unit of the last printed digit
+  of slack: other CPUs run other SIMD targets, whose float sums differ in the last bits).
 
-Usage: docs_test.py KVQ_BINARY
+Usage: docs_test.py KVQ_BINARY [EVAL_JSON]
 """
 import re
 import subprocess
@@ -110,6 +114,33 @@ for page in pages:
             for opt in re.findall(r"(?:^|\s)(--[a-z0-9-]+)", rest):
                 if opt not in helps[cmd]:
                     fail(f"{page.relative_to(ROOT)}: `kvq {cmd}` has no option {opt}")
+
+# docs/eval.md's table against a fresh run's JSON.
+if len(sys.argv) > 2:
+    import json
+    results = {r["label"]: r for r in json.loads(Path(sys.argv[2]).read_text())["results"]}
+    if set(results) != set(ev):
+        fail(f"docs/eval.md lists {sorted(ev)}, the run measured {sorted(results)}")
+
+    def unit(cell):
+        """One unit of the last printed digit of a table cell (1.064e-03 -> 1e-06, 3.68767 -> 1e-05)."""
+        c = cell.rstrip("%").lstrip("+-")
+        if "e" in c:
+            mant, exp = c.split("e")
+            return 10.0 ** (int(exp) - (len(mant.split(".")[1]) if "." in mant else 0))
+        return 10.0 ** -(len(c.split(".")[1]) if "." in c else 0)
+
+    for scheme, row in ev.items():
+        r = results.get(scheme)
+        if r is None:
+            continue
+        for col, key in ((1, "bits_per_element"), (2, "kv_bytes"), (3, "ppl"), (4, "delta_ppl"),
+                         (5, "delta_ppl_pct"), (6, "kld_mean"), (7, "kld_max"), (8, "top1_pct")):
+            cell = row[col]
+            want = float(cell.rstrip("%"))
+            slack = unit(cell) * (1.5 if key != "kv_bytes" else 0) + (0.001 * want if key == "kv_bytes" else 0)
+            if not abs(float(r[key]) - want) <= slack + 1e-12:
+                fail(f"docs/eval.md: {scheme} {key} {cell}, the run measured {r[key]}")
 
 checked = sum(1 for _ in head)
 print(f"docs_test: {len(pages)} pages, {checked} headline rows, {len(helps)} commands checked; "
