@@ -56,6 +56,13 @@ TEST(GroupedKvScheme, NamesRoundTripAndPresetsParse) {
   }
   EXPECT_NE(ErrorOf([] { parse_grouped_kv_scheme("k4v4g24"); }).find("multiple of 16"), std::string::npos);
   EXPECT_NE(ErrorOf([] { parse_grouped_kv_scheme("k9v4g64"); }).find("2..8"), std::string::npos);
+  // find: one parse for "is it grouped?" and "which scheme?".
+  EXPECT_FALSE(find_grouped_kv_scheme("q8_0").has_value());
+  EXPECT_FALSE(find_grouped_kv_scheme("k4v3").has_value());
+  EXPECT_EQ(find_grouped_kv_scheme("kvq-4.5")->name(), parse_grouped_kv_scheme("kvq-4.5").name());
+  EXPECT_EQ(find_grouped_kv_scheme("k4v3g64r16")->name(), "k4v3g64r16");
+  EXPECT_NE(ErrorOf([] { find_grouped_kv_scheme("k9v4g64", "--kv"); }).find("--kv: grouped code bits must be 2..8"),
+            std::string::npos);
   // The fixed-point digits: one for 2-bit K / up to 3-bit V, else two.
   EXPECT_EQ(g.k_digits(4), 2);
   EXPECT_EQ(g.v_digits(), 1);

@@ -41,6 +41,7 @@ TEST(KvCache, OneTypeTakesEverySchemeAndAttendsThroughOneCall) {
     KvCache c(name, kL, 128, kH, kD, &r);
     EXPECT_EQ(c.scheme(), info.name);
     EXPECT_EQ(c.info().family, info.family);
+    EXPECT_NE(info.parsed, nullptr);  // parsed once, by describe_kv_scheme; the families read it
     for (int t = 0; t < 100; ++t) {
       for (int l = 0; l < kL; ++l) c.write(l, t, rows.k[static_cast<size_t>(t)], rows.v[static_cast<size_t>(t)]);
     }

@@ -109,6 +109,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -169,6 +170,10 @@ struct GroupedKvScheme {
 GroupedKvScheme parse_grouped_kv_scheme(const std::string& name, const char* arg = "kv");
 // Whether `name` is a grouped scheme or preset name (parse would succeed).
 bool is_grouped_kv_scheme(const std::string& name);
+// One parse for both questions: nullopt when `name` is neither a preset nor
+// in the grammar; the scheme when it is; kvq::Error naming `arg` when it is
+// in the grammar but out of range (k9v3g64).
+std::optional<GroupedKvScheme> find_grouped_kv_scheme(const std::string& name, const char* arg = "kv");
 // Presets, best measured pair per bit budget: (preset name, scheme).
 const std::vector<std::pair<std::string, GroupedKvScheme>>& grouped_kv_presets();
 // The grammar, for error messages.

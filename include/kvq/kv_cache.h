@@ -52,7 +52,8 @@
 namespace kvq {
 
 namespace detail {
-class KvCacheBackend;  // src/schemes/families.h
+class KvCacheBackend;     // src/cache/families.h
+struct SchemeDescription; // src/cache/families.h: a family's parsed form of a name
 class ByteWriter;      // src/container.h
 }  // namespace detail
 
@@ -62,6 +63,9 @@ struct KvSchemeInfo {
   std::string label;         // what to print: the preset's name, else the canonical name
   std::string family;        // "rows" or "groups" (for reports; callers need not look)
   bool needs_ranges = false; // built from calibrated StaticRanges
+  // The family's parsed form of the name (opaque): a scheme is parsed once,
+  // by describe_kv_scheme, and every later step reads this.
+  std::shared_ptr<const detail::SchemeDescription> parsed;
 };
 
 // Throws kvq::Error naming `arg` and listing the row schemes, the grouped

@@ -16,6 +16,12 @@
 
 namespace kvq::detail {
 
+// What a family parsed from a scheme name (KvSchemeInfo::parsed); each
+// family derives its own.
+struct SchemeDescription {
+  virtual ~SchemeDescription() = default;
+};
+
 struct KvCacheGeometry {
   int n_layers = 0, max_seq = 0, n_kv_heads = 0, head_dim = 0;
   RopeConfig rope;

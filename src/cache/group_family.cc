@@ -65,9 +65,23 @@ class GroupedBackend final : public KvCacheBackend {
   GroupedKvCache c_;
 };
 
+struct GroupedDescription final : SchemeDescription {
+  explicit GroupedDescription(const GroupedKvScheme& s) : scheme(s) {}
+  GroupedKvScheme scheme;
+};
+
+// The scheme describe_kv_scheme parsed.
+const GroupedKvScheme& Parsed(const KvSchemeInfo& info) {
+  const auto* d = dynamic_cast<const GroupedDescription*>(info.parsed.get());
+  KVQ_ASSERT(d != nullptr);
+  return d->scheme;
+}
+
 bool Describe(const std::string& name, const char* arg, KvSchemeInfo& info) {
-  if (!is_grouped_kv_scheme(name)) return false;
-  const GroupedKvScheme g = parse_grouped_kv_scheme(name, arg);
+  const std::optional<GroupedKvScheme> found = find_grouped_kv_scheme(name, arg);
+  if (!found) return false;
+  const GroupedKvScheme& g = *found;
+  info.parsed = std::make_shared<GroupedDescription>(g);
   info.name = g.name();
   info.label = name;
   for (const auto& [preset, s] : grouped_kv_presets()) {
@@ -79,13 +93,13 @@ bool Describe(const std::string& name, const char* arg, KvSchemeInfo& info) {
 }
 
 std::unique_ptr<KvCacheBackend> Make(const KvSchemeInfo& info, const KvCacheGeometry& g, const StaticRanges* ranges) {
-  return std::make_unique<GroupedBackend>(GroupedKvCache(parse_grouped_kv_scheme(info.name, "scheme"), g.n_layers,
+  return std::make_unique<GroupedBackend>(GroupedKvCache(Parsed(info), g.n_layers,
                                                          g.max_seq, g.n_kv_heads, g.head_dim, ranges, g.rope));
 }
 
 std::unique_ptr<KvCacheBackend> Restore(const KvSchemeInfo& info, const KvCacheGeometry& g,
                                         std::span<const uint8_t> tables) {
-  return std::make_unique<GroupedBackend>(GroupedKvCache(parse_grouped_kv_scheme(info.name, "scheme"), g.n_layers,
+  return std::make_unique<GroupedBackend>(GroupedKvCache(Parsed(info), g.n_layers,
                                                          g.max_seq, g.n_kv_heads, g.head_dim, tables, g.rope));
 }
 
@@ -101,14 +115,14 @@ std::string Grammar() {
 
 // The scheme's count (fallbacks to fp16 only add to it).
 double LeastLayerBytes(const KvSchemeInfo& info, const KvCacheGeometry& g, int64_t T) {
-  return static_cast<double>(parse_grouped_kv_scheme(info.name, "scheme").layer_bytes(T, g.n_kv_heads, g.head_dim));
+  return static_cast<double>(Parsed(info).layer_bytes(T, g.n_kv_heads, g.head_dim));
 }
 
 // Records are allocated as groups complete; up front come the tile rotation
 // table (cos and sin of every tile start) and each layer's open rings (at
 // most a group and its hand-over in fp16).
 double CapacityBytes(const KvSchemeInfo& info, const KvCacheGeometry& g) {
-  const GroupedKvScheme s = parse_grouped_kv_scheme(info.name, "scheme");
+  const GroupedKvScheme& s = Parsed(info);
   const double E = static_cast<double>(g.n_kv_heads) * g.head_dim;
   return 4.0 * g.head_dim * (g.max_seq / 16.0 + 1) +
          static_cast<double>(g.n_layers) * 4 * E * (s.sinks + 2.0 * (s.group + s.recent) + 64);

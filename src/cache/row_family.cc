@@ -163,9 +163,15 @@ class RowBackend final : public KvCacheBackend {
   std::vector<int64_t> T_;  // tokens written per layer
 };
 
+struct RowDescription final : SchemeDescription {
+  explicit RowDescription(KvScheme s) : scheme(s) {}
+  KvScheme scheme;
+};
+
 bool Describe(const std::string& name, const char* /*arg*/, KvSchemeInfo& info) {
   for (KvScheme s : all_kv_schemes()) {
     if (name == kv_scheme_name(s)) {
+      info.parsed = std::make_shared<RowDescription>(s);
       info.name = info.label = name;
       info.family = "rows";
       info.needs_ranges = false;
@@ -175,7 +181,12 @@ bool Describe(const std::string& name, const char* /*arg*/, KvSchemeInfo& info) 
   return false;
 }
 
-KvScheme Scheme(const KvSchemeInfo& info) { return parse_kv_scheme(info.name, "scheme"); }
+// The scheme describe_kv_scheme found.
+KvScheme Scheme(const KvSchemeInfo& info) {
+  const auto* d = dynamic_cast<const RowDescription*>(info.parsed.get());
+  KVQ_ASSERT(d != nullptr);
+  return d->scheme;
+}
 
 std::unique_ptr<KvCacheBackend> Make(const KvSchemeInfo& info, const KvCacheGeometry& g, const StaticRanges*) {
   return std::make_unique<RowBackend>(Scheme(info), g);

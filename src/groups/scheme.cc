@@ -2,6 +2,7 @@
 #include "kvq/grouped_kv.h"
 
 #include <algorithm>
+#include <optional>
 #include <string>
 #include <tuple>
 
@@ -211,6 +212,16 @@ bool is_grouped_kv_scheme(const std::string& name) {
   }
   GroupedKvScheme g;
   return ParseName(name, g);
+}
+
+std::optional<GroupedKvScheme> find_grouped_kv_scheme(const std::string& name, const char* arg) {
+  for (const auto& [n, s] : grouped_kv_presets()) {
+    if (n == name) return s;
+  }
+  GroupedKvScheme g;
+  if (!ParseName(name, g)) return std::nullopt;
+  g.validate(arg);
+  return g;
 }
 
 GroupedKvScheme parse_grouped_kv_scheme(const std::string& name, const char* arg) {
