@@ -287,6 +287,18 @@ TEST(KvCache, CorruptedContainersAreClearErrors) {
     const uint32_t three_layers = 3, many_layers = 60000;
     EXPECT_NE(ErrorOf([&] { KvCache::from_bytes(edit(geo, &three_layers, 4)); }), "<no error>");
     EXPECT_NE(ErrorOf([&] { KvCache::from_bytes(edit(geo, &many_layers, 4)); }).find("at least"), std::string::npos);
+    // ... also when the bytes they need pass 2^64 (65535 layers x 2^14 heads x 2^30 tokens): a clear
+    // error, no float-to-integer overflow in its message (UBSan in the asan preset; found by fuzz_kvqs).
+    {
+      const uint32_t most_layers = 65535, most_heads = (1u << 20) / static_cast<uint32_t>(kD);
+      const uint64_t most_tokens = uint64_t{1} << 30;
+      const std::vector<uint8_t> a = edit(geo, &most_layers, 4);
+      const std::vector<uint8_t> b = test::EditedContainer(a, geo + 4, &most_heads, 4);
+      const std::vector<uint8_t> huge = test::EditedContainer(b, tokens_at, &most_tokens, 8);
+      const std::string e = ErrorOf([&] { KvCache::from_bytes(huge); });
+      EXPECT_NE(e.find("at least"), std::string::npos) << e;
+      EXPECT_NE(e.find("e+"), std::string::npos) << e;  // the count past 2^63 as its magnitude
+    }
     const float bad_theta = -5;
     EXPECT_NE(ErrorOf([&] { KvCache::from_bytes(edit(geo + 12, &bad_theta, 4)); }).find("theta"), std::string::npos);
     const uint64_t absurd = uint64_t{1} << 60, none = 0;

@@ -39,6 +39,15 @@ double PhysicalMemory() {
   return pages > 0 && page > 0 ? static_cast<double>(pages) * static_cast<double>(page) : 0x1p40;
 }
 
+// A byte count held in a double, for a message: its digits when it fits a
+// uint64_t (the cast is undefined beyond), else its magnitude.
+std::string ByteCount(double b) {
+  if (b >= 0 && b < 0x1p63) return std::to_string(static_cast<uint64_t>(b));
+  char s[32];
+  std::snprintf(s, sizeof s, "%.3g", b);
+  return s;
+}
+
 const detail::KvCacheFamily& FamilyOf(const KvSchemeInfo& info) {
   for (const detail::KvCacheFamily& f : detail::kv_cache_families()) {
     if (info.family == f.name) return f;
@@ -355,13 +364,13 @@ KvCache KvCache::from_bytes(std::span<const uint8_t> bytes, const KvCacheExpect&
   const double least = static_cast<double>(L) * family.least_layer_bytes(info, g, static_cast<int64_t>(T));
   if (least > static_cast<double>(r.remaining())) {
     r.corrupt(std::to_string(T) + " tokens of " + std::to_string(L) + " x " + std::to_string(H) + " x " +
-              std::to_string(hd) + " " + info.name + " (at least " + std::to_string(static_cast<uint64_t>(least)) +
+              std::to_string(hd) + " " + info.name + " (at least " + ByteCount(least) +
               " bytes) in " + std::to_string(r.remaining()) + " bytes");
   }
   const double capacity = family.capacity_bytes(info, g);
   KVQ_CHECK_ARG(capacity <= PhysicalMemory(), "saved KV cache: a capacity of ", max_seq, " positions takes ",
-                static_cast<uint64_t>(capacity), " bytes, more than this machine's ",
-                static_cast<uint64_t>(PhysicalMemory()), " bytes of memory; pass a smaller max_seq");
+                ByteCount(capacity), " bytes, more than this machine's ", ByteCount(PhysicalMemory()),
+                " bytes of memory; pass a smaller max_seq");
   const uint64_t table_bytes = r.get<uint64_t>();
   if (table_bytes > r.remaining()) r.corrupt("tables of " + std::to_string(table_bytes) + " bytes past the end");
   const std::vector<uint8_t> tables = r.get_array<uint8_t>(table_bytes);
