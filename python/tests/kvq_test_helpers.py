@@ -1,9 +1,32 @@
 """Helpers shared by the kvq module's test files (imported from their directory)."""
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SHARED = Path(os.environ.get("KVQ_SHARED", os.environ.get("KVQ_DEFAULT_SHARED", ROOT.parent / "shared")))
+MODEL = SHARED / "models" / "stories260K" / "stories260K.bin"
+TOKENIZER = SHARED / "models" / "stories260K" / "tok512.bin"
+
+
+def need_data():
+    """Skips without ../shared's model; fails instead under KVQ_REQUIRE_DATA=1."""
+    if not MODEL.exists():
+        if os.environ.get("KVQ_REQUIRE_DATA") == "1":
+            pytest.fail(f"KVQ_REQUIRE_DATA=1 but {MODEL} is missing")
+        pytest.skip(f"{MODEL} not found (set KVQ_SHARED)")
+
+
+def kvq_cli():
+    """The kvq binary of the build tree the module was imported from (skips when not built)."""
+    import kvq
+    exe = Path(kvq.__file__).resolve().parents[2] / "kvq"
+    if not exe.exists():
+        pytest.skip(f"{exe} not built")
+    return exe
 
 
 def _torch_or_skip():

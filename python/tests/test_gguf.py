@@ -5,7 +5,6 @@ synthetic checkpoints written by scripts/gguf_write.py; stories260K as GGUF
 against the llama2.c file; crafted files as clear errors; token-id files."""
 import importlib.util
 import math
-import os
 import struct
 from pathlib import Path
 
@@ -19,16 +18,7 @@ _spec = importlib.util.spec_from_file_location("gguf_write", ROOT / "scripts" / 
 gw = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gw)
 
-SHARED = Path(os.environ.get("KVQ_SHARED", os.environ.get("KVQ_DEFAULT_SHARED", ROOT.parent / "shared")))
-MODEL = SHARED / "models" / "stories260K" / "stories260K.bin"
-TOKENIZER = SHARED / "models" / "stories260K" / "tok512.bin"
-
-
-def _need_data():
-    if not MODEL.exists():
-        if os.environ.get("KVQ_REQUIRE_DATA") == "1":
-            pytest.fail(f"KVQ_REQUIRE_DATA=1 but {MODEL} is missing")
-        pytest.skip(f"{MODEL} not found (set KVQ_SHARED)")
+from kvq_test_helpers import MODEL, SHARED, TOKENIZER, kvq_cli as _kvq_cli, need_data as _need_data
 
 
 # ---- the reference ----------------------------------------------------------------
@@ -281,13 +271,6 @@ def test_token_files(tmp_path):
 
 
 # ---- kvq eval on a GGUF: the legacy table digit for digit, batched within 1e-4 -------------
-
-def _kvq_cli():
-    exe = Path(kvq.__file__).resolve().parents[2] / "kvq"
-    if not exe.exists():
-        pytest.skip(f"{exe} not built")
-    return exe
-
 
 def _eval(args, tmp_path, name):
     import json

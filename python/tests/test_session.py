@@ -1,24 +1,12 @@
 """kvq.generate (session/generate.h): the library half of `kvq generate`, called from Python."""
-import os
 import subprocess
-from pathlib import Path
 
 import pytest
 
 import kvq
+from kvq_test_helpers import MODEL, TOKENIZER, kvq_cli, need_data as _need_data
 
-ROOT = Path(__file__).resolve().parents[2]
-SHARED = Path(os.environ.get("KVQ_SHARED", os.environ.get("KVQ_DEFAULT_SHARED", ROOT.parent / "shared")))
-MODEL = SHARED / "models" / "stories260K" / "stories260K.bin"
-TOKENIZER = SHARED / "models" / "stories260K" / "tok512.bin"
-README = SHARED / "models" / "stories260K" / "README.md"
-
-
-def _need_data():
-    if not MODEL.exists():
-        if os.environ.get("KVQ_REQUIRE_DATA") == "1":
-            pytest.fail(f"KVQ_REQUIRE_DATA=1 but {MODEL} is missing")
-        pytest.skip(f"{MODEL} not found (set KVQ_SHARED)")
+README = MODEL.parent / "README.md"
 
 
 def _known_good():
@@ -41,9 +29,7 @@ def test_greedy_text_is_the_models_known_good_output_and_streams():
 
 def test_same_text_as_the_cli_and_a_saved_cache_restores(tmp_path):
     _need_data()
-    exe = Path(kvq.__file__).resolve().parents[2] / "kvq"
-    if not exe.exists():
-        pytest.skip(f"{exe} not built")
+    exe = kvq_cli()
     prompt = "Once upon a time, there was a cat"
     cli = subprocess.run([str(exe), "generate", "--model", str(MODEL), "--tokenizer", str(TOKENIZER), "--kv",
                           "kvq-4.5", "--prompt", prompt, "--steps", "96"], capture_output=True, text=True, timeout=300)

@@ -60,7 +60,7 @@ class RowBackend final : public KvCacheBackend {
   }
   void attend(int layer, int64_t T, std::span<const float> q, int n_heads, std::span<float> out,
               const DecodeAttentionOptions& o) const override {
-    attn::StoreAttention(q, n_heads, rows(layer, T), out, nullptr, o);
+    attn::StoreAttention(q, n_heads, rows(layer, T), out, o);
   }
   void attend_ref(int layer, int64_t T, std::span<const float> q, int n_heads, std::span<float> out,
                   const DecodeAttentionOptions& o) const override {
@@ -78,10 +78,7 @@ class RowBackend final : public KvCacheBackend {
   bool any_length() const override { return true; }
   AttentionPart attend_part(int layer, int64_t begin, int64_t end, std::span<const float> q, int n_heads,
                             const DecodeAttentionOptions& o) const override {
-    KVQ_CHECK_ARG(begin >= 0 && begin < end, "tokens: expected 0 <= begin < end, got ", begin, " and ", end);
-    AttentionPart p{std::vector<double>(static_cast<size_t>(std::max(n_heads, 0))), std::vector<float>(q.size())};
-    attn::StoreAttention(q, n_heads, rows(layer, end).subview(begin, end), p.value, p.log_mass.data(), o);
-    return p;
+    return attn::StoreAttentionPart(q, n_heads, rows(layer, end).subview(begin, end), o);  // range checked by KvCache
   }
   void save_tables(std::vector<uint8_t>&) const override {}
   void save_state(int64_t T, std::vector<uint8_t>& out) const override { save_range(0, T, out); }

@@ -286,9 +286,24 @@ void DecodeAttention(std::span<const float> q, int n_heads, const KvRowsView& kv
 }
 }  // namespace
 
+namespace {
+// An AttentionPart of the view's tokens: the value and each head's log-mass.
+AttentionPart Part(std::span<const float> q, int n_heads, const KvRowsView& kv, const DecodeAttentionOptions& opts,
+                   bool store_view) {
+  AttentionPart p{std::vector<double>(static_cast<size_t>(std::max(n_heads, 0))), std::vector<float>(q.size())};
+  DecodeAttention(q, n_heads, kv, p.value, p.log_mass.data(), opts, store_view);
+  return p;
+}
+}  // namespace
+
 void attn::StoreAttention(std::span<const float> q, int n_heads, const KvRowsView& kv, std::span<float> out,
-                          double* lse, const DecodeAttentionOptions& opts) {
-  DecodeAttention(q, n_heads, kv, out, lse, opts, /*store_view=*/true);
+                          const DecodeAttentionOptions& opts) {
+  DecodeAttention(q, n_heads, kv, out, nullptr, opts, /*store_view=*/true);
+}
+
+AttentionPart attn::StoreAttentionPart(std::span<const float> q, int n_heads, const KvRowsView& kv,
+                                       const DecodeAttentionOptions& opts) {
+  return Part(q, n_heads, kv, opts, /*store_view=*/true);
 }
 
 void decode_attention(std::span<const float> q, int n_heads, const KvRowsView& kv,
@@ -298,9 +313,7 @@ void decode_attention(std::span<const float> q, int n_heads, const KvRowsView& k
 
 AttentionPart decode_attention_part(std::span<const float> q, int n_heads, const KvRowsView& kv,
                                     const DecodeAttentionOptions& opts) {
-  AttentionPart p{std::vector<double>(static_cast<size_t>(std::max(n_heads, 0))), std::vector<float>(q.size())};
-  DecodeAttention(q, n_heads, kv, p.value, p.log_mass.data(), opts);
-  return p;
+  return Part(q, n_heads, kv, opts, /*store_view=*/false);
 }
 
 Tensor decode_attention(const TensorView& q, const KvRowsView& kv, const DecodeAttentionOptions& opts) {

@@ -52,12 +52,13 @@ struct Call {
   int query_planes;
 };
 
-// decode_attention (lse null) or decode_attention_part (lse: n_heads
-// log-masses) over a view the row store made: the view's fields are valid
-// by construction and not checked again (no codec built per call); q, out
-// and opts are (attention_api.cc).
-void StoreAttention(std::span<const float> q, int n_heads, const KvRowsView& kv, std::span<float> out, double* lse,
+// decode_attention and decode_attention_part over a view the row store
+// made: the view's fields are valid by construction and not checked again
+// (no codec built per call); q, out and opts are (attention_api.cc).
+void StoreAttention(std::span<const float> q, int n_heads, const KvRowsView& kv, std::span<float> out,
                     const DecodeAttentionOptions& opts);
+AttentionPart StoreAttentionPart(std::span<const float> q, int n_heads, const KvRowsView& kv,
+                                 const DecodeAttentionOptions& opts);
 
 // Runs the kernel on the best target this CPU and KVQ_TARGETS allow.
 void RunDecodeAttentionKernel(const Call& c);
