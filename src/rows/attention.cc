@@ -77,10 +77,12 @@ HWY_INLINE void LoadVTileGroup(D d, const uint8_t* tile, size_t hd, int lane, si
       v[c] = Q4Values(d, hn::ShiftRightSame(Words(b, j), shift + (j < 16 ? 0 : 4)), vdb);
     }
   } else {  // int8 (kC = 1) or q8_0: signed bytes, times the block scale
+    hn::Vec<D> vdb = hn::Set(d, 1.0f);
+    if constexpr (kBlk) vdb = BlockScaleVec(d, tile + 2 * kKTile * b + 2 * static_cast<size_t>(lane));
     for (size_t c = 0; c < kC; ++c) {
       const size_t e = x + c * N;
       v[c] = hn::ConvertTo(d, hn::ShiftRight<24>(hn::ShiftLeftSame(Words(e / 16, e), 24 - shift)));
-      if constexpr (kBlk) v[c] = hn::Mul(v[c], BlockScaleVec(d, tile + 2 * kKTile * b + 2 * static_cast<size_t>(lane)));
+      if constexpr (kBlk) v[c] = hn::Mul(v[c], vdb);
     }
   }
 }
@@ -221,14 +223,7 @@ HWY_INLINE void AccumulateV(D d, const uint8_t* row0, size_t sb, int64_t pos0, i
 template <class D>
 HWY_INLINE hn::Vec<D> TileBlockScales(D d, const uint8_t* tile, size_t b, size_t lane0) {
   const uint8_t* p = tile + 2 * kKTile * b + 2 * lane0;
-  if constexpr (kF16C) {
-    const hn::Rebind<hwy::float16_t, D> dh;
-    return hn::PromoteTo(d, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(p)));
-  } else {
-    HWY_ALIGN float f[hn::MaxLanes(D())];
-    for (size_t i = 0; i < hn::Lanes(d); ++i) f[i] = BlockScale(p + 2 * i);
-    return hn::Load(d, f);
-  }
+  return HalvesToFloat(d, hn::LoadU(hn::Rebind<uint16_t, D>(), reinterpret_cast<const uint16_t*>(p)));
 }
 
 // ab[h] += sum over the 4 elements [4g, 4g+4) of q[h][e] * code, for int8

@@ -26,18 +26,7 @@ struct Fp16Kernel : RowKernelBase {
   static constexpr KvScheme kId = KvScheme::Fp16;
   template <class D>
   static HWY_INLINE hn::Vec<D> Load(D d, const uint8_t* row, size_t x) {
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
-    const hn::Rebind<hwy::float16_t, D> dh;
-    return hn::PromoteTo(d, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(row) + x));
-#else
-    // Finite halves without F16C: move the bits into place and rebias by 2^112.
-    const hn::RebindToSigned<D> di;
-    const hn::Rebind<uint16_t, D> du16;
-    const auto h = hn::PromoteTo(di, hn::LoadU(du16, reinterpret_cast<const uint16_t*>(row) + x));
-    const auto mag = hn::Mul(hn::BitCast(d, hn::ShiftLeft<13>(hn::And(h, hn::Set(di, 0x7FFF)))),
-                             hn::Set(d, 0x1p112f));
-    return hn::Or(mag, hn::BitCast(d, hn::ShiftLeft<16>(hn::And(h, hn::Set(di, 0x8000)))));
-#endif
+    return HalvesToFloat(d, hn::LoadU(hn::Rebind<uint16_t, D>(), reinterpret_cast<const uint16_t*>(row) + x));
   }
 };
 

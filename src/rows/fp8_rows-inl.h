@@ -1,7 +1,9 @@
 // Attention kernel traits of fp8-e4m3, fp8-e4m3-scaled, fp8-e5m2 (codecs:
 // fp8_rows.cc). With F16C, E4M3 codes are widened to halves worth 2^-8 of
 // their value (E5M2 codes are the top byte of a half); the 2^8 is folded
-// into the row scale (kFold).
+// into the row scale (kFold). Elsewhere (SSE4, ARM, SCALAR) a code's bits are
+// moved under a float's and rebiased (Fp8Rebias). Both are exact for every
+// finite code (the scalar decoder is the reference; the codecs write no NaN).
 
 // Per-target include guard (Highway idiom).
 #if defined(KVQ_SRC_SCHEMES_FP8_ROWS_INL_H_) == defined(HWY_TARGET_TOGGLE)
@@ -11,13 +13,30 @@
 #define KVQ_SRC_SCHEMES_FP8_ROWS_INL_H_
 #endif
 
-#include "src/base/fp8-inl.h"
 #include "src/rows/kernel_common-inl.h"
 #include "src/rows/scale_io.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace kvq {
 namespace HWY_NAMESPACE {
+
+// Finite fp8 codes c (0..255 in 32-bit lanes) of kMant mantissa bits and
+// exponent bias kBias: the exponent and mantissa bits placed under a float's
+// and the result scaled by 2^(127 - kBias) (exact: subnormal codes become
+// float subnormals, scaled into normals). Seven integer and float operations
+// where DecodeFp8 also selects subnormals, infinities and NaNs.
+template <int kMant, int kBias, class D>
+HWY_INLINE hn::Vec<D> Fp8Rebias(D d, hn::Vec<hn::RebindToSigned<D>> c) {
+  const hn::RebindToSigned<D> di;
+  const auto mag = hn::BitCast(d, hn::ShiftLeft<23 - kMant>(hn::And(c, hn::Set(di, 0x7F))));
+  constexpr float kRebias = [] {
+    float r = 1.0f;
+    for (int i = 0; i < 127 - kBias; ++i) r *= 2.0f;
+    return r;
+  }();
+  const auto scaled = hn::Mul(mag, hn::Set(d, kRebias));
+  return hn::Or(scaled, hn::BitCast(d, hn::ShiftLeft<24>(hn::And(c, hn::Set(di, 0x80)))));
+}
 
 struct Fp8E4M3Kernel : RowKernelBase {
   static constexpr KvScheme kId = KvScheme::Fp8E4M3;
@@ -33,7 +52,7 @@ struct Fp8E4M3Kernel : RowKernelBase {
                                      hn::ShiftLeft<8>(hn::And(b, hn::Set(du16, 0x80)))));
     }
     const hn::RebindToSigned<D> di;
-    return DecodeFp8<E4M3Fmt>(d, hn::PromoteTo(di, hn::LoadU(du8, row + x)));
+    return Fp8Rebias<3, 7>(d, hn::BitCast(di, hn::PromoteTo(hn::RebindToUnsigned<D>(), hn::LoadU(du8, row + x))));
   }
 };
 
@@ -53,7 +72,7 @@ struct Fp8E5M2Kernel : RowKernelBase {
       return HalvesToFloat(d, hn::ShiftLeft<8>(hn::PromoteTo(du16, hn::LoadU(du8, row + x))));
     }
     const hn::RebindToSigned<D> di;
-    return DecodeFp8<E5M2Fmt>(d, hn::PromoteTo(di, hn::LoadU(du8, row + x)));
+    return Fp8Rebias<2, 15>(d, hn::BitCast(di, hn::PromoteTo(hn::RebindToUnsigned<D>(), hn::LoadU(du8, row + x))));
   }
 };
 

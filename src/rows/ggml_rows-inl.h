@@ -20,11 +20,7 @@ namespace HWY_NAMESPACE {
 HWY_INLINE float BlockScale(const uint8_t* blk) {
   uint16_t h;
   std::memcpy(&h, blk, 2);
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
-  return _cvtsh_ss(h);
-#else
-  return f16_to_f32_ref(h);
-#endif
+  return HalfToFloat(h);
 }
 
 // Float values of the nibbles c in bits [3:0] of each 32-bit lane of idx (the
@@ -41,16 +37,13 @@ HWY_INLINE hn::Vec<D> Nibbles(D d, VI idx, hn::Vec<D> tbl, const Fn& fn) {
   return fn(hn::ConvertTo(d, hn::And(hn::BitCast(di, idx), hn::Set(di, 0x0F))));
 }
 
-// BlockScale in every lane: on F16C targets a 16-bit broadcast and one vector
-// conversion, with no scalar round trip.
+// BlockScale in every lane: a 16-bit broadcast and one vector conversion,
+// with no scalar round trip.
 template <class D>
 HWY_INLINE hn::Vec<D> BlockScaleVec(D d, const uint8_t* blk) {
-  if constexpr (kF16C && hn::MaxLanes(D()) >= 4) {
-    uint16_t h;
-    std::memcpy(&h, blk, 2);
-    return hn::PromoteTo(d, hn::BitCast(hn::Rebind<hwy::float16_t, D>(), hn::Set(hn::Rebind<uint16_t, D>(), h)));
-  }
-  return hn::Set(d, BlockScale(blk));
+  uint16_t h;
+  std::memcpy(&h, blk, 2);
+  return HalvesToFloat(d, hn::Set(hn::Rebind<uint16_t, D>(), h));
 }
 
 // q4_0 values d (c - 8) of the nibbles in bits [3:0] of each 32-bit lane
