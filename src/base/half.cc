@@ -47,14 +47,19 @@ void F16ToF32(const uint16_t* HWY_RESTRICT in, float* HWY_RESTRICT out, size_t n
   for (size_t i = 0; i < n; ++i) out[i] = f16_to_f32_ref(in[i]);
   return;
 #endif
-  const hn::ScalableTag<float> d;
-  const hn::Rebind<hwy::float16_t, decltype(d)> dh;
-  const size_t N = hn::Lanes(d);
   size_t i = 0;
-  for (; i + N <= n; i += N) {
-    hn::StoreU(hn::PromoteTo(d, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(in + i))), d,
-               out + i);
-  }
+  // Whole vectors, then 8 and 4 lanes (short rows, e.g. one head of 8, take
+  // no scalar calls), then the rest one by one.
+  const auto run = [&](auto d) {
+    const hn::Rebind<hwy::float16_t, decltype(d)> dh;
+    const size_t N = hn::Lanes(d);
+    for (; i + N <= n; i += N) {
+      hn::StoreU(hn::PromoteTo(d, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(in + i))), d, out + i);
+    }
+  };
+  run(hn::ScalableTag<float>());
+  run(hn::CappedTag<float, 8>());
+  run(hn::CappedTag<float, 4>());
   for (; i < n; ++i) out[i] = f16_to_f32_ref(in[i]);
 }
 

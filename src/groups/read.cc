@@ -54,7 +54,9 @@ void HeldToken(const GroupedKvCache::Impl& m, const GroupedKvScheme& s, int l, i
 AttentionPart DecodedPart(const GroupedKvCache::Impl& m, const GroupedKvScheme& s, int l, int64_t t0, int64_t t1,
                           std::span<const float> q, int n_heads, const DecodeAttentionOptions& o) {
   const size_t E = m.E;
-  std::vector<float> kr(static_cast<size_t>(t1 - t0) * E), vr(kr.size()), x(2 * E);
+  // Per-thread buffers: every attend of every layer decodes its open tokens.
+  thread_local std::vector<float> kr, vr, x;
+  kr.resize(static_cast<size_t>(t1 - t0) * E), vr.resize(kr.size()), x.resize(2 * E);
   for (int64_t t = t0; t < t1; ++t) {
     HeldToken(m, s, l, t, x.data());
     float* k = kr.data() + static_cast<size_t>(t - t0) * E;
