@@ -26,11 +26,23 @@ row() {  # name, aggregate, real_time, bits, layers
 } >"$T/in.json"
 /usr/bin/python3 "$TABLE" "$T/in.json" >"$T/out" 2>"$T/err"; rc=$?
 check "runs" '[ $rc -eq 0 ]'
-check "warm q4_0: 0.25x fp32, 0.50x fp16 (medians, not means)" 'grep -q "^| q4_0 | 4.5 | – | – | 1000 | – | 20.0 | 50 | 0.25 | 0.50 | 1.00 | – |$" "$T/out"'
-check "a scheme the script does not list is printed, after the listed ones" 'grep -q "^| fp8-e4m3-scaled | 9 | – | – | 3000 |.*| 0.75 | 1.50 |" "$T/out" && [ "$(grep -n "^| fp8-e4m3-scaled " "$T/out" | cut -d: -f1)" -gt "$(grep -n "^| q4_0 (int8_query) " "$T/out" | cut -d: -f1)" ]'
-check "int8_query row" 'grep -q "^| q4_0 (int8_query) | 4.5 | – | – | 800 |.*| 0.20 | 0.40 |" "$T/out"'
+check "warm q4_0: 0.25x fp32, 0.50x fp16 (medians, not means)" 'grep -q "^| q4_0 | 4.5 | 1000 | 20.0 | 50 | 0.25 | 0.50 | 1.00 |$" "$T/out" && grep -q "^| scheme | bits | T=16384 µs | GB/s @16384 |" "$T/out"'
+check "a scheme the script does not list is printed, after the listed ones" 'grep -q "^| fp8-e4m3-scaled | 9 | 3000 |.*| 0.75 | 1.50 |" "$T/out" && [ "$(grep -n "^| fp8-e4m3-scaled " "$T/out" | cut -d: -f1)" -gt "$(grep -n "^| q4_0 (int8_query) " "$T/out" | cut -d: -f1)" ]'
+check "int8_query row" 'grep -q "^| q4_0 (int8_query) | 4.5 | 800 |.*| 0.20 | 0.40 |" "$T/out"'
 check "cold q4_0 against cold fp32 / fp16 / q4_0" 'grep -q "^| q4_0 | 32 | 1500 | 20.0 | 0.25 | 0.50 | 1.00 | 1.00 | 1000 | 1.50 |$" "$T/out"'
 check "cold fp32 row" 'grep -q "^| fp32 | 7 | 6000 | 20.0 | 1.00 | 2.00 | 4.00 | 1.00 | 4000 | 1.50 |$" "$T/out"'
+# Only the lengths that ran are columns; x fp32 @65536 when 65536 ran.
+{
+  echo '{"benchmarks": ['
+  row BM_decode_attention/fp32/4096/real_time median 1000 32 1; echo ,
+  row BM_decode_attention/fp32/16384/real_time median 4000 32 1; echo ,
+  row BM_decode_attention/fp32/65536/real_time median 16000 32 1; echo ,
+  row BM_decode_attention/q4_0/16384/real_time median 1000 4.5 1; echo ,
+  row BM_decode_attention/q4_0/65536/real_time median 4800 4.5 1
+  echo ']}'
+} >"$T/lens.json"
+/usr/bin/python3 "$TABLE" "$T/lens.json" >"$T/out" 2>"$T/err"; rc=$?
+check "lengths that ran, in order, and x fp32 at 65536" '[ $rc -eq 0 ] && grep -q "^| scheme | bits | T=4096 µs | T=16384 µs | T=65536 µs | GB/s @16384 |.*| × fp32 @65536 |$" "$T/out" && grep -q "^| q4_0 | 4.5 | – | 1000 | 4800 | 20.0 | 50 | 0.25 | – | 1.00 | 0.30 |$" "$T/out" && ! grep -q "T=1024" "$T/out"'
 # Geometry rows: one line per geometry, the presets against q4_0 of the same geometry.
 {
   echo '{"benchmarks": ['
@@ -66,7 +78,7 @@ for tg in AVX2 AVX3_DL; do
     echo ']}'; } >"$T/$tg.json"
 done
 /usr/bin/python3 "$TABLE" "$T/AVX2.json" "$T/AVX3_DL.json" >"$T/out" 2>"$T/err"; rc=$?
-check "per-target files: a header each, in order, with its own ratios" '[ $rc -eq 0 ] && [ "$(grep -c "^SIMD target" "$T/out")" -eq 2 ] && grep -q "^SIMD target AVX2; CPU flags: avx2 fma" "$T/out" && [ "$(grep "^| q4_0 " "$T/out" | awk -F"|" "{print \$10}" | tr -d " " | tr "\n" ,)" = "0.50,0.25," ]'
+check "per-target files: a header each, in order, with its own ratios" '[ $rc -eq 0 ] && [ "$(grep -c "^SIMD target" "$T/out")" -eq 2 ] && grep -q "^SIMD target AVX2; CPU flags: avx2 fma" "$T/out" && [ "$(grep "^| q4_0 " "$T/out" | awk -F"|" "{print \$7}" | tr -d " " | tr "\n" ,)" = "0.50,0.25," ]'
 echo '{"benchmarks": []}' >"$T/empty.json"
 /usr/bin/python3 "$TABLE" "$T/empty.json" >/dev/null 2>"$T/err"; rc=$?
 check "no rows: exit 1 with a message" '[ $rc -eq 1 ] && grep -q "no BM_decode_attention medians" "$T/err"'
