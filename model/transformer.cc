@@ -156,7 +156,7 @@ void Transformer::attention(int layer, int pos, const float* q, float* out) {
   const int T = pos + 1;
   if (policy_.window == 0 || T <= policy_.sinks + policy_.window) {
     DecodeAttentionOptions o;
-    o.threads = 1;
+    o.threads = attention_threads_;
     cache_.attend(layer, {q, n}, cfg_.n_heads, {out, n}, o);
     return;
   }
@@ -221,14 +221,25 @@ std::span<const float> Transformer::forward_batched(std::span<const int> tokens)
   return run(tokens, 0, Pass::kBlas);
 }
 
-std::span<const float> Transformer::run(std::span<const int> tokens, int pos0, Pass pass) {
+std::span<const float> Transformer::prefill(std::span<const int> tokens, int pos0) {
+  KVQ_CHECK_ARG(pos0 == 0 || pos0 == tokens_, "pos0: expected 0 (a new sequence) or the sequence's length ", tokens_,
+                ", got ", pos0);
+  return run(tokens, pos0, Pass::kBlas, /*last_logits=*/true);
+}
+
+void Transformer::set_attention_threads(int n) {
+  KVQ_CHECK_ARG(n >= 1 && n <= 1024, "threads: expected 1..1024, got ", n);
+  attention_threads_ = n;
+}
+
+std::span<const float> Transformer::run(std::span<const int> tokens, int pos0, Pass pass, bool last_logits) {
   const int T = static_cast<int>(tokens.size());
   KVQ_CHECK_ARG(T > 0, "tokens: expected at least one token");
   KVQ_CHECK_ARG(pos0 >= 0 && pos0 + T <= max_seq_, "pos: positions ", pos0, "..", pos0 + T - 1,
                 " exceed the cache size ", max_seq_);
   std::vector<Row> rows(static_cast<size_t>(T));
   for (int t = 0; t < T; ++t) rows[static_cast<size_t>(t)] = {this, tokens[static_cast<size_t>(t)], pos0 + t};
-  return Run(rows, pass);
+  return Run(rows, pass, last_logits);
 }
 
 std::span<const float> Transformer::forward_many(std::span<Transformer* const> seqs, std::span<const int> tokens,
@@ -250,7 +261,7 @@ std::span<const float> Transformer::forward_many(std::span<Transformer* const> s
 // Rows of one pass: each a token at a position of a sequence (this one, or
 // with forward_many several, one row each). This object's buffers hold the
 // activations; each row's K/V go to its own sequence's cache.
-std::span<const float> Transformer::Run(std::span<const Row> rows, Pass pass) {
+std::span<const float> Transformer::Run(std::span<const Row> rows, Pass pass, bool last_logits) {
   const int T = static_cast<int>(rows.size());
   for (const Row& r : rows) {
     KVQ_CHECK_ARG(r.token >= 0 && r.token < cfg_.vocab_size, "token: expected 0..", cfg_.vocab_size - 1, ", got ",
@@ -323,7 +334,7 @@ std::span<const float> Transformer::Run(std::span<const Row> rows, Pass pass) {
     }
     if (prefill) {
       DecodeAttentionOptions o;
-      o.threads = 1;
+      o.threads = attention_threads_;
       cache_.prefill(l, pos0, {k_.data(), uT * ukv}, {v_.data(), uT * ukv}, {q_.data(), uT * udim}, cfg_.n_heads,
                      {xb_.data(), uT * udim}, o);
     }
@@ -352,6 +363,11 @@ std::span<const float> Transformer::Run(std::span<const Row> rows, Pass pass) {
   }
   if (prefill) {
     for (int t = 0; t < T; ++t) bytes_at_[static_cast<size_t>(pos0 + t)] = cache_.bytes(pos0 + t + 1);
+  }
+  if (last_logits) {  // a prompt's prefill: only its last token's logits
+    RmsNorm(xb_.data(), row(x_, T - 1, dim), w_.rms_final, dim, eps);
+    MatVec(logits_.data(), xb_.data(), w_.wcls, dim, vocab);
+    return {logits_.data(), static_cast<size_t>(vocab)};
   }
   for (int t = 0; t < T; ++t) RmsNorm(row(xb_, t, dim), row(x_, t, dim), w_.rms_final, dim, eps);
   mm(logits_.data(), xb_.data(), w_.wcls, dim, vocab);

@@ -76,6 +76,15 @@ class Transformer {
   // row schemes without a window, KvCache::prefill: the numbers of
   // forward_window up to floating-point summation order.
   std::span<const float> forward_batched(std::span<const int> tokens);
+  // Prompt tokens at positions [pos0, pos0 + tokens.size()), pos0 the
+  // sequence's length, through the batched pass (forward_batched's numbers;
+  // KvCache::prefill for caches that read any length): their K/V go into
+  // the cache and only the last token's logits are computed (vocab values,
+  // valid until the next call).
+  std::span<const float> prefill(std::span<const int> tokens, int pos0);
+  // Threads of each attention call (default 1: the callers that run
+  // sequences on threads of their own, as `kvq eval` does, keep it).
+  void set_attention_threads(int n);
   // One decoding step of several sequences at the same position: seqs[b]
   // (each a Transformer of this checkpoint without a window, at length pos)
   // takes tokens[b]; the projections run as one sgemm over the rows, each
@@ -108,8 +117,8 @@ class Transformer {
     Transformer* seq;
     int token, pos;
   };
-  std::span<const float> run(std::span<const int> tokens, int pos0, Pass pass);
-  std::span<const float> Run(std::span<const Row> rows, Pass pass);
+  std::span<const float> run(std::span<const int> tokens, int pos0, Pass pass, bool last_logits = false);
+  std::span<const float> Run(std::span<const Row> rows, Pass pass, bool last_logits = false);
   void attention(int layer, int pos, const float* q, float* out);
   void BankChunk(int layer, int t0, int t1);
   const Config& cfg_;
@@ -121,6 +130,7 @@ class Transformer {
   int max_seq_;
   WindowPolicy policy_;
   int tokens_ = 0;  // tokens of the current sequence
+  int attention_threads_ = 1;
   struct LayerBank {
     std::unique_ptr<ClusterBank> bank;
     int banked_end = 0;                  // tokens [sinks, banked_end) went to the bank

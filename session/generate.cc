@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <memory>
+#include <omp.h>
 #include <span>
 #include <vector>
 
@@ -40,6 +41,31 @@ std::string Format(const char* fmt, ...) {
 using Clock = std::chrono::steady_clock;
 double Since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
+// The session's OpenMP and BLAS threads, set for its duration (n > 0) and
+// given back after (a library call leaves the process as it found it).
+class ThreadsFor {
+ public:
+  explicit ThreadsFor(int n) : omp_(omp_get_max_threads()), set_(n > 0) {
+    if (set_) omp_set_num_threads(n), model::set_blas_threads(n);
+  }
+  ~ThreadsFor() {
+    if (set_) omp_set_num_threads(omp_), model::set_blas_threads(omp_);
+  }
+  ThreadsFor(const ThreadsFor&) = delete;
+  ThreadsFor& operator=(const ThreadsFor&) = delete;
+
+ private:
+  int omp_;
+  bool set_;
+};
+
+// The first chunk end of `plan` past T (the prefix store stores a chunk when
+// the cache's length is its end).
+int64_t NextChunkEnd(const store::ChunkPlan& plan, int64_t T) {
+  if (T < plan.end(0)) return plan.end(0);
+  return plan.offset + ((T - plan.offset) / plan.tokens + 1) * plan.tokens;
+}
+
 }  // namespace
 
 GenerateReport generate(const GenerateOptions& o, const std::function<void(const std::string&)>& on_text,
@@ -48,14 +74,23 @@ GenerateReport generate(const GenerateOptions& o, const std::function<void(const
     if (on_status) on_status(s);
   };
   KVQ_CHECK_ARG(!o.model.empty(), "--model: expected a checkpoint path");
+  KVQ_CHECK_ARG(o.threads >= 0 && o.threads <= 1024, "--threads: expected 0..1024 (0: default), got ", o.threads);
+  KVQ_CHECK_ARG(o.batch >= 1 && o.batch <= 65536, "--batch: expected 1..65536, got ", o.batch);
+  KVQ_CHECK_ARG(o.tokens.empty() || o.prompt.empty(), "--tokens: not with --prompt (one prompt, as text or as ids)");
   check_output_path("--save-cache", o.save_cache, {o.model, o.tokenizer, o.load_cache});
+  const ThreadsFor threads(o.threads);
   const model::Checkpoint ckpt(o.model);
   const model::Config& cfg = ckpt.config();
-  const std::shared_ptr<const model::Tokenizer> tok_ptr = model::load_tokenizer(ckpt, o.tokenizer);
-  const model::Tokenizer& tok = *tok_ptr;
+  // Token ids in, a model whose tokenizer kvq does not read: ids out.
+  const bool ids_only = !o.tokens.empty() && o.tokenizer.empty() && ckpt.tokenizer() == nullptr;
+  const std::shared_ptr<const model::Tokenizer> tok_ptr = ids_only ? nullptr : model::load_tokenizer(ckpt, o.tokenizer);
   KVQ_CHECK_ARG(o.steps >= 1 && o.steps <= cfg.seq_len, "--steps: expected 1..", cfg.seq_len, ", got ", o.steps);
   KVQ_CHECK_ARG(std::isfinite(o.temperature) && o.temperature >= 0, "--temperature: expected >= 0");
-  const std::vector<int> prompt = tok.encode(o.prompt, /*bos=*/true);
+  for (size_t i = 0; i < o.tokens.size(); ++i) {
+    KVQ_CHECK_ARG(o.tokens[i] >= 0 && o.tokens[i] < cfg.vocab_size, "--tokens: id ", o.tokens[i], " at position ", i,
+                  " is outside the vocabulary 0..", cfg.vocab_size - 1);
+  }
+  const std::vector<int> prompt = o.tokens.empty() ? tok_ptr->encode(o.prompt, /*bos=*/true) : o.tokens;
   const int P = static_cast<int>(prompt.size());
   KVQ_CHECK_ARG(P <= o.steps, "--prompt: ", P, " tokens do not fit in --steps ", o.steps);
   // A saved cache holds the prompt but its last token: that token's forward
@@ -109,6 +144,7 @@ GenerateReport generate(const GenerateOptions& o, const std::function<void(const
     }
     tf.emplace(ckpt, scheme, o.steps);
   }
+  if (o.threads > 0) tf->set_attention_threads(o.threads);
   // The prefix store: the longest stored run of full chunks of the prompt
   // but its last token (whose forward pass gives the first logits).
   store::LookupReport lookup;
@@ -116,11 +152,14 @@ GenerateReport generate(const GenerateOptions& o, const std::function<void(const
     KvCache c = tf->cache().Copy();
     if (pstore->longest_prefix(prompt, c, P - 1, &lookup) > 0) {
       tf.emplace(ckpt, std::move(c));
+      if (o.threads > 0) tf->set_attention_threads(o.threads);
       start = static_cast<int>(lookup.tokens);
     }
   }
   GenerateReport r;
   r.restored = start;
+  r.has_text = tok_ptr != nullptr;
+  r.ids = prompt;
   double store_s = 0;
   auto store_if_due = [&] {
     const int64_t T = tf->cache().tokens();
@@ -146,7 +185,8 @@ GenerateReport generate(const GenerateOptions& o, const std::function<void(const
   // Each token's text as it is known: the prompt's, then the sampled ones
   // (BOS itself gives nothing).
   auto text = [&](int prev, int next) {
-    const std::string piece = tok.decode(prev, next);
+    if (!tok_ptr) return;
+    const std::string piece = tok_ptr->decode(prev, next);
     // Like llama2.c's safe_printf: skip lone unprintable bytes.
     if (piece.size() == 1 && !std::isprint(static_cast<unsigned char>(piece[0])) &&
         !std::isspace(static_cast<unsigned char>(piece[0]))) {
@@ -155,10 +195,25 @@ GenerateReport generate(const GenerateOptions& o, const std::function<void(const
     r.text += piece;
     if (on_text) on_text(piece);
   };
-  for (int pos = 0; pos < start; ++pos) text(prompt[static_cast<size_t>(pos)], prompt[static_cast<size_t>(pos) + 1]);
-  int token = prompt[static_cast<size_t>(start)];
   const auto t0 = Clock::now();
-  for (int pos = start; pos < o.steps; ++pos) {
+  // The prompt but its last token: batched passes of at most o.batch tokens,
+  // each ending where the prefix store stores a chunk (and, through
+  // save_if_due, at P - 1, where --save-cache saves).
+  int pos = start;
+  while (pos < P - 1) {
+    int stop = std::min(P - 1, pos + o.batch);
+    if (pstore) stop = static_cast<int>(std::min<int64_t>(stop, NextChunkEnd(pstore->plan(tf->cache()), pos)));
+    tf->prefill(std::span(prompt).subspan(static_cast<size_t>(pos), static_cast<size_t>(stop - pos)), pos);
+    r.evaluated += stop - pos;
+    r.prefilled += stop - pos;
+    pos = stop;
+    save_if_due();
+    store_if_due();
+  }
+  r.prefill_seconds = Since(t0) - store_s;
+  for (int i = 0; i < pos; ++i) text(prompt[static_cast<size_t>(i)], prompt[static_cast<size_t>(i) + 1]);
+  int token = prompt[static_cast<size_t>(pos)];
+  for (; pos < o.steps; ++pos) {
     const std::span<const float> logits = tf->forward(token, pos);
     ++r.evaluated;
     save_if_due();
@@ -173,7 +228,8 @@ GenerateReport generate(const GenerateOptions& o, const std::function<void(const
                     static_cast<unsigned long long>(r.stored_bytes), 1e3 * store_s));
     }
     const int next = pos + 1 < P ? prompt[static_cast<size_t>(pos) + 1] : model::sample_token(logits, o.temperature, rng);
-    if (next == model::Tokenizer::kBos) break;  // BOS delimits sequences
+    if (tok_ptr && next == model::Tokenizer::kBos) break;  // BOS delimits sequences (llama2.c's vocabulary)
+    if (pos + 1 >= P) r.ids.push_back(next);
     text(token, next);
     token = next;
   }

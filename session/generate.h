@@ -4,8 +4,9 @@
 // cache (a scheme, calibrated ranges when it needs them) or restores one (a
 // saved KVQS file checked against the model's fingerprint and the prompt's
 // token digest; the longest stored run of the prompt's chunks from a prefix
-// store), runs the prompt's remaining tokens, saves or stores what is due,
-// then samples.
+// store), runs the prompt's remaining tokens through the batched pass (in
+// passes of `batch` tokens that end where a save or a store is due), saves
+// or stores what is due, then samples token by token.
 //
 // Errors are kvq::Error and name the `kvq generate` option of the field
 // (--steps, --save-cache, ...). Nothing is written before every input is
@@ -16,6 +17,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace kvq::session {
 
@@ -23,6 +25,10 @@ struct GenerateOptions {
   std::string model;      // llama2.c checkpoint or GGUF
   std::string tokenizer;  // llama2.c tokenizer.bin; empty with a GGUF (its own)
   std::string prompt;     // text; empty: start from BOS
+  // The prompt as token ids instead of text (any tokenizer's; BOS only if
+  // given): with a model whose tokenizer kvq does not read, the output is
+  // token ids too (GenerateReport::ids).
+  std::vector<int> tokens;
   std::string kv;         // scheme or preset; empty: fp32, or the loaded cache's scheme
   std::string save_cache, load_cache;
   // A prefix store (a directory, redis://... or memory:); unset: none.
@@ -34,10 +40,16 @@ struct GenerateOptions {
   double temperature = 0.0;        // 0: greedy
   uint64_t seed = 0;               // 0: a fixed default
   int steps = 256;                 // forward steps, prompt included (<= the model's seq_len)
+  int threads = 0;                 // OpenMP and BLAS threads for the session (0: as the process has them)
+  int batch = 512;                 // prompt tokens per batched pass (sgemm + KvCache::prefill)
 };
 
 struct GenerateReport {
   std::string text;          // the prompt's text and the sampled tokens' (what on_text was given)
+  std::vector<int> ids;      // the prompt's token ids, then the sampled ones
+  bool has_text = true;      // false: the model's tokenizer is not one kvq reads (ids only)
+  int prefilled = 0;         // prompt tokens run through the batched pass
+  double prefill_seconds = 0;
   int tokens = 0;            // positions run or restored
   int restored = 0;          // prompt tokens restored (a saved cache or the prefix store)
   int evaluated = 0;         // forward passes run

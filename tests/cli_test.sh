@@ -72,6 +72,27 @@ check "a 3-byte token file exits 2" '[ $rc -eq 2 ] && grep -q "whole number of l
   --heads 2 --kv-heads 1 --vocab 300 --ctx 64 --tokenizer gpt2 --rope-scaling none
 "$KVQ" eval --model "$T/q.gguf" --ctx 16 >/dev/null 2>"$T/err"; rc=$?
 check "a BPE GGUF points to --tokens" '[ $rc -eq 2 ] && grep -q "byte-level BPE" "$T/err" && grep -q -- "--tokens" "$T/err"'
+# generate --tokens: ids in; on a model whose tokenizer kvq does not read, ids out (prompt then sampled).
+/usr/bin/python3 -c "import numpy as np; np.arange(1, 11, dtype=np.uint32).tofile('$T/ids10.bin')"
+"$KVQ" generate --model "$T/q.gguf" --tokens "$T/ids10.bin" --steps 20 --kv q8_0 >"$T/out" 2>"$T/err"; rc=$?
+check "generate --tokens on a BPE GGUF prints the ids" '[ $rc -eq 0 ] && /usr/bin/python3 -c "
+ids = [int(x) for x in open(\"$T/out\").read().split()]
+assert ids[:10] == list(range(1, 11)) and len(ids) == 21 and all(0 <= i < 300 for i in ids), ids
+" && grep -q "9 prefilled" "$T/err"'
+"$KVQ" generate --model "$T/q.gguf" --tokens "$T/ids10.bin" --steps 20 --kv q8_0 --batch 3 --threads 1 >"$T/out3" 2>/dev/null; rc=$?
+check "generate --batch 3 --threads 1 runs the same prompt" '[ $rc -eq 0 ] && [ "$(cut -d" " -f1-10 "$T/out3")" = "$(cut -d" " -f1-10 "$T/out")" ] && [ "$(wc -w <"$T/out3")" -eq 21 ]'
+/usr/bin/python3 -c "import numpy as np; np.array([1, 5, 300], dtype=np.uint32).tofile('$T/big.bin')"
+"$KVQ" generate --model "$T/q.gguf" --tokens "$T/big.bin" --steps 20 >/dev/null 2>"$T/err"; rc=$?
+check "generate --tokens with an id past the vocabulary exits 2" '[ $rc -eq 2 ] && grep -q "id 300 at position 2 is outside the vocabulary 0..299" "$T/err"'
+"$KVQ" generate --model "$T/q.gguf" --tokens "$T/ids10.bin" --prompt "x" >/dev/null 2>"$T/err"; rc=$?
+check "generate --tokens with --prompt exits 2" '[ $rc -eq 2 ] && grep -q "not with --prompt" "$T/err"'
+"$KVQ" generate --model "$T/q.gguf" --tokens "$T/ids10.bin" --batch 0 >/dev/null 2>"$T/err"; rc=$?
+check "generate --batch 0 exits 2" '[ $rc -eq 2 ]'
+# The same prompt as text and as ids (stories260K's tokenizer: BOS, "Once upon a time, Lily").
+/usr/bin/python3 -c "import numpy as np; np.array([1, 403, 407, 261, 378, 432, 317], dtype=np.int32).tofile('$T/lily.bin')"
+"$KVQ" generate --model "$T/s.gguf" --tokens "$T/lily.bin" --steps 60 >"$T/gt" 2>/dev/null; rc=$?
+"$KVQ" generate --model "$T/s.gguf" --prompt "Once upon a time, Lily" --steps 60 >"$T/gp" 2>/dev/null
+check "generate --tokens gives the text of the same prompt" '[ $rc -eq 0 ] && head -c 22 "$T/gt" | grep -q "^Once upon a time, Lily" && cmp -s "$T/gt" "$T/gp"'
 head -c 3000 "$T/s.gguf" > "$T/cut.gguf"
 "$KVQ" eval --model "$T/cut.gguf" >/dev/null 2>"$T/err"; rc=$?
 check "a truncated GGUF exits 2" '[ $rc -eq 2 ] && grep -q "GGUF truncated\|past the end\|bytes left can hold" "$T/err"'

@@ -115,6 +115,66 @@ TEST(Model, WindowIsBitwiseIdenticalToTokenByTokenDecoding) {
   }
 }
 
+// Transformer::prefill (kvq generate's prompt): chunks of any size, each at
+// the sequence's length, give the batched pass's last logits (up to the
+// summation order of the classifier: MatVec here, sgemm there) and leave the
+// cache as long as the prompt; a chunk elsewhere is an error.
+TEST(Model, PrefillInChunksIsTheBatchedPasssLastLogits) {
+  KVQ_MODEL_FILES();
+  const Checkpoint ckpt(model_path);
+  const Tokenizer tok(tok_path, ckpt.config().vocab_size);
+  const std::vector<int> ids = tokenize_stories(tok, Slurp(text_path));
+  const int T = 150, V = ckpt.config().vocab_size;
+  const std::span<const int> prompt(ids.data(), static_cast<size_t>(T));
+  CalibrationOptions co;
+  co.sequences = 2;
+  co.length = 64;
+  const auto ranges = std::make_shared<const StaticRanges>(calibrate_static_ranges(ckpt, co));
+  for (const char* name : {"fp32", "q8_0", "kvq-4.5", "kvq-2.5"}) {
+    SCOPED_TRACE(name);
+    CacheScheme s(name);
+    if (s.info().needs_ranges) s.ranges = ranges;
+    Transformer whole(ckpt, s, 256), chunked(ckpt, s, 256), stepwise(ckpt, s, 256);
+    const auto lb = whole.forward_batched(prompt);
+    const std::vector<float> want(lb.end() - V, lb.end());
+    std::vector<float> got;
+    int pos = 0;
+    for (int n : {1, 63, 64, 22}) {  // single tokens, a group's worth, the rest
+      const auto l = chunked.prefill(prompt.subspan(static_cast<size_t>(pos), static_cast<size_t>(n)), pos);
+      ASSERT_EQ(l.size(), static_cast<size_t>(V));
+      got.assign(l.begin(), l.end());
+      pos += n;
+    }
+    ASSERT_EQ(pos, T);
+    EXPECT_EQ(chunked.cache().tokens(), T);
+    EXPECT_EQ(chunked.cache().bytes(), whole.cache().bytes());
+    std::vector<float> step;
+    for (int t = 0; t < T; ++t) {
+      const auto l = stepwise.forward(prompt[static_cast<size_t>(t)], t);
+      if (t == T - 1) step.assign(l.begin(), l.end());
+    }
+    float scale = 0, d_batched = 0, d_step = 0;
+    for (int i = 0; i < V; ++i) {
+      scale = std::max(scale, std::abs(want[static_cast<size_t>(i)]));
+      d_batched = std::max(d_batched, std::abs(got[static_cast<size_t>(i)] - want[static_cast<size_t>(i)]));
+      d_step = std::max(d_step, std::abs(got[static_cast<size_t>(i)] - step[static_cast<size_t>(i)]));
+    }
+    // sgemm's rows depend on how many there are, so K and V differ in their
+    // last bits between chunkings; a cache at 2 bits turns such a difference
+    // into a whole quantisation step where a value sits on a code boundary.
+    const float tol = std::string(name) == "kvq-2.5" ? 10.0f : 1.0f;
+    EXPECT_LE(d_batched, tol * 1e-4f * scale);
+    EXPECT_LE(d_step, tol * 1e-3f * scale);  // another summation order in every projection
+    const int bad[1] = {ids[0]};
+    EXPECT_THROW(chunked.prefill(bad, T - 5), Error);  // not at the sequence's length
+    EXPECT_EQ(chunked.cache().tokens(), T);
+    // A new sequence starts at 0.
+    const auto l0 = chunked.prefill(prompt.first(10), 0);
+    EXPECT_EQ(chunked.cache().tokens(), 10);
+    EXPECT_EQ(l0.size(), static_cast<size_t>(V));
+  }
+}
+
 // --kv lists: row and grouped names and presets, "all" = every row scheme
 // then every preset, duplicates (a preset and its expansion) once.
 TEST(Model, CacheSchemeListsTakeGroupedNamesAndAllHasThePresets) {

@@ -69,6 +69,9 @@ struct GenerateOptions {
   double temperature = 0.0;
   uint64_t seed = 0;
   int steps = 256;
+  std::string tokens;  // --tokens: the prompt as a token-id file
+  int threads = 0;
+  int batch = 512;
 };
 void AddGenerateCommand(CLI::App& app, GenerateOptions& opts);
 int RunGenerate(const GenerateOptions& opts);

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <limits>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -25,6 +26,7 @@
 #include "model/transformer.h"
 #include "model/receipts.h"
 #include "nlohmann/json.hpp"
+#include "model/tokens.h"
 #include "session/generate.h"
 #include "src/base/names.h"
 #include "tools/commands.h"
@@ -339,6 +341,12 @@ void AddGenerateCommand(CLI::App& app, GenerateOptions& o) {
   c->add_option("--model", o.model, "llama2.c checkpoint");
   c->add_option("--tokenizer", o.tokenizer, "llama2.c tokenizer.bin");
   c->add_option("--prompt", o.prompt, "prompt text (default: empty, start from BOS)");
+  c->add_option("--tokens", o.tokens,
+                "the prompt as token ids instead of text (a .npy file or raw little-endian uint32, as `kvq eval "
+                "--tokens` reads; BOS only if the file has it); with a model whose tokenizer kvq does not read, "
+                "stdout is the prompt's and the generated token ids");
+  c->add_option("--threads", o.threads, "threads, 0..1024 (0: OpenMP default)")->check(CLI::Range(0, 1024));
+  c->add_option("--batch", o.batch, "prompt tokens per batched pass (sgemm; default 512)")->check(CLI::Range(1, 65536));
   c->add_option("--temperature", o.temperature, "0 = greedy (default)")->check(CLI::Range(0.0, 100.0));
   c->add_option("--seed", o.seed, "sampling seed");
   c->add_option("--steps", o.steps, "forward steps, prompt included (default 256, max seq_len)");
@@ -415,15 +423,24 @@ int RunGenerate(const GenerateOptions& o) {
   g.temperature = o.temperature;
   g.seed = o.seed;
   g.steps = o.steps;
+  g.threads = o.threads;
+  g.batch = o.batch;
+  if (!o.tokens.empty()) g.tokens = model::read_token_file(o.tokens, std::numeric_limits<int>::max());
   const session::GenerateReport r = session::generate(
       g, [](const std::string& piece) { std::fputs(piece.c_str(), stdout); },
       [](const std::string& line) { std::fprintf(stderr, "kvq generate: %s\n", line.c_str()); });
+  if (!r.has_text) {  // no tokenizer kvq reads: the ids
+    for (size_t i = 0; i < r.ids.size(); ++i) std::printf("%s%d", i ? " " : "", r.ids[i]);
+  }
   std::fputs("\n", stdout);
   std::fflush(stdout);
-  std::fprintf(stderr, "kvq generate: %d tokens (%d restored), kv %s (%.3f bits/element at %lld tokens, %llu bytes), "
-               "%.1f tok/s\n",
-               r.tokens, r.restored, r.kv.c_str(), r.bits, static_cast<long long>(r.cache_tokens),
-               static_cast<unsigned long long>(r.bytes), r.evaluated / r.seconds);
+  const int decoded = r.evaluated - r.prefilled;
+  std::fprintf(stderr, "kvq generate: %d tokens (%d restored, %d prefilled in %.3f s: %.1f tok/s), kv %s (%.3f "
+               "bits/element at %lld tokens, %llu bytes), %.1f tok/s\n",
+               r.tokens, r.restored, r.prefilled, r.prefill_seconds,
+               r.prefill_seconds > 0 ? r.prefilled / r.prefill_seconds : 0.0, r.kv.c_str(), r.bits,
+               static_cast<long long>(r.cache_tokens), static_cast<unsigned long long>(r.bytes),
+               r.seconds > r.prefill_seconds ? decoded / (r.seconds - r.prefill_seconds) : 0.0);
   return 0;
 }
 

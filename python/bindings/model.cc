@@ -61,9 +61,11 @@ void BindModel(py::module_& m) {
   m.def("generate", [](const std::string& model, const std::string& tokenizer, const std::string& prompt,
                        const std::string& kv, int steps, double temperature, uint64_t seed, const std::string& save_cache,
                        const std::string& load_cache, const std::optional<std::string>& prompt_cache, int chunk,
-                       double max_mb, int ttl, const std::string& secret, const py::object& on_text) {
+                       double max_mb, int ttl, const std::string& secret, const py::object& on_text,
+                       const std::vector<int>& tokens, int threads, int batch) {
     session::GenerateOptions o;
     o.model = model, o.tokenizer = tokenizer, o.prompt = prompt, o.kv = kv;
+    o.tokens = tokens, o.threads = threads, o.batch = batch;
     o.steps = steps, o.temperature = temperature, o.seed = seed;
     o.save_cache = save_cache, o.load_cache = load_cache;
     o.prompt_cache = prompt_cache, o.prompt_cache_chunk = chunk, o.prompt_cache_max_mb = max_mb;
@@ -84,6 +86,7 @@ void BindModel(py::module_& m) {
     d["tokens"] = r.tokens, d["restored"] = r.restored, d["evaluated"] = r.evaluated, d["seconds"] = r.seconds;
     d["kv"] = r.kv, d["bits"] = r.bits, d["bytes"] = r.bytes, d["cache_tokens"] = r.cache_tokens;
     d["stored_chunks"] = r.stored_chunks, d["stored_bytes"] = r.stored_bytes, d["status"] = status;
+    d["ids"] = r.ids, d["has_text"] = r.has_text, d["prefilled"] = r.prefilled, d["prefill_seconds"] = r.prefill_seconds;
     return d;
   });
 }

@@ -10,12 +10,13 @@ from ._util import _float, _int, _str
 
 def generate(model, prompt="", *, tokenizer=None, kv="", steps=256, temperature=0.0, seed=0, save_cache=None,
              load_cache=None, prompt_cache=None, prompt_cache_chunk=256, prompt_cache_max_mb=0.0,
-             prompt_cache_ttl=0, prompt_cache_secret=None, on_text=None):
+             prompt_cache_ttl=0, prompt_cache_secret=None, on_text=None, tokens=None, threads=0, batch=512):
     """Runs `kvq generate` in this process: the prompt, then sampled tokens, with the KV cache in scheme kv.
 
     generate(model, prompt="", *, tokenizer=None, kv="", steps=256, temperature=0.0, seed=0,
              save_cache=None, load_cache=None, prompt_cache=None, prompt_cache_chunk=256,
-             prompt_cache_max_mb=0.0, prompt_cache_ttl=0, prompt_cache_secret=None, on_text=None) -> dict
+             prompt_cache_max_mb=0.0, prompt_cache_ttl=0, prompt_cache_secret=None, on_text=None,
+             tokens=None, threads=0, batch=512) -> dict
 
     model: a llama2.c checkpoint (then tokenizer: its tokenizer.bin) or a GGUF (its own tokenizer).
     kv: a row scheme, a grouped scheme or a preset ("" = fp32, or the loaded cache's scheme).
@@ -23,9 +24,14 @@ def generate(model, prompt="", *, tokenizer=None, kv="", steps=256, temperature=
     fingerprint and the prompt's token digest. prompt_cache: a prefix store (a directory, redis://... or
     "memory:"), its chunk size, size cap (MiB), Redis TTL and HMAC secret (str or bytes).
     on_text(str): called with the text as it is known (the prompt's, then each sampled token's).
+    tokens: the prompt as token ids instead of text (a sequence of ints; BOS only if given); with a model
+    whose tokenizer kvq does not read, the result has ids only (has_text False).
+    threads: OpenMP and BLAS threads for the session (0: as the process has them); batch: prompt tokens
+    per batched pass (the prompt runs through sgemm and KvCache.prefill, then tokens one by one).
 
-    Returns {"text", "tokens", "restored", "evaluated", "seconds", "kv", "bits", "bytes", "cache_tokens",
-    "stored_chunks", "stored_bytes", "status"}: status holds the lines `kvq generate` prints on stderr
+    Returns {"text", "ids", "has_text", "tokens", "restored", "evaluated", "prefilled", "prefill_seconds",
+    "seconds", "kv", "bits", "bytes", "cache_tokens", "stored_chunks", "stored_bytes", "status"}: ids are the
+    prompt's token ids then the sampled ones; status holds the lines `kvq generate` prints on stderr
     (restored, saved, the prompt cache's reuse). Errors (kvq.Error, a ValueError) name the `kvq generate`
     option of the argument (--steps, --save-cache, ...).
     """
@@ -51,7 +57,9 @@ def generate(model, prompt="", *, tokenizer=None, kv="", steps=256, temperature=
                       "" if load_cache is None else path(load_cache, "load_cache"),
                       None if prompt_cache is None else _str(prompt_cache, "prompt_cache"),
                       _int(prompt_cache_chunk, "prompt_cache_chunk"), _float(prompt_cache_max_mb, "prompt_cache_max_mb"),
-                      _int(prompt_cache_ttl, "prompt_cache_ttl"), bytes(secret or b""), callback)
+                      _int(prompt_cache_ttl, "prompt_cache_ttl"), bytes(secret or b""), callback,
+                      [] if tokens is None else [_int(t, "tokens") for t in tokens], _int(threads, "threads"),
+                      _int(batch, "batch"))
     if callback is not None:
         tail = decoder.decode(b"", final=True)
         if tail:

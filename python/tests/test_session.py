@@ -1,6 +1,7 @@
 """kvq.generate (session/generate.h): the library half of `kvq generate`, called from Python."""
 import subprocess
 
+import numpy as np
 import pytest
 
 import kvq
@@ -42,6 +43,29 @@ def test_same_text_as_the_cli_and_a_saved_cache_restores(tmp_path):
     assert b["text"] == a["text"] and b["restored"] > 0 and b["evaluated"] == 96 - b["restored"]
     assert b["kv"] == a["kv"] and b["bytes"] == a["bytes"]
     assert any(s.startswith(f"restored {b['restored']} tokens") for s in b["status"])
+
+
+def test_a_prompt_as_token_ids_and_the_batched_prefill():
+    _need_data()
+    prompt = "Once upon a time, Lily"
+    a = kvq.generate(MODEL, prompt, tokenizer=TOKENIZER, steps=60)
+    ids = [1, 403, 407, 261, 378, 432, 317]  # BOS and the prompt in stories260K's tokenizer
+    assert a["ids"][:7] == ids and len(a["ids"]) > 7 and a["has_text"]
+    assert a["prefilled"] == 6 and a["evaluated"] == 60 and a["prefill_seconds"] >= 0
+    b = kvq.generate(MODEL, tokenizer=TOKENIZER, tokens=np.array(ids, dtype=np.int64), steps=60)
+    assert b["text"] == a["text"] and b["ids"] == a["ids"]
+    c = kvq.generate(MODEL, tokenizer=TOKENIZER, tokens=ids, steps=60, threads=2, batch=2)
+    assert c["ids"][:7] == ids and c["text"].startswith(prompt) and c["prefilled"] == 6
+    with pytest.raises(kvq.Error, match="--tokens: not with --prompt"):
+        kvq.generate(MODEL, "x", tokenizer=TOKENIZER, tokens=ids)
+    with pytest.raises(kvq.Error, match="id 512 at position 1 is outside the vocabulary"):
+        kvq.generate(MODEL, tokenizer=TOKENIZER, tokens=[1, 512])
+    with pytest.raises(kvq.Error, match="--threads"):
+        kvq.generate(MODEL, tokenizer=TOKENIZER, tokens=ids, threads=-1)
+    with pytest.raises(kvq.Error, match="--batch"):
+        kvq.generate(MODEL, tokenizer=TOKENIZER, tokens=ids, batch=0)
+    with pytest.raises(kvq.Error, match="tokens"):
+        kvq.generate(MODEL, tokenizer=TOKENIZER, tokens="abc")
 
 
 def test_a_prompt_cache_in_memory_and_bad_arguments(tmp_path):
