@@ -140,7 +140,15 @@ GenerateReport generate(const GenerateOptions& o, const std::function<void(const
     KVQ_CHECK_ARG(schemes.size() == 1, "--kv: expected one scheme, got '", o.kv, "'");
     model::CacheScheme scheme = schemes.front();
     if (scheme.info().needs_ranges) {  // ranges: never the prompt
-      scheme.ranges = std::make_shared<const StaticRanges>(model::calibrate_static_ranges(ckpt));
+      // Sequences of max(steps, 512) tokens, at most the model's context (as
+      // kvq eval: a long-context model's full length would take hours).
+      model::CalibrationOptions co;
+      co.length = std::min(cfg.seq_len, std::max(o.steps, 512));
+      co.batched = o.calib_batched;
+      const auto t_cal = Clock::now();
+      scheme.ranges = std::make_shared<const StaticRanges>(model::calibrate_static_ranges(ckpt, co));
+      status(Format("calibrated %s's ranges on %d sequences of %d tokens the model generated%s in %.1f s",
+                    o.kv.c_str(), co.sequences, co.length, co.batched ? " side by side" : "", Since(t_cal)));
     }
     tf.emplace(ckpt, scheme, o.steps);
   }

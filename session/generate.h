@@ -42,6 +42,7 @@ struct GenerateOptions {
   int steps = 256;                 // forward steps, prompt included (<= the model's seq_len)
   int threads = 0;                 // OpenMP and BLAS threads for the session (0: as the process has them)
   int batch = 512;                 // prompt tokens per batched pass (sgemm + KvCache::prefill)
+  bool calib_batched = false;      // calibrated schemes: the sequences side by side (model/calibrate.h)
 };
 
 struct GenerateReport {

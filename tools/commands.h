@@ -72,6 +72,7 @@ struct GenerateOptions {
   std::string tokens;  // --tokens: the prompt as a token-id file
   int threads = 0;
   int batch = 512;
+  bool calib_batched = false;
 };
 void AddGenerateCommand(CLI::App& app, GenerateOptions& opts);
 int RunGenerate(const GenerateOptions& opts);

@@ -347,6 +347,9 @@ void AddGenerateCommand(CLI::App& app, GenerateOptions& o) {
                 "stdout is the prompt's and the generated token ids");
   c->add_option("--threads", o.threads, "threads, 0..1024 (0: OpenMP default)")->check(CLI::Range(0, 1024));
   c->add_option("--batch", o.batch, "prompt tokens per batched pass (sgemm; default 512)")->check(CLI::Range(1, 65536));
+  c->add_flag("--calib-batched", o.calib_batched,
+              "calibrated schemes: generate the calibration sequences side by side (one sgemm per step: faster on "
+              "large models, other samples)");
   c->add_option("--temperature", o.temperature, "0 = greedy (default)")->check(CLI::Range(0.0, 100.0));
   c->add_option("--seed", o.seed, "sampling seed");
   c->add_option("--steps", o.steps, "forward steps, prompt included (default 256, max seq_len)");
@@ -425,6 +428,7 @@ int RunGenerate(const GenerateOptions& o) {
   g.steps = o.steps;
   g.threads = o.threads;
   g.batch = o.batch;
+  g.calib_batched = o.calib_batched;
   if (!o.tokens.empty()) g.tokens = model::read_token_file(o.tokens, std::numeric_limits<int>::max());
   const session::GenerateReport r = session::generate(
       g, [](const std::string& piece) { std::fputs(piece.c_str(), stdout); },
