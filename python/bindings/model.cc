@@ -62,10 +62,10 @@ void BindModel(py::module_& m) {
                        const std::string& kv, int steps, double temperature, uint64_t seed, const std::string& save_cache,
                        const std::string& load_cache, const std::optional<std::string>& prompt_cache, int chunk,
                        double max_mb, int ttl, const std::string& secret, const py::object& on_text,
-                       const std::vector<int>& tokens, int threads, int batch) {
+                       const std::vector<int>& tokens, int threads, int batch, bool calib_batched) {
     session::GenerateOptions o;
     o.model = model, o.tokenizer = tokenizer, o.prompt = prompt, o.kv = kv;
-    o.tokens = tokens, o.threads = threads, o.batch = batch;
+    o.tokens = tokens, o.threads = threads, o.batch = batch, o.calib_batched = calib_batched;
     o.steps = steps, o.temperature = temperature, o.seed = seed;
     o.save_cache = save_cache, o.load_cache = load_cache;
     o.prompt_cache = prompt_cache, o.prompt_cache_chunk = chunk, o.prompt_cache_max_mb = max_mb;

@@ -10,13 +10,14 @@ from ._util import _float, _int, _str
 
 def generate(model, prompt="", *, tokenizer=None, kv="", steps=256, temperature=0.0, seed=0, save_cache=None,
              load_cache=None, prompt_cache=None, prompt_cache_chunk=256, prompt_cache_max_mb=0.0,
-             prompt_cache_ttl=0, prompt_cache_secret=None, on_text=None, tokens=None, threads=0, batch=512):
+             prompt_cache_ttl=0, prompt_cache_secret=None, on_text=None, tokens=None, threads=0, batch=512,
+             calib_batched=False):
     """Runs `kvq generate` in this process: the prompt, then sampled tokens, with the KV cache in scheme kv.
 
     generate(model, prompt="", *, tokenizer=None, kv="", steps=256, temperature=0.0, seed=0,
              save_cache=None, load_cache=None, prompt_cache=None, prompt_cache_chunk=256,
              prompt_cache_max_mb=0.0, prompt_cache_ttl=0, prompt_cache_secret=None, on_text=None,
-             tokens=None, threads=0, batch=512) -> dict
+             tokens=None, threads=0, batch=512, calib_batched=False) -> dict
 
     model: a llama2.c checkpoint (then tokenizer: its tokenizer.bin) or a GGUF (its own tokenizer).
     kv: a row scheme, a grouped scheme or a preset ("" = fp32, or the loaded cache's scheme).
@@ -28,6 +29,8 @@ def generate(model, prompt="", *, tokenizer=None, kv="", steps=256, temperature=
     whose tokenizer kvq does not read, the result has ids only (has_text False).
     threads: OpenMP and BLAS threads for the session (0: as the process has them); batch: prompt tokens
     per batched pass (the prompt runs through sgemm and KvCache.prefill, then tokens one by one).
+    calib_batched: calibrated schemes generate their calibration sequences side by side (faster on large
+    models, other samples; `kvq generate --calib-batched`).
 
     Returns {"text", "ids", "has_text", "tokens", "restored", "evaluated", "prefilled", "prefill_seconds",
     "seconds", "kv", "bits", "bytes", "cache_tokens", "stored_chunks", "stored_bytes", "status"}: ids are the
@@ -59,7 +62,7 @@ def generate(model, prompt="", *, tokenizer=None, kv="", steps=256, temperature=
                       _int(prompt_cache_chunk, "prompt_cache_chunk"), _float(prompt_cache_max_mb, "prompt_cache_max_mb"),
                       _int(prompt_cache_ttl, "prompt_cache_ttl"), bytes(secret or b""), callback,
                       [] if tokens is None else [_int(t, "tokens") for t in tokens], _int(threads, "threads"),
-                      _int(batch, "batch"))
+                      _int(batch, "batch"), bool(calib_batched))
     if callback is not None:
         tail = decoder.decode(b"", final=True)
         if tail:

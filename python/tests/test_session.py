@@ -56,6 +56,8 @@ def test_a_prompt_as_token_ids_and_the_batched_prefill():
     assert b["text"] == a["text"] and b["ids"] == a["ids"]
     c = kvq.generate(MODEL, tokenizer=TOKENIZER, tokens=ids, steps=60, threads=2, batch=2)
     assert c["ids"][:7] == ids and c["text"].startswith(prompt) and c["prefilled"] == 6
+    d = kvq.generate(MODEL, tokenizer=TOKENIZER, tokens=ids, steps=40, kv="kvq-4.5", calib_batched=True)
+    assert any("side by side" in line for line in d["status"]) and d["ids"][:7] == ids
     with pytest.raises(kvq.Error, match="--tokens: not with --prompt"):
         kvq.generate(MODEL, "x", tokenizer=TOKENIZER, tokens=ids)
     with pytest.raises(kvq.Error, match="id 512 at position 1 is outside the vocabulary"):
