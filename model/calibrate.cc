@@ -12,6 +12,8 @@
 
 namespace kvq::model {
 
+int default_calibration_length(const Config& cfg, int tokens) { return std::min(cfg.seq_len, std::max(tokens, 512)); }
+
 void check_calibration_options(const Config& cfg, const CalibrationOptions& o) {
   const int len = o.length > 0 ? o.length : cfg.seq_len;
   KVQ_CHECK_ARG(o.sequences >= 1 && o.sequences <= 100000, "calibration sequences: expected 1..100000, got ",

@@ -27,6 +27,12 @@ struct CalibrationOptions {
   bool batched = false;
 };
 
+// The calibration length when none is asked (CalibrationOptions::length 0
+// at a caller that knows how far it will read): max(tokens, 512), at most the
+// model's context (a long-context model's full length would be hours of
+// generation). kvq eval passes its ctx, kvq generate its steps.
+int default_calibration_length(const Config& cfg, int tokens);
+
 // Throws kvq::Error naming the option unless `o` is valid for a model of
 // `cfg` (what calibrate_static_ranges checks before it generates anything).
 void check_calibration_options(const Config& cfg, const CalibrationOptions& o);

@@ -447,10 +447,8 @@ EvalReport run_eval(const EvalOptions& o) {
   for (CacheScheme s : o.schemes) {
     if (s.info().needs_ranges && !s.ranges) {
       if (!ranges) {
-        // Sequences of max(ctx, 512) tokens, at most the model's context (a
-        // long-context model's full length would be a night's generation).
         CalibrationOptions c = o.calibration;
-        if (c.length == 0) c.length = std::min(cfg.seq_len, std::max(ctx, 512));
+        if (c.length == 0) c.length = default_calibration_length(cfg, ctx);
         const auto t_cal = std::chrono::steady_clock::now();
         check_calibration_options(cfg, c);  // a bad option is one error line, before any message
         if (o.progress) {

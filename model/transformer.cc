@@ -375,6 +375,7 @@ std::span<const float> Transformer::Run(std::span<const Row> rows, Pass pass, bo
 }
 
 void set_blas_threads(int n) { openblas_set_num_threads(n); }
+int blas_threads() { return openblas_get_num_threads(); }
 
 double measure_gemm_gflops(int T, int n, int d, int threads, double seconds) {
   KVQ_CHECK_ARG(T >= 1 && n >= 1 && d >= 1 && threads >= 1, "gemm: bad shape");

@@ -143,6 +143,7 @@ class Transformer {
 // The BLAS's threads for its own calls (the forward pass runs windows on
 // OpenMP threads and each sgemm on the caller's).
 void set_blas_threads(int n);
+int blas_threads();
 // The BLAS's sgemm rate, GFLOP/s: `threads` threads each multiplying (T x n)
 // by (n x d)^T, as the forward pass does, for about `seconds`.
 double measure_gemm_gflops(int T, int n, int d, int threads, double seconds);

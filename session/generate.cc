@@ -45,17 +45,17 @@ double Since(Clock::time_point t0) { return std::chrono::duration<double>(Clock:
 // given back after (a library call leaves the process as it found it).
 class ThreadsFor {
  public:
-  explicit ThreadsFor(int n) : omp_(omp_get_max_threads()), set_(n > 0) {
+  explicit ThreadsFor(int n) : omp_(omp_get_max_threads()), blas_(model::blas_threads()), set_(n > 0) {
     if (set_) omp_set_num_threads(n), model::set_blas_threads(n);
   }
   ~ThreadsFor() {
-    if (set_) omp_set_num_threads(omp_), model::set_blas_threads(omp_);
+    if (set_) omp_set_num_threads(omp_), model::set_blas_threads(blas_);
   }
   ThreadsFor(const ThreadsFor&) = delete;
   ThreadsFor& operator=(const ThreadsFor&) = delete;
 
  private:
-  int omp_;
+  int omp_, blas_;
   bool set_;
 };
 
@@ -140,10 +140,8 @@ GenerateReport generate(const GenerateOptions& o, const std::function<void(const
     KVQ_CHECK_ARG(schemes.size() == 1, "--kv: expected one scheme, got '", o.kv, "'");
     model::CacheScheme scheme = schemes.front();
     if (scheme.info().needs_ranges) {  // ranges: never the prompt
-      // Sequences of max(steps, 512) tokens, at most the model's context (as
-      // kvq eval: a long-context model's full length would take hours).
       model::CalibrationOptions co;
-      co.length = std::min(cfg.seq_len, std::max(o.steps, 512));
+      co.length = model::default_calibration_length(cfg, o.steps);
       co.batched = o.calib_batched;
       const auto t_cal = Clock::now();
       scheme.ranges = std::make_shared<const StaticRanges>(model::calibrate_static_ranges(ckpt, co));
@@ -152,7 +150,6 @@ GenerateReport generate(const GenerateOptions& o, const std::function<void(const
     }
     tf.emplace(ckpt, scheme, o.steps);
   }
-  if (o.threads > 0) tf->set_attention_threads(o.threads);
   // The prefix store: the longest stored run of full chunks of the prompt
   // but its last token (whose forward pass gives the first logits).
   store::LookupReport lookup;
@@ -160,10 +157,10 @@ GenerateReport generate(const GenerateOptions& o, const std::function<void(const
     KvCache c = tf->cache().Copy();
     if (pstore->longest_prefix(prompt, c, P - 1, &lookup) > 0) {
       tf.emplace(ckpt, std::move(c));
-      if (o.threads > 0) tf->set_attention_threads(o.threads);
       start = static_cast<int>(lookup.tokens);
     }
   }
+  if (o.threads > 0) tf->set_attention_threads(o.threads);
   GenerateReport r;
   r.restored = start;
   r.has_text = tok_ptr != nullptr;

@@ -2,7 +2,7 @@
 // fp8_rows.cc). With F16C, E4M3 codes are widened to halves worth 2^-8 of
 // their value (E5M2 codes are the top byte of a half); the 2^8 is folded
 // into the row scale (kFold). Elsewhere (SSE4, ARM, SCALAR) a code's bits are
-// moved under a float's and rebiased (Fp8Rebias). Both are exact for every
+// moved under a float's and rebiased (RebiasMinifloat). Both are exact for every
 // finite code (the scalar decoder is the reference; the codecs write no NaN).
 
 // Per-target include guard (Highway idiom).
@@ -20,24 +20,6 @@ HWY_BEFORE_NAMESPACE();
 namespace kvq {
 namespace HWY_NAMESPACE {
 
-// Finite fp8 codes c (0..255 in 32-bit lanes) of kMant mantissa bits and
-// exponent bias kBias: the exponent and mantissa bits placed under a float's
-// and the result scaled by 2^(127 - kBias) (exact: subnormal codes become
-// float subnormals, scaled into normals). Seven integer and float operations
-// where DecodeFp8 also selects subnormals, infinities and NaNs.
-template <int kMant, int kBias, class D>
-HWY_INLINE hn::Vec<D> Fp8Rebias(D d, hn::Vec<hn::RebindToSigned<D>> c) {
-  const hn::RebindToSigned<D> di;
-  const auto mag = hn::BitCast(d, hn::ShiftLeft<23 - kMant>(hn::And(c, hn::Set(di, 0x7F))));
-  constexpr float kRebias = [] {
-    float r = 1.0f;
-    for (int i = 0; i < 127 - kBias; ++i) r *= 2.0f;
-    return r;
-  }();
-  const auto scaled = hn::Mul(mag, hn::Set(d, kRebias));
-  return hn::Or(scaled, hn::BitCast(d, hn::ShiftLeft<24>(hn::And(c, hn::Set(di, 0x80)))));
-}
-
 struct Fp8E4M3Kernel : RowKernelBase {
   static constexpr KvScheme kId = KvScheme::Fp8E4M3;
   static constexpr float kFold = kF16C ? 256.0f : 1.0f;
@@ -52,7 +34,7 @@ struct Fp8E4M3Kernel : RowKernelBase {
                                      hn::ShiftLeft<8>(hn::And(b, hn::Set(du16, 0x80)))));
     }
     const hn::RebindToSigned<D> di;
-    return Fp8Rebias<3, 7>(d, hn::BitCast(di, hn::PromoteTo(hn::RebindToUnsigned<D>(), hn::LoadU(du8, row + x))));
+    return RebiasMinifloat<8, 3, 7>(d, hn::BitCast(di, hn::PromoteTo(hn::RebindToUnsigned<D>(), hn::LoadU(du8, row + x))));
   }
 };
 
@@ -72,7 +54,7 @@ struct Fp8E5M2Kernel : RowKernelBase {
       return HalvesToFloat(d, hn::ShiftLeft<8>(hn::PromoteTo(du16, hn::LoadU(du8, row + x))));
     }
     const hn::RebindToSigned<D> di;
-    return Fp8Rebias<2, 15>(d, hn::BitCast(di, hn::PromoteTo(hn::RebindToUnsigned<D>(), hn::LoadU(du8, row + x))));
+    return RebiasMinifloat<8, 2, 15>(d, hn::BitCast(di, hn::PromoteTo(hn::RebindToUnsigned<D>(), hn::LoadU(du8, row + x))));
   }
 };
 

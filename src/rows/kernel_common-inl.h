@@ -27,10 +27,30 @@ constexpr bool kF16C = true;  // hardware half <-> float (vcvtph2ps)
 constexpr bool kF16C = false;
 #endif
 
+// Finite codes c (in 32-bit lanes) of a kBits-bit float format with kMant
+// mantissa bits and exponent bias kBias (fp16: 16, 10, 15; fp8 E4M3: 8, 3,
+// 7; E5M2: 8, 2, 15): the exponent and mantissa bits placed under a float's,
+// scaled by 2^(127 - kBias), and the sign moved to bit 31. Exact for every
+// finite code: subnormal codes become float subnormals, scaled into normals.
+// Seven operations where a full decoder also selects infinities and NaNs.
+template <int kBits, int kMant, int kBias, class D>
+HWY_INLINE hn::Vec<D> RebiasMinifloat(D d, hn::Vec<hn::RebindToSigned<D>> c) {
+  const hn::RebindToSigned<D> di;
+  constexpr int32_t kSign = 1 << (kBits - 1);
+  constexpr float kRebias = [] {
+    float r = 1.0f;
+    for (int i = 0; i < 127 - kBias; ++i) r *= 2.0f;
+    return r;
+  }();
+  const auto mag = hn::BitCast(d, hn::ShiftLeft<23 - kMant>(hn::And(c, hn::Set(di, kSign - 1))));
+  const auto scaled = hn::Mul(mag, hn::Set(d, kRebias));
+  return hn::Or(scaled, hn::BitCast(d, hn::ShiftLeft<32 - kBits>(hn::And(c, hn::Set(di, kSign)))));
+}
+
 // Halves (their bits in 16-bit lanes) to float: one conversion instruction
 // with F16C (x86 from AVX2) and on ARM (NEON fcvtl, SVE fcvt); elsewhere
-// (SSE4, SSSE3, EMU128, SCALAR) the bits moved into place and rebiased by
-// 2^112, exact for every finite half (block scales and fp16 rows are).
+// (SSE4, SSSE3, EMU128, SCALAR) RebiasMinifloat, exact for every finite
+// half (block scales and fp16 rows are).
 template <class D>
 HWY_INLINE hn::Vec<D> HalvesToFloat(D d, hn::Vec<hn::Rebind<uint16_t, D>> h16) {
 #if (HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2) || HWY_ARCH_ARM
@@ -38,9 +58,7 @@ HWY_INLINE hn::Vec<D> HalvesToFloat(D d, hn::Vec<hn::Rebind<uint16_t, D>> h16) {
   return hn::PromoteTo(d, hn::BitCast(dh, h16));
 #else
   const hn::RebindToSigned<D> di;
-  const auto h = hn::BitCast(di, hn::PromoteTo(hn::RebindToUnsigned<D>(), h16));
-  const auto mag = hn::Mul(hn::BitCast(d, hn::ShiftLeft<13>(hn::And(h, hn::Set(di, 0x7FFF)))), hn::Set(d, 0x1p112f));
-  return hn::Or(mag, hn::BitCast(d, hn::ShiftLeft<16>(hn::And(h, hn::Set(di, 0x8000)))));
+  return RebiasMinifloat<16, 10, 15>(d, hn::BitCast(di, hn::PromoteTo(hn::RebindToUnsigned<D>(), h16)));
 #endif
 }
 
