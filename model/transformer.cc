@@ -222,9 +222,29 @@ std::span<const float> Transformer::forward_batched(std::span<const int> tokens)
 }
 
 std::span<const float> Transformer::prefill(std::span<const int> tokens, int pos0) {
-  KVQ_CHECK_ARG(pos0 == 0 || pos0 == tokens_, "pos0: expected 0 (a new sequence) or the sequence's length ", tokens_,
-                ", got ", pos0);
-  return run(tokens, pos0, Pass::kBlas, /*last_logits=*/true);
+  return prefill_into(*this, tokens, pos0);
+}
+
+std::span<const float> Transformer::prefill_into(Transformer& seq, std::span<const int> tokens, int pos0) {
+  KVQ_CHECK_ARG(&seq.w_ == &w_, "seq: expected a sequence of this checkpoint");
+  KVQ_CHECK_ARG(pos0 == 0 || pos0 == seq.tokens_, "pos0: expected 0 (a new sequence) or the sequence's length ",
+                seq.tokens_, ", got ", pos0);
+  return run(tokens, pos0, Pass::kBlas, /*last_logits=*/true, &seq);
+}
+
+std::span<const float> Transformer::forward_rows(std::span<const SeqToken> rows) {
+  KVQ_CHECK_ARG(!rows.empty(), "rows: expected at least one");
+  std::vector<Row> rs(rows.size());
+  for (size_t b = 0; b < rows.size(); ++b) {
+    Transformer* s = rows[b].seq;
+    KVQ_CHECK_ARG(s != nullptr && &s->w_ == &w_, "rows: expected sequences of this checkpoint");
+    KVQ_CHECK_ARG(s->policy_.window == 0, "rows: forward_rows runs without a window");
+    KVQ_CHECK_ARG(rows[b].pos == s->tokens_ && rows[b].pos < s->max_seq_, "rows: sequence ", b, " is at length ",
+                  s->tokens_, " of at most ", s->max_seq_, ", got position ", rows[b].pos);
+    for (size_t c = 0; c < b; ++c) KVQ_CHECK_ARG(rows[c].seq != s, "rows: sequence ", b, " appears twice");
+    rs[b] = {s, rows[b].token, rows[b].pos};
+  }
+  return Run(rs, rs.size() == 1 ? Pass::kToken : Pass::kBlas);
 }
 
 void Transformer::set_attention_threads(int n) {
@@ -232,13 +252,15 @@ void Transformer::set_attention_threads(int n) {
   attention_threads_ = n;
 }
 
-std::span<const float> Transformer::run(std::span<const int> tokens, int pos0, Pass pass, bool last_logits) {
+std::span<const float> Transformer::run(std::span<const int> tokens, int pos0, Pass pass, bool last_logits,
+                                        Transformer* seq) {
+  if (seq == nullptr) seq = this;
   const int T = static_cast<int>(tokens.size());
   KVQ_CHECK_ARG(T > 0, "tokens: expected at least one token");
-  KVQ_CHECK_ARG(pos0 >= 0 && pos0 + T <= max_seq_, "pos: positions ", pos0, "..", pos0 + T - 1,
-                " exceed the cache size ", max_seq_);
+  KVQ_CHECK_ARG(pos0 >= 0 && pos0 + T <= seq->max_seq_, "pos: positions ", pos0, "..", pos0 + T - 1,
+                " exceed the cache size ", seq->max_seq_);
   std::vector<Row> rows(static_cast<size_t>(T));
-  for (int t = 0; t < T; ++t) rows[static_cast<size_t>(t)] = {this, tokens[static_cast<size_t>(t)], pos0 + t};
+  for (int t = 0; t < T; ++t) rows[static_cast<size_t>(t)] = {seq, tokens[static_cast<size_t>(t)], pos0 + t};
   return Run(rows, pass, last_logits);
 }
 
@@ -258,16 +280,18 @@ std::span<const float> Transformer::forward_many(std::span<Transformer* const> s
   return seqs[0]->Run(rows, Pass::kBlas);
 }
 
-// Rows of one pass: each a token at a position of a sequence (this one, or
-// with forward_many several, one row each). This object's buffers hold the
-// activations; each row's K/V go to its own sequence's cache.
+// Rows of one pass: each a token at a position of a sequence (one sequence's
+// run of positions, or with forward_many and forward_rows several, one row
+// each). This object's buffers hold the activations; each row's K/V go to
+// its own sequence's cache.
 std::span<const float> Transformer::Run(std::span<const Row> rows, Pass pass, bool last_logits) {
   const int T = static_cast<int>(rows.size());
   for (const Row& r : rows) {
     KVQ_CHECK_ARG(r.token >= 0 && r.token < cfg_.vocab_size, "token: expected 0..", cfg_.vocab_size - 1, ", got ",
                   r.token);
   }
-  const bool single = std::all_of(rows.begin(), rows.end(), [this](const Row& r) { return r.seq == this; });
+  Transformer& one = *rows.front().seq;  // with `single`, the sequence every row is of
+  const bool single = std::all_of(rows.begin(), rows.end(), [&one](const Row& r) { return r.seq == &one; });
   const int pos0 = rows.front().pos;
   for (const Row& r : rows) {
     if (single && &r != &rows.front()) break;  // once per sequence: the length it reaches, a new sequence's banks
@@ -296,7 +320,7 @@ std::span<const float> Transformer::Run(std::span<const Row> rows, Pass pass, bo
   // at any length: rows; no window); a streaming (grouped) cache, whose bytes
   // are counted at each length as it grows, and windows keep the per-token
   // loop below.
-  const bool prefill = single && pass == Pass::kBlas && policy_.window == 0 && cache_.any_length();
+  const bool prefill = single && pass == Pass::kBlas && one.policy_.window == 0 && one.cache_.any_length();
   auto mm = [&](float* out, const float* in, const float* w, int n, int d) {
     if (pass == Pass::kBlas) {
       Gemm(out, in, w, T, n, d);
@@ -334,8 +358,8 @@ std::span<const float> Transformer::Run(std::span<const Row> rows, Pass pass, bo
     }
     if (prefill) {
       DecodeAttentionOptions o;
-      o.threads = attention_threads_;
-      cache_.prefill(l, pos0, {k_.data(), uT * ukv}, {v_.data(), uT * ukv}, {q_.data(), uT * udim}, cfg_.n_heads,
+      o.threads = one.attention_threads_;
+      one.cache_.prefill(l, pos0, {k_.data(), uT * ukv}, {v_.data(), uT * ukv}, {q_.data(), uT * udim}, cfg_.n_heads,
                      {xb_.data(), uT * udim}, o);
     }
     // Each token's K and V go into the cache right before its query
@@ -362,7 +386,7 @@ std::span<const float> Transformer::Run(std::span<const Row> rows, Pass pass, bo
     for (size_t i = 0; i < uT * udim; ++i) x_[i] += xb_[i];
   }
   if (prefill) {
-    for (int t = 0; t < T; ++t) bytes_at_[static_cast<size_t>(pos0 + t)] = cache_.bytes(pos0 + t + 1);
+    for (int t = 0; t < T; ++t) one.bytes_at_[static_cast<size_t>(pos0 + t)] = one.cache_.bytes(pos0 + t + 1);
   }
   if (last_logits) {  // a prompt's prefill: only its last token's logits
     RmsNorm(xb_.data(), row(x_, T - 1, dim), w_.rms_final, dim, eps);

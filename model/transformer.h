@@ -82,6 +82,24 @@ class Transformer {
   // the cache and only the last token's logits are computed (vocab values,
   // valid until the next call).
   std::span<const float> prefill(std::span<const int> tokens, int pos0);
+  // prefill() of another sequence `seq` (a Transformer of this checkpoint)
+  // on this object's activation buffers: a server keeps one set of buffers
+  // for its passes and only a cache (and its RoPE table) per sequence.
+  std::span<const float> prefill_into(Transformer& seq, std::span<const int> tokens, int pos0);
+  // One decoding step of several sequences at their own lengths, on this
+  // object's buffers: rows[b].seq (a Transformer of this checkpoint without
+  // a window, each at most once) takes rows[b].token at position
+  // rows[b].pos, its length. Several rows run every projection as one sgemm
+  // (the weights read once for all of them); one row is forward()'s pass,
+  // bit for bit. Returns rows.size() x vocab logits (valid until this
+  // object's next call).
+  struct SeqToken {
+    Transformer* seq;
+    int token, pos;
+  };
+  std::span<const float> forward_rows(std::span<const SeqToken> rows);
+  // Tokens of the current sequence (its next position).
+  int length() const { return tokens_; }
   // Threads of each attention call (default 1: the callers that run
   // sequences on threads of their own, as `kvq eval` does, keep it).
   void set_attention_threads(int n);
@@ -117,7 +135,8 @@ class Transformer {
     Transformer* seq;
     int token, pos;
   };
-  std::span<const float> run(std::span<const int> tokens, int pos0, Pass pass, bool last_logits = false);
+  std::span<const float> run(std::span<const int> tokens, int pos0, Pass pass, bool last_logits = false,
+                             Transformer* seq = nullptr);
   std::span<const float> Run(std::span<const Row> rows, Pass pass, bool last_logits = false);
   void attention(int layer, int pos, const float* q, float* out);
   void BankChunk(int layer, int t0, int t1);

@@ -9,7 +9,7 @@ PKGS=(
   libcli11-dev nlohmann-json3-dev libeigen3-dev libopenblas-dev
   pybind11-dev python3-dev python3-numpy python3-pytest
   libomp-dev libssl-dev
-  redis-server libhiredis-dev
+  redis-server libhiredis-dev libcpp-httplib-dev
   python3-matplotlib librsvg2-bin
 )
 # torch is optional for users but CI runs the torch tests: install it when asked.

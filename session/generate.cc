@@ -59,13 +59,6 @@ class ThreadsFor {
   bool set_;
 };
 
-// The first chunk end of `plan` past T (the prefix store stores a chunk when
-// the cache's length is its end).
-int64_t NextChunkEnd(const store::ChunkPlan& plan, int64_t T) {
-  if (T < plan.end(0)) return plan.end(0);
-  return plan.offset + ((T - plan.offset) / plan.tokens + 1) * plan.tokens;
-}
-
 }  // namespace
 
 GenerateReport generate(const GenerateOptions& o, const std::function<void(const std::string&)>& on_text,
@@ -207,7 +200,7 @@ GenerateReport generate(const GenerateOptions& o, const std::function<void(const
   int pos = start;
   while (pos < P - 1) {
     int stop = std::min(P - 1, pos + o.batch);
-    if (pstore) stop = static_cast<int>(std::min<int64_t>(stop, NextChunkEnd(pstore->plan(tf->cache()), pos)));
+    if (pstore) stop = static_cast<int>(std::min<int64_t>(stop, pstore->plan(tf->cache()).next_end(pos)));
     tf->prefill(std::span(prompt).subspan(static_cast<size_t>(pos), static_cast<size_t>(stop - pos)), pos);
     r.evaluated += stop - pos;
     r.prefilled += stop - pos;

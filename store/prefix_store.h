@@ -129,6 +129,8 @@ struct ChunkPlan {
   int64_t end(int64_t i) const { return offset + (i + 1) * tokens; }
   int64_t begin(int64_t i) const { return i == 0 ? 0 : end(i - 1); }
   bool is_end(int64_t T) const { return T >= end(0) && (T - offset) % tokens == 0; }
+  // The first chunk end past T (where a prefill pass should stop to store).
+  int64_t next_end(int64_t T) const { return T < end(0) ? end(0) : offset + ((T - offset) / tokens + 1) * tokens; }
 };
 ChunkPlan chunk_plan(const KvCache& cache, int requested);
 

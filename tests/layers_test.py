@@ -14,6 +14,7 @@ their implementation, then the layers above the library):
   6 cache    the one KvCache (kvq/kv_cache.h)
   7 model, store (beside each other)
   8 session  kvq generate's library half (restore, prompt cache, saved caches, sampling)
+  8 serve    kvq serve's engine (continuous batching, KV budget) and HTTP (beside session)
   9 tools, python (bench, tests and fuzz are not checked: they may reach any layer)
 Run from anywhere: python3 tests/layers_test.py
 """
@@ -34,7 +35,7 @@ PUBLIC = {
     "kv_cache": "cache",
 }
 RANK = {"base": 0, "io": 1, "attn": 2, "profile": 3, "calib": 3, "rows": 4, "groups": 5, "cache": 6,
-        "model": 7, "store": 7, "session": 8, "tools": 9, "python": 9}
+        "model": 7, "store": 7, "session": 8, "serve": 8, "tools": 9, "python": 9}
 
 
 def layer_of(path: str):
@@ -46,7 +47,7 @@ def layer_of(path: str):
         return PUBLIC.get(p[1][:-2])
     if p[0] == "include" and len(p) == 3:
         return PUBLIC.get(p[2][:-2])
-    if p[0] in ("model", "store", "session", "tools", "python"):
+    if p[0] in ("model", "store", "session", "serve", "tools", "python"):
         return p[0]
     return None
 

@@ -56,16 +56,23 @@ struct ReceiptsCliOptions : ModelTextOptions {
 void AddReceiptsCommand(CLI::App& app, ReceiptsCliOptions& opts);
 int RunReceipts(const ReceiptsCliOptions& opts);
 
-struct GenerateOptions {
-  std::string model, tokenizer, prompt;
-  std::string kv;  // empty: fp32, or the loaded cache's scheme
-  std::string save_cache, load_cache;
+// The prefix store's options (kvq generate, kvq serve).
+struct PromptCacheCliOptions {
   // --prompt-cache: a directory, redis://... or memory: ("" with the flag: the default directory)
   std::optional<std::string> prompt_cache;
   int prompt_cache_chunk = 256;
   double prompt_cache_max_mb = 0;
   int prompt_cache_ttl = 0;
   std::string prompt_cache_key_file;  // the store's HMAC secret (else KVQ_PREFIX_STORE_KEY)
+};
+void AddPromptCacheOptions(CLI::App* c, PromptCacheCliOptions& o);
+// The store's secret: --prompt-cache-key-file's bytes, else KVQ_PREFIX_STORE_KEY, else none.
+std::string StoreSecret(const std::string& key_file);
+
+struct GenerateOptions : PromptCacheCliOptions {
+  std::string model, tokenizer, prompt;
+  std::string kv;  // empty: fp32, or the loaded cache's scheme
+  std::string save_cache, load_cache;
   double temperature = 0.0;
   uint64_t seed = 0;
   int steps = 256;
@@ -77,7 +84,22 @@ struct GenerateOptions {
 void AddGenerateCommand(CLI::App& app, GenerateOptions& opts);
 int RunGenerate(const GenerateOptions& opts);
 
-// $KVQ_SHARED, default ../shared.
+struct ServeCliOptions : PromptCacheCliOptions {
+  std::string model, tokenizer;
+  std::string kv = "fp16";
+  double kv_budget_mb = 1024;
+  int max_seqs = 16, max_queue = 64, step_tokens = 256, threads = 0;
+  bool calib_batched = false;
+  std::string host = "127.0.0.1";
+  int port = 8080, max_body_kb = 1024, timeout = 30, drain_seconds = 60, connections = 0;
+};
+void AddServeCommand(CLI::App& app, ServeCliOptions& opts);
+int RunServe(const ServeCliOptions& opts);
+
+// $KVQ_SHARED, default ../shared; the default model (stories260K) and the
+// tokenizer beside a llama2.c model (empty for a GGUF).
 std::string SharedDir();
+std::string DefaultModel();
+std::string DefaultTokenizerFor(const std::string& model);
 
 }  // namespace kvq::tools

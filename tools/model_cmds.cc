@@ -336,32 +336,7 @@ int RunReceipts(const ReceiptsCliOptions& o) {
   return 0;
 }
 
-void AddGenerateCommand(CLI::App& app, GenerateOptions& o) {
-  CLI::App* c = app.add_subcommand("generate", "Generate text with the K/V cache in a scheme (text on stdout)");
-  c->add_option("--model", o.model, "llama2.c checkpoint");
-  c->add_option("--tokenizer", o.tokenizer, "llama2.c tokenizer.bin");
-  c->add_option("--prompt", o.prompt, "prompt text (default: empty, start from BOS)");
-  c->add_option("--tokens", o.tokens,
-                "the prompt as token ids instead of text (a .npy file or raw little-endian uint32, as `kvq eval "
-                "--tokens` reads; BOS only if the file has it); with a model whose tokenizer kvq does not read, "
-                "stdout is the prompt's and the generated token ids");
-  c->add_option("--threads", o.threads, "threads, 0..1024 (0: OpenMP default)")->check(CLI::Range(0, 1024));
-  c->add_option("--batch", o.batch, "prompt tokens per batched pass (sgemm; default 512)")->check(CLI::Range(1, 65536));
-  c->add_flag("--calib-batched", o.calib_batched,
-              "calibrated schemes: generate the calibration sequences side by side (one sgemm per step: faster on "
-              "large models, other samples)");
-  c->add_option("--temperature", o.temperature, "0 = greedy (default)")->check(CLI::Range(0.0, 100.0));
-  c->add_option("--seed", o.seed, "sampling seed");
-  c->add_option("--steps", o.steps, "forward steps, prompt included (default 256, max seq_len)");
-  c->add_option("--kv", o.kv,
-                 "KV scheme: a row scheme, a grouped scheme (k4v3g64o8r16) or a preset (kvq-4.5); default fp32, "
-                 "with --load-cache the file's");
-  c->add_option("--save-cache", o.save_cache,
-                "save the KV cache of the prompt's tokens but its last (whose forward pass starts generation) to "
-                "FILE: a checksummed KVQS container with the model's fingerprint and the tokens' digest");
-  c->add_option("--load-cache", o.load_cache,
-                "restore a cache saved by --save-cache and skip the forward pass of the prompt tokens it holds "
-                "(the model's fingerprint and the prompt's first tokens must match the file's)");
+void AddPromptCacheOptions(CLI::App* c, PromptCacheCliOptions& o) {
   c->add_option("--prompt-cache", o.prompt_cache,
                 "a prefix store (a directory, redis://[user:password@]host:port[/db] or memory:; alone: "
                 "~/.cache/kvq/prefix): restore the longest run of the prompt's stored chunks, compute the rest, "
@@ -393,10 +368,39 @@ void AddGenerateCommand(CLI::App& app, GenerateOptions& o) {
                 "HMAC-SHA256 under it, and chunks that fail it are not restored");
 }
 
+void AddGenerateCommand(CLI::App& app, GenerateOptions& o) {
+  CLI::App* c = app.add_subcommand("generate", "Generate text with the K/V cache in a scheme (text on stdout)");
+  c->add_option("--model", o.model, "llama2.c checkpoint");
+  c->add_option("--tokenizer", o.tokenizer, "llama2.c tokenizer.bin");
+  c->add_option("--prompt", o.prompt, "prompt text (default: empty, start from BOS)");
+  c->add_option("--tokens", o.tokens,
+                "the prompt as token ids instead of text (a .npy file or raw little-endian uint32, as `kvq eval "
+                "--tokens` reads; BOS only if the file has it); with a model whose tokenizer kvq does not read, "
+                "stdout is the prompt's and the generated token ids");
+  c->add_option("--threads", o.threads, "threads, 0..1024 (0: OpenMP default)")->check(CLI::Range(0, 1024));
+  c->add_option("--batch", o.batch, "prompt tokens per batched pass (sgemm; default 512)")->check(CLI::Range(1, 65536));
+  c->add_flag("--calib-batched", o.calib_batched,
+              "calibrated schemes: generate the calibration sequences side by side (one sgemm per step: faster on "
+              "large models, other samples)");
+  c->add_option("--temperature", o.temperature, "0 = greedy (default)")->check(CLI::Range(0.0, 100.0));
+  c->add_option("--seed", o.seed, "sampling seed");
+  c->add_option("--steps", o.steps, "forward steps, prompt included (default 256, max seq_len)");
+  c->add_option("--kv", o.kv,
+                 "KV scheme: a row scheme, a grouped scheme (k4v3g64o8r16) or a preset (kvq-4.5); default fp32, "
+                 "with --load-cache the file's");
+  c->add_option("--save-cache", o.save_cache,
+                "save the KV cache of the prompt's tokens but its last (whose forward pass starts generation) to "
+                "FILE: a checksummed KVQS container with the model's fingerprint and the tokens' digest");
+  c->add_option("--load-cache", o.load_cache,
+                "restore a cache saved by --save-cache and skip the forward pass of the prompt tokens it holds "
+                "(the model's fingerprint and the prompt's first tokens must match the file's)");
+  AddPromptCacheOptions(c, o);
+}
+
 // The prefix store's secret: the key file's bytes (one trailing newline
 // dropped, as `openssl rand -hex 32 > f` writes one), else
 // KVQ_PREFIX_STORE_KEY, else none. An empty secret is an error.
-static std::string StoreSecret(const std::string& key_file) {
+std::string StoreSecret(const std::string& key_file) {
   std::string s;
   if (!key_file.empty()) {
     const std::vector<uint8_t> b = read_file_whole(key_file, 1 << 16, "--prompt-cache-key-file");

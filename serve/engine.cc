@@ -1,0 +1,528 @@
+// The continuous-batching engine of `kvq serve` (serve/engine.h).
+#include "serve/engine.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <exception>
+#include <filesystem>
+#include <omp.h>
+#include <span>
+
+#include "kvq/error.h"
+#include "kvq/kv_cache.h"
+#include "model/calibrate.h"
+#include "model/checkpoint.h"
+#include "model/eval.h"
+#include "model/fingerprint.h"
+#include "model/sampling.h"
+#include "model/tokenizer.h"
+#include "model/transformer.h"
+#include "store/prefix_store.h"
+
+namespace kvq::serve {
+
+using Clock = std::chrono::steady_clock;
+namespace {
+double Since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+}  // namespace
+
+bool Job::next(Event& e, std::chrono::milliseconds timeout) {
+  std::unique_lock lk(mu_);
+  if (!cv_.wait_for(lk, timeout, [&] { return !events_.empty(); })) return false;
+  e = std::move(events_.front());
+  events_.pop_front();
+  return true;
+}
+
+void Job::Push(Event e) {
+  {
+    std::lock_guard lk(mu_);
+    events_.push_back(std::move(e));
+  }
+  cv_.notify_all();
+}
+
+struct Engine::SchemeHolder {
+  model::CacheScheme scheme;
+};
+
+struct Engine::Seq {
+  std::shared_ptr<Job> job;
+  std::vector<int> ids;  // the prompt, then the tokens sampled so far
+  int prompt_len = 0;
+  int limit = 0;  // prompt + max_tokens: the cache's size
+  int generated = 0;
+  uint64_t reserved = 0;
+  uint64_t rng = 0;
+  uint64_t order = 0;  // admission order: the newest is preempted first
+  std::unique_ptr<model::Transformer> tf;
+  std::string text;  // the sampled tokens' text
+  size_t sent = 0;   // of which the client has this much
+  bool finished = false;
+};
+
+Engine::Engine(const EngineOptions& o) : o_(o), scheme_(std::make_unique<SchemeHolder>()) {
+  KVQ_CHECK_ARG(!o.model.empty(), "--model: expected a checkpoint path");
+  KVQ_CHECK_ARG(std::isfinite(o.kv_budget_mb) && o.kv_budget_mb > 0 && o.kv_budget_mb <= 1 << 24,
+                "--kv-budget-mb: expected a size in MiB in (0, 2^24]");
+  KVQ_CHECK_ARG(o.max_seqs >= 1 && o.max_seqs <= 4096, "--max-seqs: expected 1..4096, got ", o.max_seqs);
+  KVQ_CHECK_ARG(o.max_queue >= 0 && o.max_queue <= 65536, "--max-queue: expected 0..65536, got ", o.max_queue);
+  KVQ_CHECK_ARG(o.step_tokens >= 1 && o.step_tokens <= 65536, "--step-tokens: expected 1..65536, got ",
+                o.step_tokens);
+  KVQ_CHECK_ARG(o.threads >= 0 && o.threads <= 1024, "--threads: expected 0..1024 (0: default), got ", o.threads);
+  if (o.threads > 0) model::set_blas_threads(o.threads);
+  ckpt_ = std::make_unique<model::Checkpoint>(o.model);
+  const model::Config& cfg = ckpt_->config();
+  if (!o.tokenizer.empty() || ckpt_->tokenizer() != nullptr || !ckpt_->is_gguf()) {
+    tok_ = model::load_tokenizer(*ckpt_, o.tokenizer);
+  }
+  const std::vector<model::CacheScheme> schemes = model::parse_cache_schemes(o.kv, "--kv");
+  KVQ_CHECK_ARG(schemes.size() == 1, "--kv: expected one scheme, got '", o.kv, "'");
+  scheme_->scheme = schemes.front();
+  if (scheme_->scheme.info().needs_ranges) {
+    model::CalibrationOptions co;
+    co.length = model::default_calibration_length(cfg, cfg.seq_len);
+    co.batched = o.calib_batched;
+    scheme_->scheme.ranges = std::make_shared<const StaticRanges>(model::calibrate_static_ranges(*ckpt_, co));
+  }
+  const KvSchemeInfo info = scheme_->scheme.info();
+  kv_label_ = info.label == info.name ? info.name : info.label + " = " + info.name;
+  budget_ = static_cast<uint64_t>(o.kv_budget_mb * 1048576.0);
+  row_bytes_ = static_cast<uint64_t>(cfg.n_layers) * 2 * static_cast<uint64_t>(cfg.kv_dim()) * sizeof(float);
+  if (o.prompt_cache) {
+    store::StoreOptions so;
+    so.chunk_tokens = o.prompt_cache_chunk;
+    so.max_bytes = static_cast<uint64_t>(o.prompt_cache_max_mb * 1048576.0);
+    so.ttl_seconds = o.prompt_cache_ttl;
+    so.model = model::model_fingerprint(o.model, o.tokenizer.empty() ? o.model : o.tokenizer);
+    so.secret = o.prompt_cache_secret;
+    pstore_ = std::make_unique<store::PrefixStore>(*o.prompt_cache, so);
+  }
+  driver_ = std::make_unique<model::Transformer>(*ckpt_, model::CacheScheme("fp32"), 1);
+  model_id_ = std::filesystem::path(o.model).stem().string();
+  m_.kv_budget_bytes = budget_;
+  thread_ = std::thread([this] { Loop(); });
+}
+
+Engine::~Engine() { shutdown(); }
+
+void Engine::shutdown() {
+  {
+    std::lock_guard lk(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+std::vector<int> Engine::encode(const std::string& text) const {
+  KVQ_CHECK_ARG(tok_ != nullptr, "prompt: this model's tokenizer is not one kvq reads (",
+                ckpt_->tokenizer_problem(), "); give the prompt as token ids");
+  return tok_->encode(text, /*bos=*/true);
+}
+
+int Engine::context_length() const { return ckpt_->config().seq_len; }
+int Engine::vocab_size() const { return ckpt_->config().vocab_size; }
+
+uint64_t Engine::reserve_bytes(int tokens) const {
+  const model::Config& cfg = ckpt_->config();
+  const double layer = kv_scheme_layer_bytes(scheme_->scheme.info().name, tokens, cfg.n_kv_heads, cfg.head_size());
+  return static_cast<uint64_t>(std::ceil(layer)) * static_cast<uint64_t>(cfg.n_layers);
+}
+
+std::shared_ptr<Job> Engine::submit(Request r, Refused* refused) {
+  auto refuse = [&](int status, std::string param, std::string message) -> std::shared_ptr<Job> {
+    if (refused != nullptr) *refused = {status, std::move(message), std::move(param)};
+    std::lock_guard lk(mu_);
+    ++m_.requests_refused;
+    return nullptr;
+  };
+  const int P = static_cast<int>(r.prompt.size());
+  if (P == 0) return refuse(400, "prompt", "the prompt is empty");
+  for (size_t i = 0; i < r.prompt.size(); ++i) {
+    if (r.prompt[i] < 0 || r.prompt[i] >= vocab_size()) {
+      return refuse(400, "prompt", "token id " + std::to_string(r.prompt[i]) + " at position " + std::to_string(i) +
+                                       " is outside the vocabulary 0.." + std::to_string(vocab_size() - 1));
+    }
+  }
+  if (r.max_tokens < 1) return refuse(400, "max_tokens", "max_tokens must be at least 1");
+  if (static_cast<int64_t>(P) + r.max_tokens > context_length()) {
+    return refuse(400, "max_tokens",
+                  "This model's maximum context length is " + std::to_string(context_length()) +
+                      " tokens, however you requested " + std::to_string(static_cast<int64_t>(P) + r.max_tokens) +
+                      " tokens (" + std::to_string(P) + " in your prompt; " + std::to_string(r.max_tokens) +
+                      " for the completion)");
+  }
+  if (!std::isfinite(r.temperature) || r.temperature < 0 || r.temperature > 2) {
+    return refuse(400, "temperature", "temperature must be in [0, 2]");
+  }
+  if (!std::isfinite(r.top_p) || r.top_p <= 0 || r.top_p > 1) return refuse(400, "top_p", "top_p must be in (0, 1]");
+  const uint64_t need = reserve_bytes(P + r.max_tokens);
+  if (need > budget_) {
+    return refuse(400, "max_tokens",
+                  "the request's KV cache (" + std::to_string(P + r.max_tokens) + " tokens, " +
+                      std::to_string(need) + " bytes in " + kv_label_ + ") exceeds the server's budget of " +
+                      std::to_string(budget_) + " bytes");
+  }
+  auto s = std::make_unique<Seq>();
+  s->ids = r.prompt;
+  s->prompt_len = P;
+  s->limit = P + r.max_tokens;
+  s->reserved = need;
+  s->rng = r.seed ? r.seed : 0x9E3779B97F4A7C15ull;
+  std::shared_ptr<Job> job;
+  {
+    std::lock_guard lk(mu_);
+    if (draining_ || stop_) {
+      ++m_.requests_refused;
+      if (refused != nullptr) *refused = {503, "the server is shutting down", ""};
+      return nullptr;
+    }
+    // Waiting beyond the free sequence slots: at most max_queue.
+    const size_t free_slots = static_cast<size_t>(std::max(0, o_.max_seqs - m_.running));
+    if (queue_.size() >= static_cast<size_t>(o_.max_queue) + free_slots) {
+      ++m_.requests_refused;
+      if (refused != nullptr) {
+        *refused = {503, "the server is busy: " + std::to_string(queue_.size()) + " requests are queued", ""};
+      }
+      return nullptr;
+    }
+    job.reset(new Job(std::move(r), next_id_++));
+    s->job = job;
+    ++m_.requests;
+    m_.prompt_tokens += static_cast<uint64_t>(P);
+    queue_.push_back(std::move(s));
+    m_.queued = static_cast<int>(queue_.size());
+  }
+  cv_.notify_all();
+  return job;
+}
+
+Metrics Engine::metrics() const {
+  std::lock_guard lk(mu_);
+  return m_;
+}
+
+void Engine::drain() {
+  std::deque<std::unique_ptr<Seq>> q;
+  {
+    std::lock_guard lk(mu_);
+    draining_ = true;
+    q.swap(queue_);
+    m_.queued = 0;
+  }
+  for (auto& s : q) {
+    Event e;
+    e.done = true;
+    e.finish_reason = "error";
+    e.error = "the server is shutting down";
+    e.status = 503;
+    s->job->Push(std::move(e));
+  }
+  cv_.notify_all();
+}
+
+bool Engine::idle() const {
+  std::lock_guard lk(mu_);
+  return queue_.empty() && m_.running == 0;
+}
+
+uint64_t Engine::CachedBytes() const {
+  uint64_t b = 0;
+  for (const auto& s : running_) {
+    if (s->tf) b += s->tf->cache().bytes();
+  }
+  return b;
+}
+
+void Engine::Loop() {
+  if (o_.threads > 0) omp_set_num_threads(o_.threads);  // this thread's OpenMP teams
+  for (;;) {
+    {
+      std::unique_lock lk(mu_);
+      cv_.wait(lk, [&] { return stop_ || !queue_.empty() || !running_.empty(); });
+      if (stop_) break;
+    }
+    try {
+      Admit();
+      Step();
+    } catch (const std::exception& ex) {  // a bug or an exhausted machine: fail what runs, keep serving
+      std::fprintf(stderr, "kvq serve: step failed: %s\n", ex.what());
+      for (auto& s : running_) {
+        Event e;
+        e.done = true;
+        e.finish_reason = "error";
+        e.error = std::string("the step failed: ") + ex.what();
+        e.status = 500;
+        s->job->Push(std::move(e));
+      }
+      while (!running_.empty()) Release(running_.size() - 1);
+    }
+  }
+  std::deque<std::unique_ptr<Seq>> q;
+  {
+    std::lock_guard lk(mu_);
+    q.swap(queue_);
+  }
+  for (auto& s : running_) q.push_back(std::move(s));
+  running_.clear();
+  for (auto& s : q) {
+    Event e;
+    e.done = true;
+    e.finish_reason = "error";
+    e.error = "the server stopped";
+    e.status = 503;
+    s->job->Push(std::move(e));
+  }
+}
+
+void Engine::Admit() {
+  for (;;) {
+    std::unique_ptr<Seq> s;
+    {
+      std::lock_guard lk(mu_);
+      while (!queue_.empty() && queue_.front()->job->cancelled()) {
+        queue_.pop_front();
+        ++m_.requests_cancelled;
+      }
+      if (queue_.empty() || running_.size() >= static_cast<size_t>(o_.max_seqs) ||
+          reserved_ + queue_.front()->reserved > budget_) {
+        m_.queued = static_cast<int>(queue_.size());
+        return;
+      }
+      s = std::move(queue_.front());
+      queue_.pop_front();
+      reserved_ += s->reserved;
+      m_.queued = static_cast<int>(queue_.size());
+      m_.kv_reserved_bytes = reserved_;
+    }
+    s->tf = std::make_unique<model::Transformer>(*ckpt_, scheme_->scheme, s->limit);
+    if (pstore_) {
+      try {
+        KvCache c = s->tf->cache().Copy();
+        store::LookupReport rep;
+        const int64_t n = pstore_->longest_prefix(s->ids, c, static_cast<int64_t>(s->ids.size()) - 1, &rep);
+        if (n > 0) s->tf = std::make_unique<model::Transformer>(*ckpt_, std::move(c));
+        std::lock_guard lk(mu_);
+        ++m_.prefix_lookups;
+        if (n > 0) ++m_.prefix_hits, m_.prefix_tokens_reused += static_cast<uint64_t>(n), m_.prefix_bytes_reused += rep.bytes;
+      } catch (const std::exception& ex) {  // a store fault is a miss
+        std::fprintf(stderr, "kvq serve: prefix store: %s\n", ex.what());
+      }
+    }
+    if (o_.threads > 0) s->tf->set_attention_threads(o_.threads);
+    s->order = ++admitted_;
+    running_.push_back(std::move(s));
+    std::lock_guard lk(mu_);
+    m_.running = static_cast<int>(running_.size());
+    m_.running_peak = std::max(m_.running_peak, m_.running);
+  }
+}
+
+void Engine::Release(size_t i) {
+  std::lock_guard lk(mu_);
+  reserved_ -= running_[i]->reserved;
+  running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(i));
+  m_.running = static_cast<int>(running_.size());
+  m_.kv_reserved_bytes = reserved_;
+}
+
+void Engine::Preempt() {
+  size_t newest = 0;
+  for (size_t i = 1; i < running_.size(); ++i) {
+    if (running_[i]->order > running_[newest]->order) newest = i;
+  }
+  std::unique_ptr<Seq> s = std::move(running_[newest]);
+  s->tf.reset();  // its cache is freed; recomputed from s->ids when it is admitted again
+  std::lock_guard lk(mu_);
+  reserved_ -= s->reserved;
+  running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(newest));
+  queue_.push_front(std::move(s));
+  ++m_.preemptions;
+  m_.running = static_cast<int>(running_.size());
+  m_.queued = static_cast<int>(queue_.size());
+  m_.kv_reserved_bytes = reserved_;
+}
+
+void Engine::Finish(Seq& s, const std::string& reason) {
+  Event e;
+  e.text = s.text.substr(s.sent);
+  s.sent = s.text.size();
+  e.done = true;
+  e.finish_reason = reason;
+  e.prompt_tokens = s.prompt_len;
+  e.completion_tokens = s.generated;
+  s.finished = true;
+  s.job->Push(std::move(e));
+  std::lock_guard lk(mu_);
+  ++m_.requests_finished;
+}
+
+void Engine::StoreIfDue(Seq& s) {
+  if (!pstore_) return;
+  const KvCache& c = s.tf->cache();
+  const int64_t T = c.tokens();
+  if (T > s.prompt_len || !pstore_->plan(c).is_end(T)) return;
+  try {
+    uint64_t b = 0;
+    const int n = pstore_->put(s.ids, c, &b);
+    std::lock_guard lk(mu_);
+    m_.prefix_chunks_stored += static_cast<uint64_t>(n);
+    m_.prefix_bytes_stored += b;
+  } catch (const std::exception& ex) {
+    std::fprintf(stderr, "kvq serve: prefix store: %s\n", ex.what());
+  }
+}
+
+bool Engine::Step() {
+  const auto t0 = Clock::now();
+  for (size_t i = running_.size(); i-- > 0;) {
+    if (running_[i]->job->cancelled()) {
+      Release(i);
+      std::lock_guard lk(mu_);
+      ++m_.requests_cancelled;
+    }
+  }
+  if (running_.empty()) return false;
+  // The step's plan: prompt chunks (at most step_tokens tokens in all, each
+  // ending where the prefix store stores a chunk) and one decoding row for
+  // every sequence whose prompt (but its last token) is in the cache.
+  struct Chunk {
+    Seq* s;
+    int pos, n;
+  };
+  std::vector<Chunk> chunks;
+  std::vector<Seq*> decode;
+  auto plan = [&] {
+    chunks.clear();
+    decode.clear();
+    int left = o_.step_tokens;
+    for (auto& sp : running_) {
+      Seq& s = *sp;
+      const int n = static_cast<int>(s.ids.size());
+      const int pos = s.tf->length();
+      if (pos >= n - 1) {
+        decode.push_back(&s);
+        continue;
+      }
+      if (left == 0) continue;
+      int take = std::min(left, n - 1 - pos);
+      if (pstore_) {
+        take = static_cast<int>(std::min<int64_t>(take, pstore_->plan(s.tf->cache()).next_end(pos) - pos));
+      }
+      chunks.push_back({&s, pos, take});
+      left -= take;
+    }
+  };
+  plan();
+  // The budget: what the caches hold and what this step can add.
+  for (;;) {
+    uint64_t add = decode.size();
+    for (const Chunk& c : chunks) add += static_cast<uint64_t>(c.n);
+    const uint64_t held = CachedBytes();
+    if (held + add * row_bytes_ <= budget_) break;
+    if (running_.size() > 1) {
+      Preempt();
+      plan();
+      continue;
+    }
+    // One sequence alone: prefill what fits, or fail it.
+    const uint64_t room = held < budget_ ? (budget_ - held) / row_bytes_ : 0;
+    if (!chunks.empty() && room >= 1) {
+      chunks.front().n = static_cast<int>(std::min<uint64_t>(room, static_cast<uint64_t>(chunks.front().n)));
+      break;
+    }
+    Event e;
+    e.done = true;
+    e.finish_reason = "error";
+    e.error = "the sequence's KV cache outgrew the server's budget";
+    e.status = 500;
+    running_.front()->job->Push(std::move(e));
+    Release(0);
+    return true;
+  }
+  const auto t_prefill = Clock::now();
+  uint64_t prefilled = 0;
+  for (const Chunk& c : chunks) {
+    driver_->prefill_into(*c.s->tf, std::span(c.s->ids).subspan(static_cast<size_t>(c.pos), static_cast<size_t>(c.n)),
+                          c.pos);
+    prefilled += static_cast<uint64_t>(c.n);
+    StoreIfDue(*c.s);
+  }
+  const double prefill_s = Since(t_prefill);
+  uint64_t sampled = 0;
+  if (!decode.empty()) {
+    std::vector<model::Transformer::SeqToken> rows;
+    rows.reserve(decode.size());
+    for (Seq* s : decode) rows.push_back({s->tf.get(), s->ids.back(), s->tf->length()});
+    const std::span<const float> logits = driver_->forward_rows(rows);
+    const size_t V = static_cast<size_t>(vocab_size());
+    for (size_t b = 0; b < decode.size(); ++b) {
+      Seq& s = *decode[b];
+      StoreIfDue(s);
+      const Request& rq = s.job->request();
+      const int next = model::sample_token(logits.subspan(b * V, V), rq.temperature, rq.top_p, s.rng);
+      if (tok_ && next == model::Tokenizer::kBos) {  // BOS delimits sequences (llama2.c's vocabulary), as generate
+        Finish(s, "stop");
+        continue;
+      }
+      const int prev = s.ids.back();
+      s.ids.push_back(next);
+      ++s.generated;
+      ++sampled;
+      if (tok_) {
+        const std::string piece = tok_->decode(prev, next);
+        if (!(piece.size() == 1 && !std::isprint(static_cast<unsigned char>(piece[0])) &&
+              !std::isspace(static_cast<unsigned char>(piece[0])))) {
+          s.text += piece;
+        }
+      }
+      // Stop strings: cut at the first; withhold a tail that may begin one.
+      size_t cut = std::string::npos, hold = 0;
+      for (const std::string& st : rq.stop) {
+        const size_t at = s.text.find(st, s.sent);
+        if (at != std::string::npos) cut = std::min(cut, at);
+        for (size_t k = std::min(st.size() - 1, s.text.size() - s.sent); k > hold; --k) {
+          if (s.text.compare(s.text.size() - k, k, st, 0, k) == 0) {
+            hold = k;
+            break;
+          }
+        }
+      }
+      if (cut != std::string::npos) {
+        s.text.resize(cut);
+        Finish(s, "stop");
+        continue;
+      }
+      if (s.generated >= rq.max_tokens) {
+        Finish(s, "length");
+        continue;
+      }
+      Event e;
+      e.text = s.text.substr(s.sent, s.text.size() - hold - s.sent);
+      s.sent += e.text.size();
+      e.ids = {next};
+      s.job->Push(std::move(e));
+    }
+  }
+  const uint64_t held = CachedBytes();
+  for (size_t i = running_.size(); i-- > 0;) {
+    if (running_[i]->finished) Release(i);
+  }
+  const double step_s = Since(t0);
+  std::lock_guard lk(mu_);
+  ++m_.steps;
+  m_.step_seconds += step_s;
+  m_.step_seconds_max = std::max(m_.step_seconds_max, step_s);
+  m_.prefill_seconds += prefill_s;
+  m_.prefilled_tokens += prefilled;
+  m_.completion_tokens += sampled;
+  m_.kv_bytes_peak = std::max(m_.kv_bytes_peak, held);
+  m_.kv_bytes = 0;
+  for (const auto& s : running_) m_.kv_bytes += s->tf->cache().bytes();
+  return true;
+}
+
+}  // namespace kvq::serve

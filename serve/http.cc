@@ -1,0 +1,404 @@
+// OpenAI's completions API over the engine (serve/http.h).
+#include "serve/http.h"
+
+#include <httplib.h>
+#include <signal.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <ctime>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "kvq/error.h"
+#include "serve/engine.h"
+
+namespace kvq::serve {
+namespace {
+
+using json = nlohmann::json;
+
+json ErrorBody(const std::string& message, const std::string& type, const std::string& param = "") {
+  json e = {{"message", message}, {"type", type}, {"code", nullptr}};
+  e["param"] = param.empty() ? json(nullptr) : json(param);
+  return {{"error", e}};
+}
+
+void SendError(httplib::Response& res, int status, const std::string& message, const std::string& param = "") {
+  res.status = status;
+  const char* type = status == 503 ? "server_busy" : status >= 500 ? "server_error" : "invalid_request_error";
+  if (status == 503) res.set_header("Retry-After", "1");
+  res.set_content(ErrorBody(message, type, param).dump(), "application/json");
+}
+
+// A request's fields, checked against OpenAI's completions API. Fields kvq
+// does not implement are accepted at their default value only.
+struct Parsed {
+  Request req;
+  bool stream = false, include_usage = false;
+};
+
+bool ParseCompletion(const std::string& body, const Engine& engine, Parsed& p, std::string& err, std::string& param) {
+  json j;
+  try {
+    j = json::parse(body);
+  } catch (const json::parse_error& e) {
+    err = std::string("the body is not valid JSON: ") + e.what();
+    return false;
+  }
+  if (!j.is_object()) {
+    err = "the body must be a JSON object";
+    return false;
+  }
+  auto fail = [&](const std::string& field, const std::string& message) {
+    param = field;
+    err = message;
+    return false;
+  };
+  bool has_prompt = false;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    const std::string& k = it.key();
+    const json& v = it.value();
+    if (k == "model") {
+      if (!v.is_string()) return fail(k, "model must be a string");
+    } else if (k == "prompt") {
+      has_prompt = true;
+      if (v.is_string()) {
+        try {
+          p.req.prompt = engine.encode(v.get<std::string>());
+        } catch (const Error& e) {
+          return fail(k, e.what());
+        }
+      } else if (v.is_array() && v.size() == 1 && v[0].is_string()) {
+        try {
+          p.req.prompt = engine.encode(v[0].get<std::string>());
+        } catch (const Error& e) {
+          return fail(k, e.what());
+        }
+      } else if (v.is_array() && !v.empty() && v[0].is_array()) {
+        return fail(k, "several prompts in one request are not supported: send one request per prompt");
+      } else if (v.is_array()) {
+        for (const json& t : v) {
+          if (!t.is_number_integer()) return fail(k, "prompt must be a string or an array of token ids (integers)");
+          const int64_t id = t.get<int64_t>();
+          if (id < 0 || id >= engine.vocab_size()) {
+            return fail(k, "token id " + std::to_string(id) + " is outside the vocabulary 0.." +
+                               std::to_string(engine.vocab_size() - 1));
+          }
+          p.req.prompt.push_back(static_cast<int>(id));
+        }
+      } else {
+        return fail(k, "prompt must be a string or an array of token ids");
+      }
+    } else if (k == "max_tokens") {
+      if (v.is_null()) continue;
+      if (!v.is_number_integer()) return fail(k, "max_tokens must be an integer");
+      const int64_t n = v.get<int64_t>();
+      if (n < 1 || n > std::numeric_limits<int>::max()) return fail(k, "max_tokens must be at least 1");
+      p.req.max_tokens = static_cast<int>(n);
+    } else if (k == "temperature" || k == "top_p") {
+      if (v.is_null()) continue;
+      if (!v.is_number()) return fail(k, k + " must be a number");
+      (k == "temperature" ? p.req.temperature : p.req.top_p) = v.get<double>();
+    } else if (k == "seed") {
+      if (v.is_null()) continue;
+      if (!v.is_number_integer()) return fail(k, "seed must be an integer");
+      p.req.seed = static_cast<uint64_t>(v.get<int64_t>());
+    } else if (k == "stop") {
+      if (v.is_null()) continue;
+      std::vector<std::string> stops;
+      if (v.is_string()) {
+        stops.push_back(v.get<std::string>());
+      } else if (v.is_array() && v.size() <= 4) {
+        for (const json& s : v) {
+          if (!s.is_string()) return fail(k, "stop must be a string or an array of up to 4 strings");
+          stops.push_back(s.get<std::string>());
+        }
+      } else {
+        return fail(k, "stop must be a string or an array of up to 4 strings");
+      }
+      for (const std::string& s : stops) {
+        if (s.empty()) return fail(k, "stop strings must not be empty");
+      }
+      p.req.stop = std::move(stops);
+    } else if (k == "stream") {
+      if (v.is_null()) continue;
+      if (!v.is_boolean()) return fail(k, "stream must be a boolean");
+      p.stream = v.get<bool>();
+    } else if (k == "stream_options") {
+      if (v.is_null()) continue;
+      if (!v.is_object()) return fail(k, "stream_options must be an object");
+      for (auto s = v.begin(); s != v.end(); ++s) {
+        if (s.key() != "include_usage" || !s.value().is_boolean()) {
+          return fail(k, "stream_options: only include_usage (a boolean) is supported");
+        }
+        p.include_usage = s.value().get<bool>();
+      }
+    } else if (k == "user") {
+      if (!v.is_string()) return fail(k, "user must be a string");
+    } else if (k == "n" || k == "best_of") {
+      if (!v.is_null() && !(v.is_number_integer() && v.get<int64_t>() == 1)) {
+        return fail(k, k + ": kvq serve returns one completion per request (1)");
+      }
+    } else if (k == "echo") {
+      if (!v.is_null() && !(v.is_boolean() && !v.get<bool>())) return fail(k, "echo is not supported (false)");
+    } else if (k == "logprobs" || k == "suffix") {
+      if (!v.is_null()) return fail(k, k + " is not supported (null)");
+    } else if (k == "presence_penalty" || k == "frequency_penalty") {
+      if (!v.is_null() && !(v.is_number() && v.get<double>() == 0.0)) return fail(k, k + " is not supported (0)");
+    } else if (k == "logit_bias") {
+      if (!v.is_null() && !(v.is_object() && v.empty())) return fail(k, "logit_bias is not supported ({})");
+    } else {
+      return fail(k, "Unrecognized request argument supplied: " + k);
+    }
+  }
+  if (!has_prompt) return fail("prompt", "prompt is required");
+  if (j.contains("model") && j["model"].get<std::string>() != engine.model_id()) {
+    param = "model";
+    err = "The model '" + j["model"].get<std::string>() + "' does not exist (this server serves '" +
+          engine.model_id() + "')";
+    return false;
+  }
+  return true;
+}
+
+json Chunk(const std::string& id, time_t created, const std::string& model, const std::string& text,
+           const json& finish, const Event* usage_of) {
+  json c = {{"id", id},
+            {"object", "text_completion"},
+            {"created", created},
+            {"model", model},
+            {"choices", json::array({{{"text", text}, {"index", 0}, {"logprobs", nullptr}, {"finish_reason", finish}}})}};
+  if (usage_of != nullptr) {
+    c["usage"] = {{"prompt_tokens", usage_of->prompt_tokens},
+                  {"completion_tokens", usage_of->completion_tokens},
+                  {"total_tokens", usage_of->prompt_tokens + usage_of->completion_tokens}};
+  }
+  return c;
+}
+
+std::string MetricsText(const Engine& engine) {
+  const Metrics m = engine.metrics();
+  std::string s;
+  auto add = [&](const char* name, const char* type, const char* help, double value) {
+    char line[512];
+    std::snprintf(line, sizeof line, "# HELP %s %s\n# TYPE %s %s\n%s %.17g\n", name, help, name, type, name, value);
+    s += line;
+  };
+  add("kvq_requests_total", "counter", "Completion requests accepted.", static_cast<double>(m.requests));
+  add("kvq_requests_refused_total", "counter", "Requests refused (400 or 503).", static_cast<double>(m.requests_refused));
+  add("kvq_requests_cancelled_total", "counter", "Requests whose client went away.",
+      static_cast<double>(m.requests_cancelled));
+  add("kvq_requests_finished_total", "counter", "Requests run to their end.", static_cast<double>(m.requests_finished));
+  add("kvq_prompt_tokens_total", "counter", "Prompt tokens of accepted requests.", static_cast<double>(m.prompt_tokens));
+  add("kvq_completion_tokens_total", "counter", "Tokens sampled.", static_cast<double>(m.completion_tokens));
+  add("kvq_prefill_tokens_total", "counter", "Prompt tokens run through the batched pass.",
+      static_cast<double>(m.prefilled_tokens));
+  add("kvq_kv_bytes", "gauge", "Bytes the running sequences' KV caches hold.", static_cast<double>(m.kv_bytes));
+  add("kvq_kv_bytes_peak", "gauge", "The most bytes the KV caches held after a step.",
+      static_cast<double>(m.kv_bytes_peak));
+  add("kvq_kv_reserved_bytes", "gauge", "Bytes reserved by the running sequences (at their full length).",
+      static_cast<double>(m.kv_reserved_bytes));
+  add("kvq_kv_budget_bytes", "gauge", "The KV budget (--kv-budget-mb).", static_cast<double>(m.kv_budget_bytes));
+  add("kvq_sequences_running", "gauge", "Sequences running.", m.running);
+  add("kvq_sequences_running_peak", "gauge", "The most sequences running at once.", m.running_peak);
+  add("kvq_sequences_queued", "gauge", "Requests waiting.", m.queued);
+  add("kvq_preemptions_total", "counter", "Sequences preempted to keep the KV budget.",
+      static_cast<double>(m.preemptions));
+  add("kvq_prefix_lookups_total", "counter", "Prefix-store lookups.", static_cast<double>(m.prefix_lookups));
+  add("kvq_prefix_hits_total", "counter", "Lookups that restored a prefix.", static_cast<double>(m.prefix_hits));
+  add("kvq_prefix_tokens_reused_total", "counter", "Prompt tokens restored from the prefix store.",
+      static_cast<double>(m.prefix_tokens_reused));
+  add("kvq_prefix_bytes_reused_total", "counter", "Bytes read from the prefix store.",
+      static_cast<double>(m.prefix_bytes_reused));
+  add("kvq_prefix_chunks_stored_total", "counter", "Chunks written to the prefix store.",
+      static_cast<double>(m.prefix_chunks_stored));
+  add("kvq_prefix_bytes_stored_total", "counter", "Bytes written to the prefix store.",
+      static_cast<double>(m.prefix_bytes_stored));
+  add("kvq_steps_total", "counter", "Scheduler steps.", static_cast<double>(m.steps));
+  add("kvq_step_seconds_total", "counter", "Seconds the steps took.", m.step_seconds);
+  add("kvq_step_seconds_max", "gauge", "The longest step.", m.step_seconds_max);
+  add("kvq_prefill_seconds_total", "counter", "Seconds of the steps' prompt prefill.", m.prefill_seconds);
+  return s;
+}
+
+}  // namespace
+
+namespace {
+std::atomic<int> g_stop_signal{0};  // lock-free: set from the handler, on whichever thread it lands
+extern "C" void OnStopSignal(int sig) { g_stop_signal = sig; }
+}  // namespace
+
+void install_stop_signals() {
+  static_assert(std::atomic<int>::is_always_lock_free);
+  struct sigaction sa {};
+  sa.sa_handler = OnStopSignal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+}
+
+int serve_http(Engine& engine, const HttpOptions& o, const std::function<void(int port)>& on_listening) {
+  KVQ_CHECK_ARG(o.port >= 0 && o.port <= 65535, "--port: expected 0..65535, got ", o.port);
+  KVQ_CHECK_ARG(o.max_body_kb >= 1 && o.max_body_kb <= 1 << 20, "--max-body-kb: expected 1..2^20, got ",
+                o.max_body_kb);
+  KVQ_CHECK_ARG(o.timeout_seconds >= 1 && o.timeout_seconds <= 3600, "--timeout: expected 1..3600 s");
+  KVQ_CHECK_ARG(o.drain_seconds >= 0 && o.drain_seconds <= 86400, "--drain-seconds: expected 0..86400");
+  KVQ_CHECK_ARG(o.connections >= 0 && o.connections <= 65536, "--connections: expected 0..65536");
+  httplib::Server svr;
+  const size_t workers = o.connections > 0 ? static_cast<size_t>(o.connections) : 256;
+  svr.new_task_queue = [workers] { return new httplib::ThreadPool(workers); };
+  svr.set_payload_max_length(static_cast<size_t>(o.max_body_kb) * 1024);
+  svr.set_read_timeout(o.timeout_seconds, 0);
+  svr.set_write_timeout(o.timeout_seconds, 0);
+  std::atomic<bool> draining{false};
+  std::atomic<int> in_flight{0};
+  const time_t started = std::time(nullptr);
+
+  svr.Get("/health", [&](const httplib::Request&, httplib::Response& res) {
+    if (draining) {
+      res.status = 503;
+      res.set_content(R"({"status":"draining"})", "application/json");
+    } else {
+      res.set_content(R"({"status":"ok"})", "application/json");
+    }
+  });
+  svr.Get("/v1/models", [&](const httplib::Request&, httplib::Response& res) {
+    json m = {{"id", engine.model_id()},       {"object", "model"},
+              {"created", started},            {"owned_by", "kvq"},
+              {"kv", engine.kv_label()},       {"context_length", engine.context_length()}};
+    res.set_content(json({{"object", "list"}, {"data", json::array({m})}}).dump(), "application/json");
+  });
+  svr.Get("/metrics", [&](const httplib::Request&, httplib::Response& res) {
+    res.set_content(MetricsText(engine), "text/plain; version=0.0.4");
+  });
+  svr.Post("/v1/completions", [&](const httplib::Request& rq, httplib::Response& res) {
+    Parsed p;
+    std::string err, param;
+    if (!ParseCompletion(rq.body, engine, p, err, param)) {
+      SendError(res, param == "model" && err.rfind("The model", 0) == 0 ? 404 : 400, err, param);
+      return;
+    }
+    Refused refused{};
+    const std::shared_ptr<Job> job = engine.submit(p.req, &refused);
+    if (!job) {
+      SendError(res, refused.status, refused.message, refused.param);
+      return;
+    }
+    const std::string id = "cmpl-" + std::to_string(job->id());
+    const time_t created = std::time(nullptr);
+    const std::string model = engine.model_id();
+    if (!p.stream) {
+      ++in_flight;
+      std::string text;
+      Event e;
+      for (;;) {
+        if (!job->next(e, std::chrono::milliseconds(1000))) continue;
+        text += e.text;
+        if (e.done) break;
+      }
+      --in_flight;
+      if (!e.error.empty()) {
+        SendError(res, e.status, e.error);
+        return;
+      }
+      res.set_content(Chunk(id, created, model, text, e.finish_reason, &e).dump(), "application/json");
+      return;
+    }
+    ++in_flight;
+    const bool usage = p.include_usage;
+    res.set_header("Cache-Control", "no-cache");
+    res.set_chunked_content_provider(
+        "text/event-stream",
+        [job, id, created, model, usage](size_t, httplib::DataSink& sink) {
+          Event e;
+          if (!job->next(e, std::chrono::milliseconds(200))) return true;  // asked again
+          std::string out;
+          if (!e.error.empty()) {
+            out = "data: " + ErrorBody(e.error, e.status == 503 ? "server_busy" : "server_error").dump() + "\n\n";
+          } else {
+            if (!e.text.empty() || !e.done) out += "data: " + Chunk(id, created, model, e.text, nullptr, nullptr).dump() + "\n\n";
+            if (e.done) {
+              out += "data: " + Chunk(id, created, model, "", e.finish_reason, nullptr).dump() + "\n\n";
+              if (usage) {
+                json u = Chunk(id, created, model, "", nullptr, &e);
+                u["choices"] = json::array();
+                out += "data: " + u.dump() + "\n\n";
+              }
+            }
+          }
+          if (e.done) out += "data: [DONE]\n\n";
+          if (!sink.write(out.data(), out.size())) {  // the client went away
+            job->cancel();
+            return false;
+          }
+          if (e.done) sink.done();
+          return true;
+        },
+        [job, &in_flight](bool success) {
+          if (!success) job->cancel();
+          --in_flight;
+        });
+  });
+  svr.set_error_handler([](const httplib::Request& rq, httplib::Response& res) {
+    if (!res.body.empty()) return;
+    if (res.status == 404) {
+      SendError(res, 404, "no route " + rq.method + " " + rq.path);
+    } else if (res.status == 413) {
+      SendError(res, 413, "the request body is too large");
+    } else {
+      SendError(res, res.status, "HTTP status " + std::to_string(res.status));
+    }
+  });
+  svr.set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
+    std::string what = "internal error";
+    try {
+      std::rethrow_exception(ep);
+    } catch (const std::exception& e) {
+      what = e.what();
+    } catch (...) {
+    }
+    SendError(res, 500, what);
+  });
+
+  int port = o.port;
+  if (port == 0) {
+    port = svr.bind_to_any_port(o.host);
+  } else if (!svr.bind_to_port(o.host, port)) {
+    port = -1;
+  }
+  KVQ_CHECK_ARG(port > 0, "--port: cannot listen on ", o.host, ":", o.port);
+  if (on_listening) on_listening(port);
+
+  std::atomic<bool> finished{false};
+  std::thread signals([&] {
+    while (!finished) {
+      if (g_stop_signal == 0) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        continue;
+      }
+      draining = true;
+      engine.drain();  // queued requests: 503; running ones run on
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(o.drain_seconds);
+      while ((!engine.idle() || in_flight > 0) && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+      engine.shutdown();  // what still runs ends with an error event
+      while (in_flight > 0 && std::chrono::steady_clock::now() < deadline + std::chrono::seconds(5)) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+      svr.stop();
+      return;
+    }
+  });
+  const bool ok = svr.listen_after_bind();
+  finished = true;
+  signals.join();
+  return ok || draining ? 0 : 1;
+}
+
+}  // namespace kvq::serve

@@ -1,0 +1,50 @@
+// The HTTP face of `kvq serve` (cpp-httplib): OpenAI's completions API over
+// an Engine.
+//
+//   POST /v1/completions   prompt (text, or token ids), max_tokens, temperature,
+//                          top_p, seed, stop, stream (server-sent events),
+//                          stream_options.include_usage; usage in the answer
+//   GET  /v1/models        the one model served
+//   GET  /health           200 {"status":"ok"}; 503 while draining
+//   GET  /metrics          Prometheus text: requests, tokens, KV bytes and
+//                          budget, sequences running and queued, prefix-store
+//                          reuse, step time
+//
+// Errors are OpenAI's shape, {"error": {"message", "type", "param", "code"}}:
+// 400 for a request that can never run (bad JSON, wrong types, unknown or
+// unsupported fields, too long for the context or the KV budget), 404 for
+// another path or model, 413 for a body over --max-body-kb, 503 with
+// Retry-After when the queue is full or the server is draining.
+//
+// SIGTERM or SIGINT: stop admitting (queued requests get 503), let running
+// ones finish (at most --drain-seconds, then they are cancelled), stop
+// listening, return 0.
+#pragma once
+
+#include <functional>
+#include <string>
+
+namespace kvq::serve {
+
+class Engine;
+
+struct HttpOptions {
+  std::string host = "127.0.0.1";
+  int port = 8080;             // 0: any free port (reported to on_listening)
+  int max_body_kb = 1024;
+  int timeout_seconds = 30;    // a client's read and write timeout
+  int drain_seconds = 60;      // on SIGTERM, how long running requests may finish
+  int connections = 0;         // worker threads (0: max_seqs + max_queue + 8)
+};
+
+// SIGTERM and SIGINT set a flag that serve_http watches (whichever thread
+// they land on); SIGPIPE is ignored (a client gone mid-write is an error
+// return, not the process's end).
+void install_stop_signals();
+
+// Serves until SIGTERM or SIGINT; on_listening gets the bound port. Returns
+// the process's exit code (0 after a signal). Throws kvq::Error when it
+// cannot listen.
+int serve_http(Engine& engine, const HttpOptions& o, const std::function<void(int port)>& on_listening);
+
+}  // namespace kvq::serve

@@ -1,0 +1,88 @@
+// `kvq serve`: an OpenAI-compatible completions server (serve/).
+#include <cstdio>
+#include <string>
+
+#include "CLI/CLI.hpp"
+#include "serve/engine.h"
+#include "serve/http.h"
+#include "tools/commands.h"
+
+namespace kvq::tools {
+
+void AddServeCommand(CLI::App& app, ServeCliOptions& o) {
+  CLI::App* c = app.add_subcommand(
+      "serve", "Serve OpenAI's completions API (POST /v1/completions, GET /v1/models, /health, /metrics): continuous "
+               "batching over compressed KV caches under a KV budget");
+  c->add_option("--model", o.model, "GGUF model or llama2.c checkpoint (default: stories260K)");
+  c->add_option("--tokenizer", o.tokenizer, "llama2.c tokenizer.bin (a GGUF carries its own)");
+  c->add_option("--kv", o.kv, "KV scheme or preset of every sequence (default fp16)");
+  c->add_option("--kv-budget-mb", o.kv_budget_mb,
+                "MiB the running sequences' KV caches may hold together (default 1024): a request waits until "
+                "its cache at prompt + max_tokens fits")
+      ->check(CLI::Range(1e-6, 16777216.0));
+  c->add_option("--max-seqs", o.max_seqs, "sequences running at once (default 16)")->check(CLI::Range(1, 4096));
+  c->add_option("--max-queue", o.max_queue, "requests waiting; past it 503 with Retry-After (default 64)")
+      ->check(CLI::Range(0, 65536));
+  c->add_option("--step-tokens", o.step_tokens, "prompt tokens prefilled per step, over all sequences (default 256)")
+      ->check(CLI::Range(1, 65536));
+  c->add_option("--threads", o.threads, "OpenMP, BLAS and attention threads (0: OpenMP default)")
+      ->check(CLI::Range(0, 1024));
+  c->add_flag("--calib-batched", o.calib_batched, "calibrated schemes: calibration sequences side by side");
+  c->add_option("--host", o.host, "address to listen on (default 127.0.0.1)");
+  c->add_option("--port", o.port, "port (default 8080; 0: any free one, printed)")->check(CLI::Range(0, 65535));
+  c->add_option("--max-body-kb", o.max_body_kb, "largest request body, KiB (default 1024; past it 413)")
+      ->check(CLI::Range(1, 1 << 20));
+  c->add_option("--timeout", o.timeout, "a client's read and write timeout, seconds (default 30)")
+      ->check(CLI::Range(1, 3600));
+  c->add_option("--drain-seconds", o.drain_seconds,
+                "on SIGTERM, seconds running requests may finish before they are cancelled (default 60)")
+      ->check(CLI::Range(0, 86400));
+  c->add_option("--connections", o.connections, "connection threads (default 256)")->check(CLI::Range(0, 65536));
+  AddPromptCacheOptions(c, o);
+}
+
+int RunServe(const ServeCliOptions& o) {
+  serve::install_stop_signals();
+  serve::EngineOptions e;
+  e.model = o.model.empty() ? DefaultModel() : o.model;
+  e.tokenizer = o.tokenizer.empty() ? DefaultTokenizerFor(e.model) : o.tokenizer;
+  e.kv = o.kv;
+  e.kv_budget_mb = o.kv_budget_mb;
+  e.max_seqs = o.max_seqs;
+  e.max_queue = o.max_queue;
+  e.step_tokens = o.step_tokens;
+  e.threads = o.threads;
+  e.calib_batched = o.calib_batched;
+  e.prompt_cache = o.prompt_cache;
+  e.prompt_cache_chunk = o.prompt_cache_chunk;
+  e.prompt_cache_max_mb = o.prompt_cache_max_mb;
+  e.prompt_cache_ttl = o.prompt_cache_ttl;
+  if (o.prompt_cache) e.prompt_cache_secret = StoreSecret(o.prompt_cache_key_file);
+  serve::Engine engine(e);
+  serve::HttpOptions h;
+  h.host = o.host;
+  h.port = o.port;
+  h.max_body_kb = o.max_body_kb;
+  h.timeout_seconds = o.timeout;
+  h.drain_seconds = o.drain_seconds;
+  h.connections = o.connections;
+  const int rc = serve::serve_http(engine, h, [&](int port) {
+    std::fprintf(stderr,
+                 "kvq serve: listening on http://%s:%d (model %s, kv %s, budget %.1f MiB: %llu bytes, max %d "
+                 "sequences, queue %d)\n",
+                 o.host.c_str(), port, engine.model_id().c_str(), engine.kv_label().c_str(), o.kv_budget_mb,
+                 static_cast<unsigned long long>(engine.metrics().kv_budget_bytes), o.max_seqs, o.max_queue);
+    std::fflush(stderr);
+  });
+  const serve::Metrics m = engine.metrics();
+  std::fprintf(stderr, "kvq serve: stopped after %llu requests (%llu finished, %llu cancelled, %llu refused), %llu "
+               "tokens out, peak KV %llu of %llu bytes\n",
+               static_cast<unsigned long long>(m.requests), static_cast<unsigned long long>(m.requests_finished),
+               static_cast<unsigned long long>(m.requests_cancelled),
+               static_cast<unsigned long long>(m.requests_refused),
+               static_cast<unsigned long long>(m.completion_tokens), static_cast<unsigned long long>(m.kv_bytes_peak),
+               static_cast<unsigned long long>(m.kv_budget_bytes));
+  return rc;
+}
+
+}  // namespace kvq::tools
