@@ -180,8 +180,10 @@ std::shared_ptr<Job> Engine::submit(Request r, Refused* refused) {
       if (refused != nullptr) *refused = {503, "the server is shutting down", ""};
       return nullptr;
     }
-    // Waiting beyond the free sequence slots: at most max_queue.
-    const size_t free_slots = static_cast<size_t>(std::max(0, o_.max_seqs - m_.running));
+    // At most max_queue requests wait: those the scheduler could not admit
+    // (m_.queued, at its last look) and, once one could not, every arrival.
+    // Until then an arrival may take a free sequence slot.
+    const size_t free_slots = m_.queued > 0 ? 0 : static_cast<size_t>(std::max(0, o_.max_seqs - m_.running));
     if (queue_.size() >= static_cast<size_t>(o_.max_queue) + free_slots) {
       ++m_.requests_refused;
       if (refused != nullptr) {
@@ -250,6 +252,7 @@ void Engine::Loop() {
       Step();
     } catch (const std::exception& ex) {  // a bug or an exhausted machine: fail what runs, keep serving
       std::fprintf(stderr, "kvq serve: step failed: %s\n", ex.what());
+      outbox_.clear();
       for (auto& s : running_) {
         Event e;
         e.done = true;
@@ -355,7 +358,7 @@ void Engine::Finish(Seq& s, const std::string& reason) {
   e.prompt_tokens = s.prompt_len;
   e.completion_tokens = s.generated;
   s.finished = true;
-  s.job->Push(std::move(e));
+  outbox_.emplace_back(s.job, std::move(e));
   std::lock_guard lk(mu_);
   ++m_.requests_finished;
 }
@@ -439,8 +442,9 @@ bool Engine::Step() {
     e.finish_reason = "error";
     e.error = "the sequence's KV cache outgrew the server's budget";
     e.status = 500;
-    running_.front()->job->Push(std::move(e));
+    const std::shared_ptr<Job> job = running_.front()->job;
     Release(0);
+    job->Push(std::move(e));
     return true;
   }
   const auto t_prefill = Clock::now();
@@ -504,7 +508,7 @@ bool Engine::Step() {
       e.text = s.text.substr(s.sent, s.text.size() - hold - s.sent);
       s.sent += e.text.size();
       e.ids = {next};
-      s.job->Push(std::move(e));
+      outbox_.emplace_back(s.job, std::move(e));
     }
   }
   const uint64_t held = CachedBytes();
@@ -512,7 +516,7 @@ bool Engine::Step() {
     if (running_[i]->finished) Release(i);
   }
   const double step_s = Since(t0);
-  std::lock_guard lk(mu_);
+  std::unique_lock lk(mu_);
   ++m_.steps;
   m_.step_seconds += step_s;
   m_.step_seconds_max = std::max(m_.step_seconds_max, step_s);
@@ -522,7 +526,16 @@ bool Engine::Step() {
   m_.kv_bytes_peak = std::max(m_.kv_bytes_peak, held);
   m_.kv_bytes = 0;
   for (const auto& s : running_) m_.kv_bytes += s->tf->cache().bytes();
+  lk.unlock();
+  Flush();
   return true;
+}
+
+// The step's events go out after its counters and releases: a client that
+// has its last event sees its sequence gone from /metrics.
+void Engine::Flush() {
+  for (auto& [job, e] : outbox_) job->Push(std::move(e));
+  outbox_.clear();
 }
 
 }  // namespace kvq::serve

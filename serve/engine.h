@@ -170,6 +170,7 @@ class Engine {
   void Release(size_t i);
   uint64_t CachedBytes() const;
   void StoreIfDue(Seq& s);
+  void Flush();
 
   EngineOptions o_;
   std::unique_ptr<model::Checkpoint> ckpt_;
@@ -185,6 +186,7 @@ class Engine {
   std::condition_variable cv_;
   std::deque<std::unique_ptr<Seq>> queue_;  // guarded by mu_
   std::vector<std::unique_ptr<Seq>> running_;  // scheduler thread only
+  std::vector<std::pair<std::shared_ptr<Job>, Event>> outbox_;  // the step's events (scheduler thread)
   uint64_t next_id_ = 1;
   uint64_t admitted_ = 0;  // scheduler thread only
   uint64_t reserved_ = 0;

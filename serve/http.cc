@@ -2,11 +2,15 @@
 #include "serve/http.h"
 
 #include <httplib.h>
+#include <dirent.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <ctime>
 #include <limits>
@@ -45,7 +49,7 @@ bool ParseCompletion(const std::string& body, const Engine& engine, Parsed& p, s
   json j;
   try {
     j = json::parse(body);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // a syntax error, a number out of range
     err = std::string("the body is not valid JSON: ") + e.what();
     return false;
   }
@@ -225,6 +229,31 @@ std::string MetricsText(const Engine& engine) {
   return s;
 }
 
+// Debian's cpp-httplib 0.11.4 is a compiled library whose listening socket
+// has a backlog of 5 (CPPHTTPLIB_LISTEN_BACKLOG, fixed when it was built):
+// past five connections arriving at once, the kernel drops or resets some.
+// Linux lets listen() be called again on a listening socket to change its
+// backlog; the socket is found among this process's by its port.
+void WidenBacklog(int port) {
+  DIR* d = opendir("/proc/self/fd");
+  if (d == nullptr) return;
+  while (const dirent* e = readdir(d)) {
+    const int fd = std::atoi(e->d_name);
+    if (fd <= 2 || fd == dirfd(d)) continue;
+    int listening = 0;
+    socklen_t len = sizeof listening;
+    if (getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) != 0 || !listening) continue;
+    sockaddr_storage a{};
+    socklen_t alen = sizeof a;
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&a), &alen) != 0) continue;
+    const int p = a.ss_family == AF_INET    ? ntohs(reinterpret_cast<const sockaddr_in*>(&a)->sin_port)
+                  : a.ss_family == AF_INET6 ? ntohs(reinterpret_cast<const sockaddr_in6*>(&a)->sin6_port)
+                                            : -1;
+    if (p == port) ::listen(fd, SOMAXCONN);
+  }
+  closedir(d);
+}
+
 }  // namespace
 
 namespace {
@@ -372,6 +401,7 @@ int serve_http(Engine& engine, const HttpOptions& o, const std::function<void(in
     port = -1;
   }
   KVQ_CHECK_ARG(port > 0, "--port: cannot listen on ", o.host, ":", o.port);
+  WidenBacklog(port);
   if (on_listening) on_listening(port);
 
   std::atomic<bool> finished{false};

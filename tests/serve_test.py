@@ -1,0 +1,371 @@
+"""kvq serve on loopback: OpenAI's completions API, greedy output identical to `kvq generate`, the KV
+budget, the queue and 503, clients that disconnect, two servers sharing a Redis prefix store, bad and slow
+clients, SIGTERM.
+
+Run: KVQ_CLI=build/release/kvq /usr/bin/python3 -m pytest -q tests/serve_test.py
+(ctest runs it as serve_test).
+"""
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from serve_client import Server, free_port, wait_for  # noqa: E402
+
+KVQ = Path(os.environ.get("KVQ_CLI", ROOT / "build" / "release" / "kvq"))
+SHARED = Path(os.environ.get("KVQ_SHARED", os.environ.get("KVQ_DEFAULT_SHARED", ROOT.parent / "shared")))
+MODEL = SHARED / "models" / "stories260K" / "stories260K.bin"
+TOK = SHARED / "models" / "stories260K" / "tok512.bin"
+PROMPTS = ["Once upon a time", "The cat sat", "Lily and Ben went to the park", "One day, a little bird"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def need_binary_and_data():
+    if not KVQ.exists():
+        pytest.skip(f"{KVQ} is not built (set KVQ_CLI)")
+    if not MODEL.exists():
+        if os.environ.get("KVQ_REQUIRE_DATA") == "1":
+            pytest.fail(f"KVQ_REQUIRE_DATA=1 but {MODEL} is missing")
+        pytest.skip(f"{MODEL} not found (set KVQ_SHARED)")
+
+
+def stories(*args):
+    return ["--model", MODEL, "--tokenizer", TOK, *args]
+
+
+@pytest.fixture(scope="module")
+def slow_gguf(tmp_path_factory):
+    """A synthetic GGUF (4 layers, dim 512, 8/4 heads of 64, vocab 4000, F32, no tokenizer: ids in and out)
+    slow enough (milliseconds a token) that a long request is still running when the test looks."""
+    out = tmp_path_factory.mktemp("serve") / "slow.gguf"
+    subprocess.run(["/usr/bin/python3", ROOT / "scripts" / "gguf_write.py", "synthetic", out, "--dim", "512",
+                    "--hidden", "1536", "--layers", "4", "--heads", "8", "--kv-heads", "4", "--vocab", "4000",
+                    "--ctx", "8192", "--rope-scaling", "none", "--type", "F32"], check=True)
+    return out
+
+
+def generate(kv, prompt, steps=400):
+    r = subprocess.run([KVQ, "generate", *map(str, stories("--kv", kv, "--prompt", prompt, "--steps", steps))],
+                       capture_output=True, text=True, check=True)
+    return r.stdout.rstrip("\n")
+
+
+def in_threads(fns):
+    out = [None] * len(fns)
+    errs = []
+
+    def run(i, f):
+        try:
+            out[i] = f()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errs.append(e)
+
+    ts = [threading.Thread(target=run, args=(i, f)) for i, f in enumerate(fns)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    if errs:
+        raise errs[0]
+    return out
+
+
+@pytest.mark.parametrize("kv", ["fp16", "q8_0", "kvq-4.5"])
+def test_greedy_output_is_kvq_generates(kv):
+    """Four prompts at once, each streamed and not: every completion is the text `kvq generate` prints
+    for the same prompt and scheme (the decodes of the running sequences run as one sgemm)."""
+    expected = {p: generate(kv, p) for p in PROMPTS}
+    with Server(KVQ, stories("--kv", kv, "--max-seqs", "4")) as s:
+        body = lambda p: {"model": "stories260K", "prompt": p, "max_tokens": 100, "temperature": 0}  # noqa: E731
+        plain = in_threads([lambda p=p: s.post(body(p)) for p in PROMPTS])
+        streamed = in_threads([lambda p=p: s.stream(body(p)) for p in PROMPTS])
+        m = s.metrics()
+    assert s.rc == 0
+    for p, (status, b), (text, events) in zip(PROMPTS, plain, streamed):
+        assert status == 200, b
+        c = b["choices"][0]
+        assert b["object"] == "text_completion" and b["model"] == "stories260K" and b["id"].startswith("cmpl-")
+        assert expected[p].startswith(p + c["text"]), (p, c["text"], expected[p])
+        assert text == c["text"]
+        assert c["finish_reason"] == "length" and b["usage"]["completion_tokens"] == 100
+        assert b["usage"]["total_tokens"] == b["usage"]["prompt_tokens"] + 100
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+        assert all(e["id"] == events[0]["id"] for e in events[:-1])
+    assert m["kvq_requests_finished_total"] == 8 and m["kvq_completion_tokens_total"] == 800
+    assert m["kvq_sequences_running_peak"] >= 2  # they did run side by side
+    assert m["kvq_kv_bytes"] == 0 and m["kvq_kv_reserved_bytes"] == 0
+
+
+def test_endpoints_and_openai_shapes():
+    with Server(KVQ, stories("--kv", "q8_0")) as s:
+        st, h, d = s.request("GET", "/health")
+        assert st == 200 and json.loads(d) == {"status": "ok"}
+        st, _, d = s.request("GET", "/v1/models")
+        m = json.loads(d)
+        assert st == 200 and m["object"] == "list" and m["data"][0]["id"] == "stories260K"
+        assert m["data"][0]["kv"] == "q8_0" and m["data"][0]["context_length"] == 512
+        st, h, d = s.request("GET", "/metrics")
+        assert st == 200 and h["Content-Type"].startswith("text/plain")
+        for name in ["kvq_requests_total", "kvq_prompt_tokens_total", "kvq_completion_tokens_total", "kvq_kv_bytes",
+                     "kvq_kv_budget_bytes", "kvq_sequences_running", "kvq_sequences_queued", "kvq_prefix_hits_total",
+                     "kvq_prefix_bytes_reused_total", "kvq_step_seconds_total"]:
+            assert f"\n{name} " in "\n" + d.decode(), name
+        st, _, d = s.request("GET", "/nope")
+        assert st == 404 and "error" in json.loads(d)
+        # Token ids in, usage counts them; seed and top_p sample reproducibly.
+        st, b = s.post({"prompt": [1, 403, 407, 261, 378], "max_tokens": 12, "temperature": 0})
+        assert st == 200 and b["usage"]["prompt_tokens"] == 5
+        a = s.post({"prompt": "The dog", "max_tokens": 30, "temperature": 0.9, "top_p": 0.8, "seed": 7})[1]
+        b2 = s.post({"prompt": "The dog", "max_tokens": 30, "temperature": 0.9, "top_p": 0.8, "seed": 7})[1]
+        c = s.post({"prompt": "The dog", "max_tokens": 30, "temperature": 0.9, "top_p": 0.8, "seed": 8})[1]
+        assert a["choices"][0]["text"] == b2["choices"][0]["text"] != c["choices"][0]["text"]
+        # usage in a stream only when asked
+        _, ev = s.stream({"prompt": "The dog", "max_tokens": 3, "stream_options": {"include_usage": True}})
+        assert ev[-2]["usage"]["completion_tokens"] == 3 and ev[-2]["choices"] == []
+        _, ev = s.stream({"prompt": "The dog", "max_tokens": 3})
+        assert all("usage" not in e for e in ev[:-1])
+
+
+def test_stop_strings_cut_the_text_streamed_or_not():
+    full = generate("fp16", "Once upon a time")[len("Once upon a time"):]
+    with Server(KVQ, stories()) as s:
+        for stop, cut in [(["Lily"], full.index("Lily")), ("girl named", full.index("girl named")),
+                          (["zzz", ". "], full.index(". "))]:
+            body = {"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "stop": stop}
+            st, b = s.post(body)
+            assert st == 200 and b["choices"][0]["finish_reason"] == "stop", b
+            assert b["choices"][0]["text"] == full[:cut]
+            text, ev = s.stream(body)
+            assert text == full[:cut] and ev[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+BAD = [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    (b'{"prompt": "x", "max_tokens": 1e999}', 400, None),
+    ({}, 400, "prompt"),
+    ({"prompt": 5}, 400, "prompt"),
+    ({"prompt": []}, 400, "prompt"),
+    ({"prompt": [[1, 2], [3]]}, 400, "prompt"),
+    ({"prompt": [1, 2, 99999]}, 400, "prompt"),
+    ({"prompt": [1, -3]}, 400, "prompt"),
+    ({"prompt": [1, 2.5]}, 400, "prompt"),
+    ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 10**15}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 600}, 400, "max_tokens"),  # past the 512-token context
+    ({"prompt": "x", "max_tokens": "9"}, 400, "max_tokens"),
+    ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": "x", "temperature": 3}, 400, "temperature"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "x", "seed": "s"}, 400, "seed"),
+    ({"prompt": "x", "stop": [1]}, 400, "stop"),
+    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ({"prompt": "x", "stop": ""}, 400, "stop"),
+    ({"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ({"prompt": "x", "stream_options": {"x": 1}}, 400, "stream_options"),
+    ({"prompt": "x", "n": 2}, 400, "n"),
+    ({"prompt": "x", "echo": True}, 400, "echo"),
+    ({"prompt": "x", "logprobs": 3}, 400, "logprobs"),
+    ({"prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ({"prompt": "x", "unknown_field": 1}, 400, "unknown_field"),
+    ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
+    ({"model": 3, "prompt": "x"}, 400, "model"),
+]
+
+
+def test_bad_requests_get_openai_errors_and_leave_the_server_serving():
+    with Server(KVQ, stories("--max-body-kb", "64")) as s:
+        for body, status, param in BAD:
+            st, _, d = s.request("POST", "/v1/completions", body)
+            assert st == status, (body, st, d)
+            e = json.loads(d)["error"]
+            assert e["message"] and e["type"] == "invalid_request_error", (body, e)
+            if param is not None:
+                assert e["param"] == param, (body, e)
+        st, _, d = s.request("POST", "/v1/completions", json.dumps({"prompt": "x" * (200 * 1024)}))
+        assert st == 413, d
+        st, _, _ = s.request("GET", "/v1/completions")
+        assert st == 404
+        st, b = s.post({"prompt": "Once upon a time", "max_tokens": 5})
+        assert st == 200 and b["usage"]["completion_tokens"] == 5
+        m = s.metrics()
+        assert m["kvq_requests_total"] == 1 and m["kvq_requests_finished_total"] == 1
+    assert s.rc == 0
+
+
+def test_queue_503_disconnect_and_budget(slow_gguf):
+    """One sequence fits the budget (4 KiB a token in fp16 here): a second request waits in the queue, a
+    third gets 503 with Retry-After; a client that hangs up mid-stream has its sequence cancelled and its
+    cache freed, and the queued request runs; a request whose cache alone exceeds the budget is a 400."""
+    ids = list(range(1, 50))
+    with Server(KVQ, ["--model", slow_gguf, "--kv", "fp16", "--kv-budget-mb", "2", "--max-seqs", "4",
+                      "--max-queue", "1", "--threads", "1"]) as s:
+        st, b = s.post({"prompt": ids, "max_tokens": 1000})
+        assert st == 400 and "budget" in b["error"]["message"], b
+        got = {}
+        first = threading.Event()
+
+        def a_client():
+            def on(ev):
+                got.setdefault("a", 0)
+                got["a"] += 1
+                first.set()
+                return not got.get("hang_up_a")
+            got["a_result"] = s.stream({"prompt": ids, "max_tokens": 400, "temperature": 0}, on_event=on)
+
+        ta = threading.Thread(target=a_client)
+        ta.start()
+        assert first.wait(60)
+        tb = threading.Thread(target=lambda: got.setdefault("b", s.post({"prompt": ids[:20], "max_tokens": 300})))
+        tb.start()
+        assert wait_for(lambda: s.metrics()["kvq_sequences_queued"] == 1, 30)
+        m = s.metrics()
+        assert m["kvq_sequences_running"] == 1 and 0 < m["kvq_kv_bytes"] <= m["kvq_kv_budget_bytes"]
+        st, h, d = s.request("POST", "/v1/completions", {"prompt": ids, "max_tokens": 10})
+        assert st == 503 and h.get("Retry-After") == "1" and json.loads(d)["error"]["message"], d
+        got["hang_up_a"] = True  # the next event hangs up
+        ta.join(60)
+        assert wait_for(lambda: s.metrics()["kvq_requests_cancelled_total"] == 1, 30)
+        tb.join(120)
+        st, b = got["b"]
+        assert st == 200 and b["usage"]["completion_tokens"] == 300 and b["choices"][0]["finish_reason"] == "length"
+        assert len(got["a_result"][1]) < 400  # a hung up early
+        m = wait_for(lambda: (lambda m: m if m["kvq_sequences_running"] == 0 else None)(s.metrics()), 30)
+        assert m["kvq_kv_bytes"] == 0 and m["kvq_kv_reserved_bytes"] == 0
+        assert m["kvq_kv_bytes_peak"] <= m["kvq_kv_budget_bytes"]
+        assert m["kvq_requests_refused_total"] == 2 and m["kvq_requests_finished_total"] == 1
+    assert s.rc == 0
+
+
+@pytest.mark.parametrize("kv", ["q8_0", "kvq-4.5"])
+def test_the_budget_holds_under_many_requests(kv):
+    """A budget that holds about three sequences at their full length; twelve requests at once: every one
+    completes, at most the budget is ever held (KvCache::bytes after every step), the rest waited."""
+    probe = {"q8_0": 2 * 5 * 4 * 8 * 34 / 32, "kvq-4.5": 2 * 5 * 4 * 8 * 4.6 / 8}[kv]  # bytes a token, roughly
+    budget_mb = 3 * 300 * probe / 1048576
+    with Server(KVQ, stories("--kv", kv, "--kv-budget-mb", f"{budget_mb:.6f}", "--max-seqs", "12")) as s:
+        res = in_threads([lambda i=i: s.post({"prompt": PROMPTS[i % 4], "max_tokens": 280, "temperature": 0.8,
+                                              "seed": i + 1}) for i in range(12)])
+        m = s.metrics()
+    for st, b in res:
+        assert st == 200 and b["usage"]["completion_tokens"] + b["usage"]["prompt_tokens"] > 0, b
+    assert m["kvq_requests_finished_total"] == 12
+    assert 0 < m["kvq_kv_bytes_peak"] <= m["kvq_kv_budget_bytes"]
+    assert 2 <= m["kvq_sequences_running_peak"] < 12
+    assert s.rc == 0
+
+
+@pytest.fixture
+def redis_url():
+    if shutil.which("redis-server") is None:
+        if os.environ.get("KVQ_REQUIRE_DATA") == "1":
+            pytest.fail("redis-server is not installed (scripts/install_deps.sh installs it)")
+        pytest.skip("redis-server is not installed")
+    port = free_port()
+    p = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                          "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    def up():
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            return True
+        except OSError:
+            return False
+    assert wait_for(up, 20)
+    yield f"redis://127.0.0.1:{port}", p
+    p.terminate()
+    p.wait()
+
+
+def test_two_servers_share_prefixes_through_redis(redis_url):
+    url, redis = redis_url
+    prompt = " ".join(["Lily and Ben went to the park to play with a big red ball."] * 12)
+    args = stories("--kv", "q8_0", "--prompt-cache", url, "--prompt-cache-chunk", "32")
+    with Server(KVQ, args) as a, Server(KVQ, args) as b:
+        body = {"prompt": prompt, "max_tokens": 40, "temperature": 0}
+        sa, ra = a.post(body)
+        ma = a.metrics()
+        sb, rb = b.post(body)
+        mb = b.metrics()
+        P = ra["usage"]["prompt_tokens"]
+        assert sa == sb == 200 and P > 128
+        assert ra["choices"][0]["text"] == rb["choices"][0]["text"]
+        assert ma["kvq_prefix_hits_total"] == 0 and ma["kvq_prefix_chunks_stored_total"] == (P - 1) // 32
+        assert mb["kvq_prefix_hits_total"] == 1 and mb["kvq_prefix_tokens_reused_total"] == 32 * ((P - 1) // 32)
+        assert mb["kvq_prefix_bytes_reused_total"] > 0
+        assert mb["kvq_prefill_tokens_total"] == P - 1 - mb["kvq_prefix_tokens_reused_total"]
+        redis.kill()  # a store fault stays harmless
+        redis.wait()
+        sc, rc = a.post({**body, "prompt": prompt + " Then they"})
+        assert sc == 200 and rc["usage"]["completion_tokens"] == 40
+    assert a.rc == 0 and b.rc == 0
+
+
+def test_sigterm_lets_running_requests_finish_then_exits_0(slow_gguf):
+    with Server(KVQ, ["--model", slow_gguf, "--kv", "q8_0", "--threads", "1"]) as s:
+        started = threading.Event()
+        out = {}
+
+        def client():
+            out["r"] = s.stream({"prompt": [1, 2, 3], "max_tokens": 150, "temperature": 0},
+                                on_event=lambda ev: started.set())
+
+        t = threading.Thread(target=client)
+        t.start()
+        assert started.wait(60)
+        s.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        try:  # while draining: refused (503) or no longer listening
+            st, _, _ = s.request("POST", "/v1/completions", {"prompt": [1, 2], "max_tokens": 2}, timeout=10)
+            assert st == 503
+        except OSError:
+            pass
+        t.join(120)
+        rc = s.stop()
+    text, events = out["r"]
+    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+    assert rc == 0 and "stopped after" in s.stderr
+
+
+def test_slow_clients_time_out_without_holding_up_the_others():
+    with Server(KVQ, stories("--timeout", "2")) as s:
+        slow = [socket.create_connection(("127.0.0.1", s.port)) for _ in range(4)]
+        for c in slow:  # headers that promise a body never sent
+            c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prom")
+        t0 = time.time()
+        for p in PROMPTS:
+            st, b = s.post({"prompt": p, "max_tokens": 8})
+            assert st == 200 and b["usage"]["completion_tokens"] == 8
+        assert time.time() - t0 < 2  # served while the slow ones hang
+        for c in slow:
+            c.settimeout(15)
+            got = b""
+            while chunk := c.recv(4096):  # after its timeout: a 400 at most, then the server hangs up
+                got += chunk
+            assert got == b"" or got.startswith(b"HTTP/1.1 400"), got
+            c.close()
+        m = s.metrics()
+        assert m["kvq_requests_total"] == m["kvq_requests_finished_total"] == 4
+    assert s.rc == 0
+
+
+def test_many_connections_at_once_each_answered_once():
+    with Server(KVQ, stories("--max-seqs", "8", "--max-queue", "64")) as s:
+        for _ in range(3):
+            res = in_threads([lambda i=i: s.post({"prompt": PROMPTS[i % 4], "max_tokens": 8}) for i in range(48)])
+            assert all(st == 200 and b["usage"]["completion_tokens"] == 8 for st, b in res)
+            assert len({b["id"] for _, b in res}) == 48  # none answered twice
+        m = s.metrics()
+        assert m["kvq_requests_total"] == m["kvq_requests_finished_total"] == 144
+        assert m["kvq_sequences_running_peak"] <= 8
+    assert s.rc == 0
