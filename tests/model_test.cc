@@ -20,6 +20,7 @@
 #include "model/eval.h"
 #include "model/fingerprint.h"
 #include "model/receipts.h"
+#include "model/sampling.h"
 #include "model/transformer.h"
 #include "tests/test_util.h"
 
@@ -275,6 +276,83 @@ TEST(Model, SequencesSideBySideAreTheSequencesAlone) {
   std::vector<Transformer*> pair = {two[0].get(), two[1].get()};
   EXPECT_NE(test::ErrorOf([&] { Transformer::forward_many(pair, std::vector<int>{1}, 0); }).find("one per sequence"),
             std::string::npos);
+}
+
+// forward_rows and prefill_into: sequences at their own lengths on one set of
+// activation buffers (kvq serve's steps). One row is forward() bit for bit; a
+// prompt prefilled through another object's buffers is prefill() bit for bit;
+// several rows at different positions are each sequence alone up to
+// summation order; bad rows are errors that write nothing.
+TEST(Model, RowsAtTheirOwnLengthsOnOneDriverAreTheSequencesAlone) {
+  KVQ_MODEL_FILES();
+  const Checkpoint ckpt(model_path);
+  const int V = ckpt.config().vocab_size;
+  for (const char* scheme : {"fp32", "q8_0", "k4v3g16r4"}) {
+    SCOPED_TRACE(scheme);
+    Transformer driver(ckpt, CacheScheme("fp32"), 1);
+    std::vector<std::unique_ptr<Transformer>> seq, alone;
+    const int P[3] = {5, 17, 1};  // prompts of different lengths
+    for (int b = 0; b < 3; ++b) {
+      seq.push_back(std::make_unique<Transformer>(ckpt, CacheScheme(scheme), 64));
+      alone.push_back(std::make_unique<Transformer>(ckpt, CacheScheme(scheme), 64));
+      std::vector<int> prompt;
+      for (int t = 0; t < P[b]; ++t) prompt.push_back(1 + (37 * t + 11 * b) % (V - 1));
+      const auto got = driver.prefill_into(*seq[b], prompt, 0);
+      const std::vector<float> g(got.begin(), got.end());
+      const auto want = alone[b]->prefill(prompt, 0);
+      ASSERT_EQ(std::vector<float>(want.begin(), want.end()), g);  // the same pass, other buffers
+      EXPECT_EQ(seq[b]->length(), P[b]);
+      EXPECT_EQ(seq[b]->cache().bytes(), alone[b]->cache().bytes());
+    }
+    // One row: forward() bit for bit.
+    {
+      const Transformer::SeqToken row[1] = {{seq[0].get(), 42, P[0]}};
+      const auto got = driver.forward_rows(row);
+      const std::vector<float> g(got.begin(), got.end());
+      const auto want = alone[0]->forward(42, P[0]);
+      ASSERT_EQ(std::vector<float>(want.begin(), want.end()), g);
+    }
+    float worst = 0;
+    for (int step = 0; step < 12; ++step) {
+      std::vector<Transformer::SeqToken> rows;
+      for (int b = 0; b < 3; ++b) rows.push_back({seq[b].get(), 3 + 7 * step + b, seq[b]->length()});
+      const auto got = driver.forward_rows(rows);
+      ASSERT_EQ(got.size(), 3u * static_cast<size_t>(V));
+      const std::vector<float> g(got.begin(), got.end());
+      for (size_t b = 0; b < 3; ++b) {
+        const auto want = alone[b]->forward(rows[b].token, rows[b].pos);
+        for (int i = 0; i < V; ++i) {
+          worst = std::max(worst, std::fabs(want[static_cast<size_t>(i)] - g[b * V + static_cast<size_t>(i)]));
+        }
+      }
+    }
+    EXPECT_LT(worst, std::string(scheme) == "fp32" ? 1e-4f : 5e-2f);
+    for (size_t b = 0; b < 3; ++b) EXPECT_EQ(seq[b]->cache().tokens(), alone[b]->cache().tokens());
+    // Bad rows: not at the sequence's length, twice, another checkpoint's.
+    const int64_t before = seq[1]->cache().tokens();
+    const Transformer::SeqToken behind[1] = {{seq[1].get(), 5, seq[1]->length() - 1}};
+    EXPECT_NE(test::ErrorOf([&] { driver.forward_rows(behind); }).find("is at length"), std::string::npos);
+    const Transformer::SeqToken twice[2] = {{seq[1].get(), 5, seq[1]->length()}, {seq[1].get(), 5, seq[1]->length()}};
+    EXPECT_NE(test::ErrorOf([&] { driver.forward_rows(twice); }).find("appears twice"), std::string::npos);
+    const Checkpoint other(model_path);
+    Transformer stranger(other, CacheScheme(scheme), 8);
+    const Transformer::SeqToken foreign[1] = {{&stranger, 5, 0}};
+    EXPECT_NE(test::ErrorOf([&] { driver.forward_rows(foreign); }).find("this checkpoint"), std::string::npos);
+    EXPECT_EQ(seq[1]->cache().tokens(), before);
+  }
+}
+
+// Nucleus sampling: top_p 1 is the plain draw; a tiny top_p keeps only the
+// most probable token; a top_p keeps the fewest tokens that reach it.
+TEST(Model, TopPKeepsTheFewestMostProbableTokens) {
+  const std::vector<float> logits = {0.0f, 2.0f, 1.0f, -1.0f, 1.9f};
+  for (uint64_t seed = 1; seed < 200; ++seed) {
+    uint64_t a = seed, b = seed, c = seed, d = seed;
+    EXPECT_EQ(sample_token(logits, 0.7, a), sample_token(logits, 0.7, 1.0, b));
+    EXPECT_EQ(sample_token(logits, 0.7, 1e-6, c), 1);
+    const int t = sample_token(logits, 1.0, 0.6, d);  // p(1) = .41, p(4) = .37: {1, 4} reach 0.6
+    EXPECT_TRUE(t == 1 || t == 4) << t;
+  }
 }
 
 // --calib-batched: the sequences side by side (17: two rounds of up to 16),
