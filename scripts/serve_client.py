@@ -118,10 +118,11 @@ class Server:
                 m[k] = float(v)
         return m
 
-    def rss_kb(self):
+    def rss_kb(self, field="VmRSS"):
+        """The server's resident memory now (VmRSS) or at its peak (VmHWM), KiB."""
         with open(f"/proc/{self.proc.pid}/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1])
         return 0
 

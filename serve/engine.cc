@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <exception>
 #include <filesystem>
+#include <malloc.h>
 #include <omp.h>
 #include <span>
 
@@ -515,6 +516,9 @@ bool Engine::Step() {
   for (size_t i = running_.size(); i-- > 0;) {
     if (running_[i]->finished) Release(i);
   }
+  // Idle again: give the freed caches' pages back to the system (glibc keeps
+  // freed memory in its arenas otherwise, and the RSS stays at its peak).
+  if (running_.empty()) malloc_trim(0);
   const double step_s = Since(t0);
   std::unique_lock lk(mu_);
   ++m_.steps;

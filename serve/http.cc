@@ -299,7 +299,9 @@ int serve_http(Engine& engine, const HttpOptions& o, const std::function<void(in
   svr.Get("/v1/models", [&](const httplib::Request&, httplib::Response& res) {
     json m = {{"id", engine.model_id()},       {"object", "model"},
               {"created", started},            {"owned_by", "kvq"},
-              {"kv", engine.kv_label()},       {"context_length", engine.context_length()}};
+              {"kv", engine.kv_label()},       {"context_length", engine.context_length()},
+              {"vocab_size", engine.vocab_size()},
+              {"kv_bytes_at_context", engine.reserve_bytes(engine.context_length())}};
     res.set_content(json({{"object", "list"}, {"data", json::array({m})}}).dump(), "application/json");
   });
   svr.Get("/metrics", [&](const httplib::Request&, httplib::Response& res) {

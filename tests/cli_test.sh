@@ -88,6 +88,21 @@ check "generate --tokens with an id past the vocabulary exits 2" '[ $rc -eq 2 ] 
 check "generate --tokens with --prompt exits 2" '[ $rc -eq 2 ] && grep -q "not with --prompt" "$T/err"'
 "$KVQ" generate --model "$T/q.gguf" --tokens "$T/ids10.bin" --batch 0 >/dev/null 2>"$T/err"; rc=$?
 check "generate --batch 0 exits 2" '[ $rc -eq 2 ]'
+# kvq serve: bad options exit 2 before listening (the server itself: tests/serve_test.py).
+"$KVQ" serve --kv nope --port 0 >/dev/null 2>"$T/err"; rc=$?
+check "serve --kv nope exits 2" '[ $rc -eq 2 ] && grep -q "kv" "$T/err"'
+"$KVQ" serve --kv-budget-mb 0 --port 0 >/dev/null 2>"$T/err"; rc=$?
+check "serve --kv-budget-mb 0 exits 2" '[ $rc -eq 2 ]'
+"$KVQ" serve --max-seqs 0 --port 0 >/dev/null 2>"$T/err"; rc=$?
+check "serve --max-seqs 0 exits 2" '[ $rc -eq 2 ]'
+"$KVQ" serve --model "$T/missing.gguf" --port 0 >/dev/null 2>"$T/err"; rc=$?
+check "serve with a missing model exits 2" '[ $rc -eq 2 ] && grep -q "missing.gguf" "$T/err"'
+/usr/bin/python3 -c "import socket,time; s=socket.socket(); s.bind(('127.0.0.1',0)); s.listen(); print(s.getsockname()[1], flush=True); time.sleep(30)" >"$T/port" &
+busy=$!
+for _ in $(seq 50); do [ -s "$T/port" ] && break; sleep 0.1; done
+"$KVQ" serve --port "$(cat "$T/port")" >/dev/null 2>"$T/err"; rc=$?
+kill $busy 2>/dev/null; wait $busy 2>/dev/null
+check "serve on a port in use exits 2 naming it" '[ $rc -eq 2 ] && grep -q "cannot listen" "$T/err"'
 # The same prompt as text and as ids (stories260K's tokenizer: BOS, "Once upon a time, Lily").
 /usr/bin/python3 -c "import numpy as np; np.array([1, 403, 407, 261, 378, 432, 317], dtype=np.int32).tofile('$T/lily.bin')"
 "$KVQ" generate --model "$T/s.gguf" --tokens "$T/lily.bin" --steps 60 >"$T/gt" 2>/dev/null; rc=$?

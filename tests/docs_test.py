@@ -107,7 +107,7 @@ helps = {}
 for page in pages:
     for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", page.read_text(), re.S):
         for line in block.replace("\\\n", " ").splitlines():
-            m = re.search(r"(?:^|\s)(?:\S*/)?kvq (eval|generate|receipts|demo)\b(.*)", line)
+            m = re.search(r"(?:^|\s)(?:\S*/)?kvq (eval|generate|receipts|demo|serve)\b(.*)", line)
             if not m:
                 continue
             cmd, rest = m.group(1), m.group(2).split("#")[0]

@@ -114,6 +114,7 @@ def test_endpoints_and_openai_shapes():
         m = json.loads(d)
         assert st == 200 and m["object"] == "list" and m["data"][0]["id"] == "stories260K"
         assert m["data"][0]["kv"] == "q8_0" and m["data"][0]["context_length"] == 512
+        assert m["data"][0]["vocab_size"] == 512
         st, h, d = s.request("GET", "/metrics")
         assert st == 200 and h["Content-Type"].startswith("text/plain")
         for name in ["kvq_requests_total", "kvq_prompt_tokens_total", "kvq_completion_tokens_total", "kvq_kv_bytes",
