@@ -111,6 +111,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-seqs", type=int, default=64)
     ap.add_argument("--step-tokens", type=int, default=256)
+    ap.add_argument("--server-args", default="", help="more kvq serve options, e.g. --calib-batched")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     base = ["--model", a.model] + (["--tokenizer", a.tokenizer] if a.tokenizer else [])
@@ -118,7 +119,8 @@ def main():
     results = []
     for scheme in a.schemes.split(","):
         args = base + ["--kv", scheme, "--kv-budget-mb", f"{a.budget_mb}", "--max-seqs", str(a.max_seqs),
-                       "--max-queue", "1024", "--threads", str(a.threads), "--step-tokens", str(a.step_tokens)]
+                       "--max-queue", "1024", "--threads", str(a.threads), "--step-tokens", str(a.step_tokens),
+                       *a.server_args.split()]
         with Server(a.kvq, args) as s:
             _, _, d = s.request("GET", "/v1/models")
             model = json.loads(d)["data"][0]

@@ -84,14 +84,22 @@ Engine::Engine(const EngineOptions& o) : o_(o), scheme_(std::make_unique<SchemeH
   scheme_->scheme = schemes.front();
   if (scheme_->scheme.info().needs_ranges) {
     model::CalibrationOptions co;
-    co.length = model::default_calibration_length(cfg, cfg.seq_len);
+    KVQ_CHECK_ARG(o.calib_tokens >= 1, "--calib-tokens: expected >= 1, got ", o.calib_tokens);
+    co.length = std::min(cfg.seq_len, o.calib_tokens);
     co.batched = o.calib_batched;
     scheme_->scheme.ranges = std::make_shared<const StaticRanges>(model::calibrate_static_ranges(*ckpt_, co));
   }
   const KvSchemeInfo info = scheme_->scheme.info();
   kv_label_ = info.label == info.name ? info.name : info.label + " = " + info.name;
   budget_ = static_cast<uint64_t>(o.kv_budget_mb * 1048576.0);
+  // What one token can add to a cache: a row scheme its token's bytes
+  // exactly; a grouped one is given a float32 K and V row a layer (its open
+  // tokens and the units outside its grid are held in fp16 or fewer bits).
   row_bytes_ = static_cast<uint64_t>(cfg.n_layers) * 2 * static_cast<uint64_t>(cfg.kv_dim()) * sizeof(float);
+  if (info.family == "rows") {
+    row_bytes_ = static_cast<uint64_t>(std::ceil(kv_scheme_layer_bytes(info.name, 1, cfg.n_kv_heads, cfg.head_size()))) *
+                 static_cast<uint64_t>(cfg.n_layers);
+  }
   if (o.prompt_cache) {
     store::StoreOptions so;
     so.chunk_tokens = o.prompt_cache_chunk;
@@ -302,7 +310,22 @@ void Engine::Admit() {
       m_.queued = static_cast<int>(queue_.size());
       m_.kv_reserved_bytes = reserved_;
     }
-    s->tf = std::make_unique<model::Transformer>(*ckpt_, scheme_->scheme, s->limit);
+    try {
+      s->tf = std::make_unique<model::Transformer>(*ckpt_, scheme_->scheme, s->limit);
+    } catch (const std::exception& ex) {  // out of memory: this request fails, the others run on
+      Event e;
+      e.done = true;
+      e.finish_reason = "error";
+      e.error = std::string("the sequence's cache could not be built: ") + ex.what();
+      e.status = 500;
+      {
+        std::lock_guard lk(mu_);
+        reserved_ -= s->reserved;
+        m_.kv_reserved_bytes = reserved_;
+      }
+      s->job->Push(std::move(e));
+      continue;
+    }
     if (pstore_) {
       try {
         KvCache c = s->tf->cache().Copy();

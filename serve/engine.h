@@ -15,8 +15,9 @@
 //      projection as one sgemm (Transformer::forward_rows), attention over
 //      each sequence's own cache; samples, emits text, finishes sequences.
 // Before steps 3 and 4 the bytes the caches hold (KvCache::bytes) plus what
-// the step can add (a float32 K and V row a token and layer: more than any
-// scheme writes) must fit the budget; if not, the newest running sequence is
+// the step can add (a row scheme's bytes a token; for a grouped scheme a
+// float32 K and V row a token and layer, more than it writes) must fit the
+// budget; if not, the newest running sequence is
 // preempted: its cache is freed and it goes back to the head of the queue,
 // to be recomputed from its tokens (prompt and output so far) when it fits.
 // So the caches never hold more than the budget.
@@ -61,6 +62,7 @@ struct EngineOptions {
   std::string prompt_cache_secret;
   int threads = 0;             // OpenMP, BLAS and attention threads (0: as the process has them)
   bool calib_batched = false;  // calibrated schemes: calibration sequences side by side
+  int calib_tokens = 512;      // calibrated schemes: tokens per calibration sequence (at most the context)
 };
 
 // One completion request, checked by Engine::submit.

@@ -28,6 +28,10 @@ void AddServeCommand(CLI::App& app, ServeCliOptions& o) {
   c->add_option("--threads", o.threads, "OpenMP, BLAS and attention threads (0: OpenMP default)")
       ->check(CLI::Range(0, 1024));
   c->add_flag("--calib-batched", o.calib_batched, "calibrated schemes: calibration sequences side by side");
+  c->add_option("--calib-tokens", o.calib_tokens,
+                "calibrated schemes: tokens per calibration sequence the model generates (default 512, at most its "
+                "context)")
+      ->check(CLI::Range(1, 1 << 24));
   c->add_option("--host", o.host, "address to listen on (default 127.0.0.1)");
   c->add_option("--port", o.port, "port (default 8080; 0: any free one, printed)")->check(CLI::Range(0, 65535));
   c->add_option("--max-body-kb", o.max_body_kb, "largest request body, KiB (default 1024; past it 413)")
@@ -53,6 +57,7 @@ int RunServe(const ServeCliOptions& o) {
   e.step_tokens = o.step_tokens;
   e.threads = o.threads;
   e.calib_batched = o.calib_batched;
+  e.calib_tokens = o.calib_tokens;
   e.prompt_cache = o.prompt_cache;
   e.prompt_cache_chunk = o.prompt_cache_chunk;
   e.prompt_cache_max_mb = o.prompt_cache_max_mb;
