@@ -25,22 +25,25 @@ if [ "${KVQ_WITH_ARM:-0}" = "1" ]; then
   PKGS+=(g++-aarch64-linux-gnu qemu-user libhwy-dev:arm64 libgtest-dev:arm64 libssl-dev:arm64 libgomp1:arm64)
 fi
 
-# Test-time oracles from npm (never a dependency of the library): llama.cpp's
-# CPU build through node-llama-cpp, pinned, into build/oracles. A failure to
-# reach npm is a warning here; the oracle tests then skip (or, under
-# KVQ_REQUIRE_DATA=1, fail) saying so.
+# Test-time oracles and clients from npm (never a dependency of the library),
+# pinned, into build/oracles: llama.cpp's CPU build through node-llama-cpp
+# (the llama-perplexity tests) and OpenAI's official client (kvq serve's
+# tests). A failure to reach npm is a warning here; the tests that need them
+# then skip (or, under KVQ_REQUIRE_DATA=1, fail) saying so.
 if [ "${KVQ_WITH_ORACLES:-0}" = "1" ]; then
   oracles="$(cd "$(dirname "$0")/.." && pwd)/build/oracles"
-  want=3.21.1
-  have=$(node -p "require('$oracles/node_modules/node-llama-cpp/package.json').version" 2>/dev/null || true)
-  if [ "$have" != "$want" ]; then
+  for pkg in node-llama-cpp@3.21.1 openai@6.30.1; do
+    name=${pkg%@*}
+    want=${pkg##*@}
+    have=$(node -p "require('$oracles/node_modules/$name/package.json').version" 2>/dev/null || true)
+    [ "$have" = "$want" ] && continue
     if command -v npm >/dev/null && mkdir -p "$oracles" &&
-        npm i -E --prefix "$oracles" "node-llama-cpp@$want" --no-audit --no-fund >"$oracles/npm.log" 2>&1; then
-      echo "install_deps: node-llama-cpp $want in $oracles"
+        npm i -E --prefix "$oracles" "$pkg" --no-audit --no-fund >"$oracles/npm-$name.log" 2>&1; then
+      echo "install_deps: $name $want in $oracles"
     else
-      echo "install_deps: warning: could not install node-llama-cpp $want from npm (see $oracles/npm.log)" >&2
+      echo "install_deps: warning: could not install $name $want from npm (see $oracles/npm-$name.log)" >&2
     fi
-  fi
+  done
 fi
 
 missing=()

@@ -370,3 +370,24 @@ def test_many_connections_at_once_each_answered_once():
         assert m["kvq_requests_total"] == m["kvq_requests_finished_total"] == 144
         assert m["kvq_sequences_running_peak"] <= 8
     assert s.rc == 0
+
+
+def test_openais_official_client_reads_the_server():
+    """npm `openai` (scripts/install_deps.sh puts it in build/oracles): list, complete, stream, an error."""
+    oracles = Path(os.environ.get("KVQ_ORACLES", ROOT / "build" / "oracles"))
+    if shutil.which("node") is None or not (oracles / "node_modules" / "openai").exists():
+        msg = f"node or the npm package openai is missing from {oracles} (KVQ_WITH_ORACLES=1 scripts/install_deps.sh)"
+        if os.environ.get("KVQ_REQUIRE_DATA") == "1":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    with Server(KVQ, stories("--kv", "q8_0")) as s:
+        r = subprocess.run(["node", ROOT / "tests" / "openai_client.mjs", oracles, f"http://127.0.0.1:{s.port}/v1",
+                            "Once upon a time", "40"], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        got = json.loads(r.stdout)
+        st, b = s.post({"prompt": "Once upon a time", "max_tokens": 40, "temperature": 0})
+    assert got["models"] == ["stories260K"]
+    assert got["text"] == got["streamed"] == b["choices"][0]["text"]
+    assert got["finish_reason"] == got["stream_finish_reason"] == "length"
+    assert got["usage"] == b["usage"]
+    assert got["error_status"] == 400 and got["error_param"] == "max_tokens"
