@@ -96,6 +96,14 @@ Engine::Engine(const EngineOptions& o) : o_(o), scheme_(std::make_unique<SchemeH
   // exactly; a grouped one is given a float32 K and V row a layer (its open
   // tokens and the units outside its grid are held in fp16 or fewer bits).
   row_bytes_ = static_cast<uint64_t>(cfg.n_layers) * 2 * static_cast<uint64_t>(cfg.kv_dim()) * sizeof(float);
+  KVQ_CHECK_ARG(o.admit == "guaranteed" || o.admit == "packed", "--admit: expected guaranteed or packed, got '",
+                o.admit, "'");
+  if (info.family != "rows" && o.admit == "guaranteed") {  // a grouped cache's tokens held open: G + sinks + recent
+    const KvCache probe(info.name, cfg.n_layers, cfg.seq_len, cfg.n_kv_heads, cfg.head_size(),
+                        scheme_->scheme.ranges.get(), cfg.rope);
+    const KvRangeAlignment a = probe.range_alignment();
+    open_tokens_ = a.unit + a.offset;
+  }
   if (info.family == "rows") {
     row_bytes_ = static_cast<uint64_t>(std::ceil(kv_scheme_layer_bytes(info.name, 1, cfg.n_kv_heads, cfg.head_size()))) *
                  static_cast<uint64_t>(cfg.n_layers);
@@ -138,7 +146,11 @@ int Engine::vocab_size() const { return ckpt_->config().vocab_size; }
 uint64_t Engine::reserve_bytes(int tokens) const {
   const model::Config& cfg = ckpt_->config();
   const double layer = kv_scheme_layer_bytes(scheme_->scheme.info().name, tokens, cfg.n_kv_heads, cfg.head_size());
-  return static_cast<uint64_t>(std::ceil(layer)) * static_cast<uint64_t>(cfg.n_layers);
+  // A grouped cache's least bytes count its tokens in groups; up to
+  // open_tokens_ of them are held open in fp16 (K and V) meanwhile.
+  const uint64_t open = static_cast<uint64_t>(std::min(tokens, open_tokens_)) * 2 *
+                        static_cast<uint64_t>(cfg.kv_dim()) * 2;
+  return (static_cast<uint64_t>(std::ceil(layer)) + open) * static_cast<uint64_t>(cfg.n_layers);
 }
 
 std::shared_ptr<Job> Engine::submit(Request r, Refused* refused) {

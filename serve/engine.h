@@ -4,9 +4,10 @@
 //
 // One scheduler thread runs every model pass. Each step:
 //   1. admits queued requests (in order) while the bytes their caches will
-//      hold at prompt + max_tokens tokens (KvCache's least bytes, all
-//      layers) fit beside those reserved by the running ones; an admitted
-//      request restores its longest stored prefix from the prefix store;
+//      hold at prompt + max_tokens tokens (the scheme's least bytes, all
+//      layers, and for a grouped scheme its open tokens in fp16) fit beside
+//      those reserved by the running ones; an admitted request restores its
+//      longest stored prefix from the prefix store;
 //   2. drops the sequences whose client went away (their caches are freed);
 //   3. prefills prompts in chunks, at most `step_tokens` prompt tokens a step
 //      over all sequences (so a long prompt does not stall the decodes),
@@ -63,6 +64,11 @@ struct EngineOptions {
   int threads = 0;             // OpenMP, BLAS and attention threads (0: as the process has them)
   bool calib_batched = false;  // calibrated schemes: calibration sequences side by side
   int calib_tokens = 512;      // calibrated schemes: tokens per calibration sequence (at most the context)
+  // Admission (TensorRT-LLM's two capacity policies): "guaranteed" reserves
+  // a grouped cache's open tokens in fp16 too, so no sequence is preempted;
+  // "packed" reserves the least bytes only and preempts when the caches
+  // outgrow the budget (more sequences at once, some recomputed).
+  std::string admit = "guaranteed";
 };
 
 // One completion request, checked by Engine::submit.
@@ -154,7 +160,8 @@ class Engine {
   int vocab_size() const;
   const std::string& model_id() const { return model_id_; }
   const std::string& kv_label() const { return kv_label_; }
-  // The least bytes a sequence of `tokens` tokens reserves.
+  // The bytes a sequence of `tokens` tokens reserves: the scheme's least
+  // bytes and, for a grouped scheme, its open tokens in fp16.
   uint64_t reserve_bytes(int tokens) const;
   Metrics metrics() const;
   // Stops admitting: queued requests end with a 503 event; running ones run
@@ -183,6 +190,7 @@ class Engine {
   std::unique_ptr<model::Transformer> driver_;  // the activation buffers of every pass
   std::string model_id_, kv_label_;
   uint64_t budget_ = 0, row_bytes_ = 0;
+  int open_tokens_ = 0;  // a grouped scheme's tokens held open (reserved in fp16)
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

@@ -249,21 +249,27 @@ def test_queue_503_disconnect_and_budget(slow_gguf):
     assert s.rc == 0
 
 
-@pytest.mark.parametrize("kv", ["q8_0", "kvq-4.5"])
-def test_the_budget_holds_under_many_requests(kv):
-    """A budget that holds about three sequences at their full length; twelve requests at once: every one
-    completes, at most the budget is ever held (KvCache::bytes after every step), the rest waited."""
-    probe = {"q8_0": 2 * 5 * 4 * 8 * 34 / 32, "kvq-4.5": 2 * 5 * 4 * 8 * 4.6 / 8}[kv]  # bytes a token, roughly
-    budget_mb = 3 * 300 * probe / 1048576
-    with Server(KVQ, stories("--kv", kv, "--kv-budget-mb", f"{budget_mb:.6f}", "--max-seqs", "12")) as s:
-        res = in_threads([lambda i=i: s.post({"prompt": PROMPTS[i % 4], "max_tokens": 280, "temperature": 0.8,
+@pytest.mark.parametrize("kv,admit", [("q8_0", "guaranteed"), ("kvq-4.5", "guaranteed"), ("kvq-4.5", "packed")])
+def test_the_budget_holds_under_many_requests(kv, admit):
+    """A budget that holds three sequences at their full length (512 tokens); twelve requests at once: every
+    one completes, at most the budget is ever held (KvCache::bytes after every step), the rest waited.
+    "guaranteed" admission preempts nothing; "packed" admits on least bytes and may preempt."""
+    with Server(KVQ, stories("--kv", kv)) as probe:
+        per_seq = json.loads(probe.request("GET", "/v1/models")[2])["data"][0]["kv_bytes_at_context"]
+    budget_mb = 3.5 * per_seq / 1048576
+    with Server(KVQ, stories("--kv", kv, "--kv-budget-mb", f"{budget_mb:.6f}", "--max-seqs", "12",
+                             "--admit", admit)) as s:
+        res = in_threads([lambda i=i: s.post({"prompt": [1] * 12, "max_tokens": 500, "temperature": 0.8,
                                               "seed": i + 1}) for i in range(12)])
         m = s.metrics()
     for st, b in res:
-        assert st == 200 and b["usage"]["completion_tokens"] + b["usage"]["prompt_tokens"] > 0, b
+        assert st == 200 and b["choices"][0]["finish_reason"] in ("length", "stop"), b
     assert m["kvq_requests_finished_total"] == 12
     assert 0 < m["kvq_kv_bytes_peak"] <= m["kvq_kv_budget_bytes"]
-    assert 2 <= m["kvq_sequences_running_peak"] < 12
+    assert m["kvq_sequences_running_peak"] >= 3
+    assert m["kvq_sequences_running_peak"] < 12
+    if admit == "guaranteed":
+        assert m["kvq_preemptions_total"] == 0 and m["kvq_sequences_running_peak"] == 3
     assert s.rc == 0
 
 

@@ -90,6 +90,7 @@ struct ServeCliOptions : PromptCacheCliOptions {
   double kv_budget_mb = 1024;
   int max_seqs = 16, max_queue = 64, step_tokens = 256, threads = 0, calib_tokens = 512;
   bool calib_batched = false;
+  std::string admit = "guaranteed";
   std::string host = "127.0.0.1";
   int port = 8080, max_body_kb = 1024, timeout = 30, drain_seconds = 60, connections = 0;
 };

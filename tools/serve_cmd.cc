@@ -20,6 +20,11 @@ void AddServeCommand(CLI::App& app, ServeCliOptions& o) {
                 "MiB the running sequences' KV caches may hold together (default 1024): a request waits until "
                 "its cache at prompt + max_tokens fits")
       ->check(CLI::Range(1e-6, 16777216.0));
+  c->add_option("--admit", o.admit,
+                "guaranteed (default): a request is admitted when its cache at full length fits, a grouped cache's "
+                "open tokens counted in fp16, so none is preempted; packed: least bytes only, more sequences at "
+                "once, the newest preempted and recomputed when the caches outgrow the budget")
+      ->check(CLI::IsMember({"guaranteed", "packed"}));
   c->add_option("--max-seqs", o.max_seqs, "sequences running at once (default 16)")->check(CLI::Range(1, 4096));
   c->add_option("--max-queue", o.max_queue, "requests waiting; past it 503 with Retry-After (default 64)")
       ->check(CLI::Range(0, 65536));
@@ -58,6 +63,7 @@ int RunServe(const ServeCliOptions& o) {
   e.threads = o.threads;
   e.calib_batched = o.calib_batched;
   e.calib_tokens = o.calib_tokens;
+  e.admit = o.admit;
   e.prompt_cache = o.prompt_cache;
   e.prompt_cache_chunk = o.prompt_cache_chunk;
   e.prompt_cache_max_mb = o.prompt_cache_max_mb;
