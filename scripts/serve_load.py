@@ -96,13 +96,30 @@ def run_level(s, concurrency, waves, make_body):
             "ttft_p50_ms": 1e3 * pct(ttft, 0.5)}
 
 
+def print_table(results, budget_mb, max_seqs):
+    """The markdown table and the memory lines of a run (also from its JSON: --from-json)."""
+    levels = [lv["concurrency"] for lv in results[0]["levels"]]
+    print()
+    print(f"| scheme | resident at once (max {max_seqs}) | peak KV MiB (budget {budget_mb:g}) | "
+          + " | ".join(f"C={c} tok/s · TPOT p50/p99 ms" for c in levels) + " | prefix store: TTFT cold → warm ms |")
+    print("|---|---|---|" + "---|" * len(levels) + "---|")
+    for r in results:
+        cells = [f"{lv['tok_s']:.0f} · {lv['tpot_p50_ms']:.1f}/{lv['tpot_p99_ms']:.1f}" for lv in r["levels"]]
+        print(f"| {r['kv']} | {r['resident']} | {r['kv_bytes_peak'] / 1048576:.2f} | " + " | ".join(cells)
+              + f" | {r['prefix']['cold_ttft_ms']:.0f} → {r['prefix']['warm_ttft_ms']:.0f} |")
+    for r in results:
+        print(f"{r['scheme']}: RSS idle {r['rss_idle_kb'] / 1024:.0f} MiB, peak {r['rss_peak_kb'] / 1024:.0f} MiB, "
+              f"after {r['rss_after_kb'] / 1024:.0f} MiB; {r['requests']} requests, {r['finished']} finished, "
+              f"{r['preemptions']} preemptions")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kvq", default=str(Path(__file__).resolve().parents[1] / "build" / "release" / "kvq"))
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model")
     ap.add_argument("--tokenizer", default="")
     ap.add_argument("--schemes", default="fp16,q8_0,q4_0,kvq-4.5,kvq-2.5")
-    ap.add_argument("--budget-mb", type=float, required=True)
+    ap.add_argument("--budget-mb", type=float)
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument("--waves", type=int, default=2, help="requests each client sends, back to back")
     ap.add_argument("--prompt-tokens", type=int, default=96)
@@ -113,7 +130,14 @@ def main():
     ap.add_argument("--step-tokens", type=int, default=256)
     ap.add_argument("--server-args", default="", help="more kvq serve options, e.g. --calib-batched")
     ap.add_argument("--json", default="")
+    ap.add_argument("--from-json", default="", help="print the table of a run's JSON and stop")
     a = ap.parse_args()
+    if a.from_json:
+        run = json.loads(Path(a.from_json).read_text())
+        print_table(run["results"], run["args"]["budget_mb"], run["args"]["max_seqs"])
+        return
+    if not a.model or not a.budget_mb:
+        ap.error("--model and --budget-mb are required")
     base = ["--model", a.model] + (["--tokenizer", a.tokenizer] if a.tokenizer else [])
     levels = [int(c) for c in a.concurrency.split(",")]
     results = []
@@ -132,10 +156,7 @@ def main():
                 return {"prompt": prompt_ids(vocab_hint, a.prompt_tokens, i), "max_tokens": a.max_tokens,
                         "temperature": 0.8, "seed": i + 1}
 
-            per_request = model["kv_bytes_at_context"] * (a.prompt_tokens + a.max_tokens) / ctx
             row = {"scheme": scheme, "kv": model["kv"], "budget_bytes": int(s.metrics()["kvq_kv_budget_bytes"]),
-                   "kv_bytes_per_request": per_request,
-                   "fit": int(s.metrics()["kvq_kv_budget_bytes"] // per_request),
                    "context": ctx, "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens, "levels": []}
             before = s.metrics()
             for c in levels:
@@ -180,19 +201,7 @@ def main():
             print(f"{scheme:>8} prefix store: {n}-token prompt, first token cold {1e3 * times[0]:.1f} ms, warm "
                   f"{1e3 * times[1]:.1f} ms ({row['prefix']['tokens_reused']} tokens restored)", flush=True)
         results.append(row)
-    # The table.
-    print()
-    print(f"| scheme | KV KiB a request | fit in the budget | resident at once (max {a.max_seqs}) | peak KV MiB (budget {a.budget_mb:g}) | "
-          + " | ".join(f"C={c} tok/s · TPOT p50/p99 ms" for c in levels) + " | prefix store: TTFT cold → warm ms |")
-    print("|---|---|---|---|---|" + "---|" * len(levels) + "---|")
-    for r in results:
-        cells = [f"{lv['tok_s']:.0f} · {lv['tpot_p50_ms']:.1f}/{lv['tpot_p99_ms']:.1f}" for lv in r["levels"]]
-        print(f"| {r['kv']} | {r['kv_bytes_per_request'] / 1024:.0f} | {r['fit']} | {r['resident']} | {r['kv_bytes_peak'] / 1048576:.2f} | " + " | ".join(cells)
-              + f" | {r['prefix']['cold_ttft_ms']:.0f} → {r['prefix']['warm_ttft_ms']:.0f} |")
-    for r in results:
-        print(f"{r['scheme']}: RSS idle {r['rss_idle_kb'] / 1024:.0f} MiB, peak {r['rss_peak_kb'] / 1024:.0f} MiB, "
-              f"after {r['rss_after_kb'] / 1024:.0f} MiB; {r['requests']} requests, {r['finished']} finished, "
-              f"{r['preemptions']} preemptions")
+    print_table(results, a.budget_mb, a.max_seqs)
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "results": results}, indent=1) + "\n")
 
