@@ -232,19 +232,22 @@ std::span<const float> Transformer::prefill_into(Transformer& seq, std::span<con
   return run(tokens, pos0, Pass::kBlas, /*last_logits=*/true, &seq);
 }
 
-std::span<const float> Transformer::forward_rows(std::span<const SeqToken> rows) {
-  KVQ_CHECK_ARG(!rows.empty(), "rows: expected at least one");
-  std::vector<Row> rs(rows.size());
+void Transformer::CheckRows(std::span<const Row> rows, bool at_length) const {
+  KVQ_CHECK_ARG(!rows.empty(), "rows: expected at least one sequence");
   for (size_t b = 0; b < rows.size(); ++b) {
-    Transformer* s = rows[b].seq;
+    const Transformer* s = rows[b].seq;
     KVQ_CHECK_ARG(s != nullptr && &s->w_ == &w_, "rows: expected sequences of this checkpoint");
-    KVQ_CHECK_ARG(s->policy_.window == 0, "rows: forward_rows runs without a window");
-    KVQ_CHECK_ARG(rows[b].pos == s->tokens_ && rows[b].pos < s->max_seq_, "rows: sequence ", b, " is at length ",
-                  s->tokens_, " of at most ", s->max_seq_, ", got position ", rows[b].pos);
+    KVQ_CHECK_ARG(s->policy_.window == 0, "rows: several sequences run without a window");
+    const int pos = rows[b].pos;
+    KVQ_CHECK_ARG(pos >= 0 && pos < s->max_seq_ && (!at_length || pos == s->tokens_), "rows: sequence ", b,
+                  " is at length ", s->tokens_, " of at most ", s->max_seq_, ", got position ", pos);
     for (size_t c = 0; c < b; ++c) KVQ_CHECK_ARG(rows[c].seq != s, "rows: sequence ", b, " appears twice");
-    rs[b] = {s, rows[b].token, rows[b].pos};
   }
-  return Run(rs, rs.size() == 1 ? Pass::kToken : Pass::kBlas);
+}
+
+std::span<const float> Transformer::forward_rows(std::span<const SeqToken> rows) {
+  CheckRows(rows, /*at_length=*/true);
+  return Run(rows, rows.size() == 1 ? Pass::kToken : Pass::kBlas);
 }
 
 void Transformer::set_attention_threads(int n) {
@@ -268,15 +271,10 @@ std::span<const float> Transformer::forward_many(std::span<Transformer* const> s
                                                  int pos) {
   KVQ_CHECK_ARG(!seqs.empty() && seqs.size() == tokens.size(), "tokens: expected one per sequence (", seqs.size(),
                 "), got ", tokens.size());
+  KVQ_CHECK_ARG(seqs[0] != nullptr, "seqs: expected sequences, got a null one");
   std::vector<Row> rows(seqs.size());
-  for (size_t b = 0; b < seqs.size(); ++b) {
-    Transformer* s = seqs[b];
-    KVQ_CHECK_ARG(s != nullptr && &s->w_ == &seqs[0]->w_, "seqs: expected sequences of one checkpoint");
-    KVQ_CHECK_ARG(s->policy_.window == 0, "seqs: forward_many runs without a window");
-    KVQ_CHECK_ARG(pos >= 0 && pos < s->max_seq_, "pos: ", pos, " exceeds the cache size ", s->max_seq_);
-    for (size_t c = 0; c < b; ++c) KVQ_CHECK_ARG(seqs[c] != s, "seqs: sequence ", b, " appears twice");
-    rows[b] = {s, tokens[b], pos};
-  }
+  for (size_t b = 0; b < seqs.size(); ++b) rows[b] = {seqs[b], tokens[b], pos};
+  seqs[0]->CheckRows(rows, /*at_length=*/false);
   return seqs[0]->Run(rows, Pass::kBlas);
 }
 

@@ -131,10 +131,10 @@ class Transformer {
 
  private:
   enum class Pass { kToken, kWindow, kBlas };
-  struct Row {
-    Transformer* seq;
-    int token, pos;
-  };
+  using Row = SeqToken;
+  // Rows of several sequences of this checkpoint without a window, each at
+  // most once, at a position inside its cache; at_length: its length.
+  void CheckRows(std::span<const Row> rows, bool at_length) const;
   std::span<const float> run(std::span<const int> tokens, int pos0, Pass pass, bool last_logits = false,
                              Transformer* seq = nullptr);
   std::span<const float> Run(std::span<const Row> rows, Pass pass, bool last_logits = false);

@@ -22,37 +22,16 @@ import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from loopback import free_port, start_redis  # noqa: E402
+
 SCHEMES = ["fp16", "q8_0", "q4_0", "kvq-6.5", "kvq-4.5", "kvq-3.5", "kvq-2.5"]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_redis():
-    if shutil.which("redis-server") is None:
-        return None, None
-    port = free_port()
-    p = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-                          "no", "--logfile", "/dev/null"])
-    for _ in range(200):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
-            return p, f"redis://127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.025)
-    p.kill()
-    return None, None
 
 
 def bench_table(build, redis, min_time, reps, schemes):

@@ -14,6 +14,8 @@ import subprocess
 import threading
 import time
 
+from loopback import free_port  # noqa: F401 - re-exported for the tests
+
 
 class Server:
     """`kvq serve --port 0 ARGS` as a context manager: waits for its "listening" line, stops it with
@@ -135,15 +137,6 @@ def wait_for(pred, timeout=60, step=0.02):
             return v
         time.sleep(step)
     return pred()
-
-
-def free_port():
-    import socket
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 def env_with(**kw):

@@ -27,6 +27,16 @@ namespace kvq::serve {
 using Clock = std::chrono::steady_clock;
 namespace {
 double Since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// The final event of a request that failed: `status` is the HTTP status it maps to.
+Event Failed(std::string message, int status) {
+  Event e;
+  e.done = true;
+  e.finish_reason = "error";
+  e.error = std::move(message);
+  e.status = status;
+  return e;
+}
 }  // namespace
 
 bool Job::next(Event& e, std::chrono::milliseconds timeout) {
@@ -237,12 +247,7 @@ void Engine::drain() {
     m_.queued = 0;
   }
   for (auto& s : q) {
-    Event e;
-    e.done = true;
-    e.finish_reason = "error";
-    e.error = "the server is shutting down";
-    e.status = 503;
-    s->job->Push(std::move(e));
+    s->job->Push(Failed("the server is shutting down", 503));
   }
   cv_.notify_all();
 }
@@ -275,12 +280,7 @@ void Engine::Loop() {
       std::fprintf(stderr, "kvq serve: step failed: %s\n", ex.what());
       outbox_.clear();
       for (auto& s : running_) {
-        Event e;
-        e.done = true;
-        e.finish_reason = "error";
-        e.error = std::string("the step failed: ") + ex.what();
-        e.status = 500;
-        s->job->Push(std::move(e));
+        s->job->Push(Failed(std::string("the step failed: ") + ex.what(), 500));
       }
       while (!running_.empty()) Release(running_.size() - 1);
     }
@@ -293,12 +293,7 @@ void Engine::Loop() {
   for (auto& s : running_) q.push_back(std::move(s));
   running_.clear();
   for (auto& s : q) {
-    Event e;
-    e.done = true;
-    e.finish_reason = "error";
-    e.error = "the server stopped";
-    e.status = 503;
-    s->job->Push(std::move(e));
+    s->job->Push(Failed("the server stopped", 503));
   }
 }
 
@@ -322,34 +317,39 @@ void Engine::Admit() {
       m_.queued = static_cast<int>(queue_.size());
       m_.kv_reserved_bytes = reserved_;
     }
+    // The sequence's cache: empty, or its prompt's longest stored prefix.
+    const model::Config& cfg = ckpt_->config();
+    auto empty = [&] {
+      return KvCache(scheme_->scheme.info().name, cfg.n_layers, s->limit, cfg.n_kv_heads, cfg.head_size(),
+                     scheme_->scheme.ranges.get(), cfg.rope);
+    };
     try {
-      s->tf = std::make_unique<model::Transformer>(*ckpt_, scheme_->scheme, s->limit);
+      KvCache c = empty();
+      if (pstore_) {
+        try {
+          store::LookupReport rep;
+          const int64_t n = pstore_->longest_prefix(s->ids, c, static_cast<int64_t>(s->ids.size()) - 1, &rep);
+          std::lock_guard lk(mu_);
+          ++m_.prefix_lookups;
+          if (n > 0) {
+            ++m_.prefix_hits;
+            m_.prefix_tokens_reused += static_cast<uint64_t>(n);
+            m_.prefix_bytes_reused += rep.bytes;
+          }
+        } catch (const std::exception& ex) {  // a store fault is a miss, on a cache nothing was restored into
+          std::fprintf(stderr, "kvq serve: prefix store: %s\n", ex.what());
+          c = empty();
+        }
+      }
+      s->tf = std::make_unique<model::Transformer>(*ckpt_, std::move(c));
     } catch (const std::exception& ex) {  // out of memory: this request fails, the others run on
-      Event e;
-      e.done = true;
-      e.finish_reason = "error";
-      e.error = std::string("the sequence's cache could not be built: ") + ex.what();
-      e.status = 500;
       {
         std::lock_guard lk(mu_);
         reserved_ -= s->reserved;
         m_.kv_reserved_bytes = reserved_;
       }
-      s->job->Push(std::move(e));
+      s->job->Push(Failed(std::string("the sequence's cache could not be built: ") + ex.what(), 500));
       continue;
-    }
-    if (pstore_) {
-      try {
-        KvCache c = s->tf->cache().Copy();
-        store::LookupReport rep;
-        const int64_t n = pstore_->longest_prefix(s->ids, c, static_cast<int64_t>(s->ids.size()) - 1, &rep);
-        if (n > 0) s->tf = std::make_unique<model::Transformer>(*ckpt_, std::move(c));
-        std::lock_guard lk(mu_);
-        ++m_.prefix_lookups;
-        if (n > 0) ++m_.prefix_hits, m_.prefix_tokens_reused += static_cast<uint64_t>(n), m_.prefix_bytes_reused += rep.bytes;
-      } catch (const std::exception& ex) {  // a store fault is a miss
-        std::fprintf(stderr, "kvq serve: prefix store: %s\n", ex.what());
-      }
     }
     if (o_.threads > 0) s->tf->set_attention_threads(o_.threads);
     s->order = ++admitted_;
@@ -473,14 +473,9 @@ bool Engine::Step() {
       chunks.front().n = static_cast<int>(std::min<uint64_t>(room, static_cast<uint64_t>(chunks.front().n)));
       break;
     }
-    Event e;
-    e.done = true;
-    e.finish_reason = "error";
-    e.error = "the sequence's KV cache outgrew the server's budget";
-    e.status = 500;
     const std::shared_ptr<Job> job = running_.front()->job;
     Release(0);
-    job->Push(std::move(e));
+    job->Push(Failed("the sequence's KV cache outgrew the server's budget", 500));
     return true;
   }
   const auto t_prefill = Clock::now();
@@ -543,7 +538,6 @@ bool Engine::Step() {
       Event e;
       e.text = s.text.substr(s.sent, s.text.size() - hold - s.sent);
       s.sent += e.text.size();
-      e.ids = {next};
       outbox_.emplace_back(s.job, std::move(e));
     }
   }
@@ -554,6 +548,7 @@ bool Engine::Step() {
   // Idle again: give the freed caches' pages back to the system (glibc keeps
   // freed memory in its arenas otherwise, and the RSS stays at its peak).
   if (running_.empty()) malloc_trim(0);
+  const uint64_t kept = CachedBytes();
   const double step_s = Since(t0);
   std::unique_lock lk(mu_);
   ++m_.steps;
@@ -563,8 +558,7 @@ bool Engine::Step() {
   m_.prefilled_tokens += prefilled;
   m_.completion_tokens += sampled;
   m_.kv_bytes_peak = std::max(m_.kv_bytes_peak, held);
-  m_.kv_bytes = 0;
-  for (const auto& s : running_) m_.kv_bytes += s->tf->cache().bytes();
+  m_.kv_bytes = kept;
   lk.unlock();
   Flush();
   return true;

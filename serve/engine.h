@@ -85,7 +85,6 @@ struct Request {
 // one final event (done) with the finish reason and the usage.
 struct Event {
   std::string text;         // new text (stop strings and what follows them withheld)
-  std::vector<int> ids;     // the sampled token ids this event covers
   bool done = false;
   std::string finish_reason;  // "stop", "length"; with an error: "error"
   std::string error;          // non-empty: the request failed (status below)

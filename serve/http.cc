@@ -70,15 +70,9 @@ bool ParseCompletion(const std::string& body, const Engine& engine, Parsed& p, s
       if (!v.is_string()) return fail(k, "model must be a string");
     } else if (k == "prompt") {
       has_prompt = true;
-      if (v.is_string()) {
+      if (v.is_string() || (v.is_array() && v.size() == 1 && v[0].is_string())) {  // text, or one text in a list
         try {
-          p.req.prompt = engine.encode(v.get<std::string>());
-        } catch (const Error& e) {
-          return fail(k, e.what());
-        }
-      } else if (v.is_array() && v.size() == 1 && v[0].is_string()) {
-        try {
-          p.req.prompt = engine.encode(v[0].get<std::string>());
+          p.req.prompt = engine.encode((v.is_string() ? v : v[0]).get<std::string>());
         } catch (const Error& e) {
           return fail(k, e.what());
         }
@@ -187,42 +181,43 @@ json Chunk(const std::string& id, time_t created, const std::string& model, cons
 std::string MetricsText(const Engine& engine) {
   const Metrics m = engine.metrics();
   std::string s;
-  auto add = [&](const char* name, const char* type, const char* help, double value) {
+  auto add = [&](const char* name, const char* type, const char* help, auto value) {
     char line[512];
-    std::snprintf(line, sizeof line, "# HELP %s %s\n# TYPE %s %s\n%s %.17g\n", name, help, name, type, name, value);
+    std::snprintf(line, sizeof line, "# HELP %s %s\n# TYPE %s %s\n%s %.17g\n", name, help, name, type, name,
+                  static_cast<double>(value));
     s += line;
   };
-  add("kvq_requests_total", "counter", "Completion requests accepted.", static_cast<double>(m.requests));
-  add("kvq_requests_refused_total", "counter", "Requests refused (400 or 503).", static_cast<double>(m.requests_refused));
+  add("kvq_requests_total", "counter", "Completion requests accepted.", m.requests);
+  add("kvq_requests_refused_total", "counter", "Requests refused (400 or 503).", m.requests_refused);
   add("kvq_requests_cancelled_total", "counter", "Requests whose client went away.",
-      static_cast<double>(m.requests_cancelled));
-  add("kvq_requests_finished_total", "counter", "Requests run to their end.", static_cast<double>(m.requests_finished));
-  add("kvq_prompt_tokens_total", "counter", "Prompt tokens of accepted requests.", static_cast<double>(m.prompt_tokens));
-  add("kvq_completion_tokens_total", "counter", "Tokens sampled.", static_cast<double>(m.completion_tokens));
+      m.requests_cancelled);
+  add("kvq_requests_finished_total", "counter", "Requests run to their end.", m.requests_finished);
+  add("kvq_prompt_tokens_total", "counter", "Prompt tokens of accepted requests.", m.prompt_tokens);
+  add("kvq_completion_tokens_total", "counter", "Tokens sampled.", m.completion_tokens);
   add("kvq_prefill_tokens_total", "counter", "Prompt tokens run through the batched pass.",
-      static_cast<double>(m.prefilled_tokens));
-  add("kvq_kv_bytes", "gauge", "Bytes the running sequences' KV caches hold.", static_cast<double>(m.kv_bytes));
+      m.prefilled_tokens);
+  add("kvq_kv_bytes", "gauge", "Bytes the running sequences' KV caches hold.", m.kv_bytes);
   add("kvq_kv_bytes_peak", "gauge", "The most bytes the KV caches held after a step.",
-      static_cast<double>(m.kv_bytes_peak));
+      m.kv_bytes_peak);
   add("kvq_kv_reserved_bytes", "gauge", "Bytes reserved by the running sequences (at their full length).",
-      static_cast<double>(m.kv_reserved_bytes));
-  add("kvq_kv_budget_bytes", "gauge", "The KV budget (--kv-budget-mb).", static_cast<double>(m.kv_budget_bytes));
+      m.kv_reserved_bytes);
+  add("kvq_kv_budget_bytes", "gauge", "The KV budget (--kv-budget-mb).", m.kv_budget_bytes);
   add("kvq_sequences_running", "gauge", "Sequences running.", m.running);
   add("kvq_sequences_running_peak", "gauge", "The most sequences running at once.", m.running_peak);
   add("kvq_sequences_queued", "gauge", "Requests waiting.", m.queued);
   add("kvq_preemptions_total", "counter", "Sequences preempted to keep the KV budget.",
-      static_cast<double>(m.preemptions));
-  add("kvq_prefix_lookups_total", "counter", "Prefix-store lookups.", static_cast<double>(m.prefix_lookups));
-  add("kvq_prefix_hits_total", "counter", "Lookups that restored a prefix.", static_cast<double>(m.prefix_hits));
+      m.preemptions);
+  add("kvq_prefix_lookups_total", "counter", "Prefix-store lookups.", m.prefix_lookups);
+  add("kvq_prefix_hits_total", "counter", "Lookups that restored a prefix.", m.prefix_hits);
   add("kvq_prefix_tokens_reused_total", "counter", "Prompt tokens restored from the prefix store.",
-      static_cast<double>(m.prefix_tokens_reused));
+      m.prefix_tokens_reused);
   add("kvq_prefix_bytes_reused_total", "counter", "Bytes read from the prefix store.",
-      static_cast<double>(m.prefix_bytes_reused));
+      m.prefix_bytes_reused);
   add("kvq_prefix_chunks_stored_total", "counter", "Chunks written to the prefix store.",
-      static_cast<double>(m.prefix_chunks_stored));
+      m.prefix_chunks_stored);
   add("kvq_prefix_bytes_stored_total", "counter", "Bytes written to the prefix store.",
-      static_cast<double>(m.prefix_bytes_stored));
-  add("kvq_steps_total", "counter", "Scheduler steps.", static_cast<double>(m.steps));
+      m.prefix_bytes_stored);
+  add("kvq_steps_total", "counter", "Scheduler steps.", m.steps);
   add("kvq_step_seconds_total", "counter", "Seconds the steps took.", m.step_seconds);
   add("kvq_step_seconds_max", "gauge", "The longest step.", m.step_seconds_max);
   add("kvq_prefill_seconds_total", "counter", "Seconds of the steps' prompt prefill.", m.prefill_seconds);

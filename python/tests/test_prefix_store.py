@@ -1,16 +1,17 @@
 """kvq.PrefixStore: put / longest_prefix on memory, directory and a real redis-server,
 exact restores, warnings for bad entries and a dead server, bad arguments."""
 import os
-import shutil
-import socket
-import subprocess
-import time
+import sys
+from pathlib import Path
 import warnings
 
 import numpy as np
 import pytest
 
 import kvq
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from loopback import free_port, start_redis  # noqa: E402
 
 L, H, HD = 2, 2, 16
 
@@ -96,28 +97,14 @@ def test_bad_arguments_are_value_errors():
         kvq.PrefixStore("memory:", model_fingerprint=b"short")
 
 
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture
 def redis_url():
-    if shutil.which("redis-server") is None:
+    p, url = start_redis()
+    if p is None:
         if os.environ.get("KVQ_REQUIRE_DATA") == "1":
-            pytest.fail("redis-server is not installed (scripts/install_deps.sh installs it)")
+            pytest.fail("redis-server is not installed or does not start (scripts/install_deps.sh installs it)")
         pytest.skip("redis-server is not installed")
-    port = _free_port()
-    p = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                          "--appendonly", "no", "--logfile", "/dev/null"])
-    for _ in range(200):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
-            break
-        except OSError:
-            time.sleep(0.025)
-    yield f"redis://127.0.0.1:{port}", p
+    yield url, p
     p.kill()
     p.wait()
 
@@ -141,7 +128,7 @@ def test_redis_store_and_a_server_that_dies(redis_url):
 
 def test_unreachable_redis_is_a_warning():
     with pytest.warns(RuntimeWarning, match="cannot connect"):
-        s = kvq.PrefixStore(f"redis://user:pw123@127.0.0.1:{_free_port()}")
+        s = kvq.PrefixStore(f"redis://user:pw123@127.0.0.1:{free_port()}")
     assert not s.alive and "pw123" not in s.warnings[0] and "pw123" not in repr(s)
 
 
