@@ -14,6 +14,8 @@ set(KVQ_CORE_SOURCES
   src/base/fp8.cc
   src/base/affine.cc
   src/base/ggml_quants.cc
+  src/base/ggml_weights.cc
+  src/base/ggml_dot.cc
   src/base/rope.cc
   src/base/stats.cc
   src/base/targets.cc

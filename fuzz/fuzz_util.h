@@ -156,10 +156,20 @@ inline void ReadWeightEnds(const model::Checkpoint& c) {
                kv = static_cast<size_t>(cfg.kv_dim());
   volatile float sink = 0;
   auto ends = [&](const float* p, size_t n) { sink = sink + p[0] + p[n - 1]; };
-  ends(w.token_embedding, v * d), ends(w.wcls, v * d), ends(w.rms_final, d);
-  ends(w.rms_att, L * d), ends(w.rms_ffn, L * d), ends(w.wq, L * d * d), ends(w.wo, L * d * d);
-  ends(w.wk, L * kv * d), ends(w.wv, L * kv * d), ends(w.w1, L * h * d), ends(w.w2, L * d * h), ends(w.w3, L * h * d);
+  volatile uint8_t bsink = 0;
+  auto mat = [&](const ggml::WeightMatrix& m, size_t rows, size_t cols) {
+    if (m.rows != rows || m.cols != cols) __builtin_trap();
+    bsink = static_cast<uint8_t>(bsink + m.data[0] + m.data[m.rows * m.row_bytes - 1]);
+  };
+  auto layers = [&](const std::vector<ggml::WeightMatrix>& ms, size_t rows, size_t cols) {
+    if (ms.size() != L) __builtin_trap();
+    for (const ggml::WeightMatrix& m : ms) mat(m, rows, cols);
+  };
+  mat(w.token_embedding, v, d), mat(w.wcls, v, d), ends(w.rms_final, d);
+  ends(w.rms_att, L * d), ends(w.rms_ffn, L * d), layers(w.wq, d, d), layers(w.wo, d, d);
+  layers(w.wk, kv, d), layers(w.wv, kv, d), layers(w.w1, h, d), layers(w.w2, d, h), layers(w.w3, h, d);
   if (w.bq != nullptr) ends(w.bq, L * d), ends(w.bk, L * kv), ends(w.bv, L * kv);
+  (void)bsink;
   (void)sink;
 }
 

@@ -135,35 +135,66 @@ Checkpoint::Checkpoint(const std::string& path) : file_(std::make_unique<MappedF
   // The float data starts at byte 28 or 256: copying is avoided, and float
   // loads from a 4-byte-aligned address are fine on every target we build for.
   const float* p = reinterpret_cast<const float*>(file.data() + header);
+  auto matrix = [](const float* at, uint64_t rows, uint64_t cols) {
+    ggml::WeightMatrix m;
+    m.type = static_cast<uint32_t>(ggml::WeightType::kF32);
+    m.data = reinterpret_cast<const uint8_t*>(at);
+    m.rows = static_cast<size_t>(rows), m.cols = static_cast<size_t>(cols), m.row_bytes = static_cast<size_t>(cols) * 4;
+    return m;
+  };
+  auto layers = [&](std::vector<ggml::WeightMatrix>& out, uint64_t rows, uint64_t cols) {
+    out.clear();
+    for (uint64_t l = 0; l < L; ++l) out.push_back(matrix(p + l * rows * cols, rows, cols));
+    p += L * rows * cols;
+  };
   Weights& w = weights_;
   if (v1) {
     w.rms_att = p; p += L * dim;
     w.rms_ffn = p; p += L * dim;
     w.rms_final = p; p += dim;
-    w.token_embedding = p; p += vocab * dim;
-    w.wq = p; p += L * dim * dim;
-    w.wk = p; p += L * kv * dim;
-    w.wv = p; p += L * kv * dim;
-    w.wo = p; p += L * dim * dim;
-    w.w1 = p; p += L * hid * dim;
-    w.w2 = p; p += L * dim * hid;
-    w.w3 = p; p += L * hid * dim;
+    w.token_embedding = matrix(p, vocab, dim); p += vocab * dim;
+    layers(w.wq, dim, dim);
+    layers(w.wk, kv, dim);
+    layers(w.wv, kv, dim);
+    layers(w.wo, dim, dim);
+    layers(w.w1, hid, dim);
+    layers(w.w2, dim, hid);
+    layers(w.w3, hid, dim);
   } else {
-    w.token_embedding = p; p += vocab * dim;
+    w.token_embedding = matrix(p, vocab, dim); p += vocab * dim;
     w.rms_att = p; p += L * dim;
-    w.wq = p; p += L * dim * dim;
-    w.wk = p; p += L * kv * dim;
-    w.wv = p; p += L * kv * dim;
-    w.wo = p; p += L * dim * dim;
+    layers(w.wq, dim, dim);
+    layers(w.wk, kv, dim);
+    layers(w.wv, kv, dim);
+    layers(w.wo, dim, dim);
     w.rms_ffn = p; p += L * dim;
-    w.w1 = p; p += L * hid * dim;
-    w.w2 = p; p += L * dim * hid;
-    w.w3 = p; p += L * hid * dim;
+    layers(w.w1, hid, dim);
+    layers(w.w2, dim, hid);
+    layers(w.w3, hid, dim);
     w.rms_final = p; p += dim;
     p += rope;
   }
-  w.wcls = c.shared_classifier ? w.token_embedding : p;
+  w.wcls = c.shared_classifier ? w.token_embedding : matrix(p, vocab, dim);
   format_version_ = v1 ? 1 : 0;
+}
+
+std::map<uint32_t, int> Weights::matrix_types() const {
+  std::map<uint32_t, int> n;
+  ++n[token_embedding.type];
+  for (const std::vector<ggml::WeightMatrix>* k : {&wq, &wk, &wv, &wo, &w1, &w2, &w3}) {
+    for (const ggml::WeightMatrix& m : *k) ++n[m.type];
+  }
+  if (wcls.data != token_embedding.data) ++n[wcls.type];
+  return n;
+}
+
+uint64_t Weights::matrix_bytes() const {
+  uint64_t n = token_embedding.rows * token_embedding.row_bytes;
+  for (const std::vector<ggml::WeightMatrix>* k : {&wq, &wk, &wv, &wo, &w1, &w2, &w3}) {
+    for (const ggml::WeightMatrix& m : *k) n += m.rows * m.row_bytes;
+  }
+  if (wcls.data != token_embedding.data) n += wcls.rows * wcls.row_bytes;
+  return n;
 }
 
 }  // namespace kvq::model

@@ -4,11 +4,13 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "model/config.h"
+#include "kvq/ggml_weights.h"
 #include "model/tokenizer.h"
 
 namespace kvq::model {
@@ -28,32 +30,37 @@ class MappedFile {
   size_t size_ = 0;
 };
 
-// Weights point into the mapped checkpoint (llama2.c) or into the
-// checkpoint's own fp32 copy (GGUF), in llama2.c's layout: one array per
-// kind, layers consecutive, matrices (out, in) row-major.
+// Weights in llama2.c's roles: norms and biases as float32 (L consecutive
+// vectors), each layer's matrices (out, in) in the type the file stores
+// them (kvq/ggml_weights.h; float32 for llama2.c files), pointing into the
+// mapped file or the checkpoint's own copy.
 struct Weights {
-  const float* token_embedding;  // (vocab, dim)
+  ggml::WeightMatrix token_embedding;  // (vocab, dim)
   const float* rms_att;          // (L, dim)
-  const float* wq;               // (L, dim, dim)
-  const float* wk;               // (L, kv_dim, dim)
-  const float* wv;               // (L, kv_dim, dim)
-  const float* wo;               // (L, dim, dim)
+  std::vector<ggml::WeightMatrix> wq;  // L x (dim, dim)
+  std::vector<ggml::WeightMatrix> wk;  // L x (kv_dim, dim)
+  std::vector<ggml::WeightMatrix> wv;  // L x (kv_dim, dim)
+  std::vector<ggml::WeightMatrix> wo;  // L x (dim, dim)
   const float* rms_ffn;          // (L, dim)
-  const float* w1;               // (L, hidden, dim)
-  const float* w2;               // (L, dim, hidden)
-  const float* w3;               // (L, hidden, dim)
+  std::vector<ggml::WeightMatrix> w1;  // L x (hidden, dim)
+  std::vector<ggml::WeightMatrix> w2;  // L x (dim, hidden)
+  std::vector<ggml::WeightMatrix> w3;  // L x (hidden, dim)
   const float* rms_final;        // (dim)
-  const float* wcls;             // (vocab, dim)
+  ggml::WeightMatrix wcls;             // (vocab, dim)
   const float* bq = nullptr;     // (L, dim) or null: no biases
   const float* bk = nullptr;     // (L, kv_dim)
   const float* bv = nullptr;     // (L, kv_dim)
+  // Bytes the matrices hold (what the model keeps in RAM or maps).
+  uint64_t matrix_bytes() const;
+  // How many matrices are of each ggml type (the classifier once when tied).
+  std::map<uint32_t, int> matrix_types() const;
 };
 
 class Checkpoint {
  public:
   // A GGUF file (gguf.h; "GGUF" magic) is read as described in gguf_model.cc:
-  // architectures llama and qwen2, tensors F32 / F16 / BF16 / Q8_0
-  // dequantised to fp32 at load (the mapping is released afterwards), and
+  // architectures llama and qwen2, matrices kept in their ggml type in the
+  // mapped file (kvq/ggml_weights.h), norms and biases as float32, and
   // its sentencepiece tokenizer when it has one.
   //
   // Maps and validates a llama2.c checkpoint, legacy (export.py version 0)
@@ -75,7 +82,8 @@ class Checkpoint {
  private:
   void LoadGguf(const std::string& path);
   std::unique_ptr<MappedFile> file_;
-  std::unique_ptr<float[]> owned_;  // GGUF: the weights in fp32 (first touched by the parallel dequantisation)
+  std::unique_ptr<float[]> owned_;  // GGUF: norms and biases in fp32
+  std::vector<uint8_t> permuted_;   // qwen2: Q and K rows in kvq's RoPE order
   std::shared_ptr<const Tokenizer> tokenizer_;
   std::string tokenizer_problem_;
   Config config_;

@@ -9,8 +9,6 @@
 #include <limits>
 
 #include "kvq/error.h"
-#include "kvq/ggml_quants.h"
-#include "kvq/half.h"
 
 namespace kvq::model {
 
@@ -366,38 +364,6 @@ std::vector<int64_t> GgufFile::int_array(const std::string& key) const {
             : e.i;
   }
   return out;
-}
-
-void dequantize_ggml(uint32_t type, const uint8_t* in, size_t n, float* out) {
-  switch (static_cast<GgmlType>(type)) {
-    case GgmlType::kF32:
-      std::memcpy(out, in, n * sizeof(float));
-      return;
-    case GgmlType::kF16:
-    case GgmlType::kBF16: {
-      std::vector<uint16_t> h(std::min<size_t>(n, 1 << 16));
-      for (size_t i = 0; i < n; i += h.size()) {
-        const size_t m = std::min(h.size(), n - i);
-        std::memcpy(h.data(), in + 2 * i, 2 * m);
-        if (static_cast<GgmlType>(type) == GgmlType::kF16) {
-          f16_to_f32({h.data(), m}, {out + i, m});
-        } else {
-          bf16_to_f32({h.data(), m}, {out + i, m});
-        }
-      }
-      return;
-    }
-    case GgmlType::kQ8_0: {  // ggml's block_q8_0 (kvq/ggml_quants.h), copied out: the file need not align it
-      std::vector<ggml::BlockQ8_0> blk(std::min<size_t>(n / 32, 4096));
-      for (size_t b = 0; b < n / 32; b += blk.size()) {
-        const size_t m = std::min(blk.size(), n / 32 - b);
-        std::memcpy(blk.data(), in + b * sizeof(ggml::BlockQ8_0), m * sizeof(ggml::BlockQ8_0));
-        ggml::dequantize_row_q8_0({blk.data(), m}, {out + b * 32, m * 32});
-      }
-      return;
-    }
-  }
-  KVQ_ASSERT(false);
 }
 
 }  // namespace kvq::model

@@ -26,10 +26,8 @@ enum class GgufValueType : uint32_t {
   kString = 8, kArray = 9, kU64 = 10, kI64 = 11, kF64 = 12,
 };
 
-// ggml tensor types kvq knows the size of (the ones it reads: F32, F16,
-// BF16, Q8_0; the others are named in errors).
-enum class GgmlType : uint32_t { kF32 = 0, kF16 = 1, kQ8_0 = 8, kBF16 = 30 };
-// "F32", "Q4_K", ... or "type N" for an id kvq does not know.
+// ggml tensor types: "F32", "Q4_K", ... or "type N" for an id kvq does not
+// know (the ones it reads: kvq/ggml_weights.h).
 std::string ggml_type_name(uint32_t type);
 
 struct GgufValue {
@@ -93,9 +91,5 @@ class GgufFile {
   std::vector<GgufTensor> tensors_;
   std::map<std::string, size_t> by_name_;
 };
-
-// Dequantises n elements of a tensor of `type` (F32, F16, BF16 or Q8_0;
-// n a multiple of the block size) into out. Non-finite values are kept.
-void dequantize_ggml(uint32_t type, const uint8_t* in, size_t n, float* out);
 
 }  // namespace kvq::model

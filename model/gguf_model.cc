@@ -15,6 +15,7 @@
 
 #include "kvq/affine.h"
 #include "kvq/error.h"
+#include "kvq/ggml_weights.h"
 #include "model/gguf.h"
 #include "model/checkpoint.h"
 #include "model/tokenizer.h"
@@ -35,19 +36,24 @@ std::vector<float> Llama3Factors(int head_dim, const RopeConfig& r) {
 }
 
 // Rows [h hd, (h + 1) hd) of each head: NEOX order (p, p + hd/2) to adjacent
-// pairs (2p, 2p + 1). rows x cols floats per head block.
-void NeoxToInterleaved(float* w, int n_heads, int hd, size_t cols) {
-  std::vector<float> tmp(static_cast<size_t>(hd) * cols);
+// pairs (2p, 2p + 1), rows of row_bytes copied from in to out.
+void NeoxToInterleaved(const uint8_t* in, uint8_t* out, int n_heads, int hd, size_t row_bytes) {
   for (int h = 0; h < n_heads; ++h) {
-    float* base = w + static_cast<size_t>(h) * static_cast<size_t>(hd) * cols;
+    const size_t base = static_cast<size_t>(h) * static_cast<size_t>(hd);
     for (int p = 0; p < hd / 2; ++p) {
-      std::memcpy(tmp.data() + static_cast<size_t>(2 * p) * cols, base + static_cast<size_t>(p) * cols,
-                  cols * sizeof(float));
-      std::memcpy(tmp.data() + static_cast<size_t>(2 * p + 1) * cols, base + static_cast<size_t>(p + hd / 2) * cols,
-                  cols * sizeof(float));
+      std::memcpy(out + (base + 2 * static_cast<size_t>(p)) * row_bytes, in + (base + static_cast<size_t>(p)) * row_bytes,
+                  row_bytes);
+      std::memcpy(out + (base + 2 * static_cast<size_t>(p) + 1) * row_bytes,
+                  in + (base + static_cast<size_t>(p + hd / 2)) * row_bytes, row_bytes);
     }
-    std::memcpy(base, tmp.data(), tmp.size() * sizeof(float));
   }
+}
+
+// The same for a bias vector, in place.
+void NeoxToInterleavedInPlace(float* b, int n_heads, int hd) {
+  std::vector<float> tmp(b, b + static_cast<size_t>(n_heads) * static_cast<size_t>(hd));
+  NeoxToInterleaved(reinterpret_cast<const uint8_t*>(tmp.data()), reinterpret_cast<uint8_t*>(b), n_heads, hd,
+                    sizeof(float));
 }
 
 }  // namespace
@@ -111,7 +117,7 @@ void Checkpoint::LoadGguf(const std::string& path) {
     // Llama 3: per-frequency divisors; kvq holds them as Llama 3's rule, so
     // they must be that rule for some factor (the largest divisor).
     if (rf->ne.size() != 1 || rf->ne[0] != static_cast<uint64_t>(c.head_size() / 2) ||
-        rf->type != static_cast<uint32_t>(GgmlType::kF32)) {
+        rf->type != static_cast<uint32_t>(ggml::WeightType::kF32)) {
       Fail("model '", path, "': rope_freqs.weight must be ", c.head_size() / 2, " F32 values");
     }
     std::vector<float> ff(static_cast<size_t>(c.head_size() / 2));
@@ -166,83 +172,121 @@ void Checkpoint::LoadGguf(const std::string& path) {
       Fail("model '", path, "': tensor '", name, "' has shape (", got, "), expected (", ne0,
            ne1 ? ", " + std::to_string(ne1) : std::string(), ")");
     }
-    const uint32_t ty = t->type;
-    if (ty != 0 && ty != 1 && ty != 8 && ty != 30) {
-      Fail("model '", path, "': tensor '", name, "' is ", ggml_type_name(ty),
-           "; kvq reads F32, F16, BF16 and Q8_0 weights (requantize to Q8_0 or F16, e.g. llama-quantize "
-           "--allow-requantize in.gguf out.gguf Q8_0)");
+    if (!ggml::weight_type_read(t->type)) {
+      Fail("model '", path, "': tensor '", name, "' is ", ggml_type_name(t->type),
+           "; kvq reads F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and "
+           "IQ4_XS weights (requantize to one of them, e.g. llama-quantize --allow-requantize in.gguf out.gguf "
+           "Q4_K_M)");
     }
     return t;
   };
-  std::vector<std::pair<const GgufTensor*, uint64_t>> plan;  // tensor, floats
-  auto add = [&](const std::string& name, uint64_t ne0, uint64_t ne1) {
-    plan.emplace_back(check(g.tensor(name), name, ne0, ne1), ne0 * (ne1 ? ne1 : 1));
-  };
-  // llama2.c's version 1 order, so that the Weights pointers follow.
-  for (uint64_t l = 0; l < L; ++l) add("blk." + std::to_string(l) + ".attn_norm.weight", dim, 0);
-  for (uint64_t l = 0; l < L; ++l) add("blk." + std::to_string(l) + ".ffn_norm.weight", dim, 0);
-  add("output_norm.weight", dim, 0);
-  add("token_embd.weight", dim, vocab);
-  const char* mats[] = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_down", "ffn_up"};
-  const uint64_t shapes[][2] = {{dim, dim}, {dim, kv}, {dim, kv}, {dim, dim}, {dim, hid}, {hid, dim}, {dim, hid}};
-  for (int m = 0; m < 7; ++m) {
-    for (uint64_t l = 0; l < L; ++l) add("blk." + std::to_string(l) + "." + mats[m] + ".weight", shapes[m][0], shapes[m][1]);
-  }
-  if (!c.shared_classifier) add("output.weight", dim, vocab);
+  // Vectors (norms, biases) are dequantised into float32; matrices stay
+  // in the mapped file in their type.
+  std::vector<std::pair<const GgufTensor*, uint64_t>> vecs;  // tensor, floats
+  auto vec = [&](const std::string& name, uint64_t n) { vecs.emplace_back(check(g.tensor(name), name, n, 0), n); };
+  for (uint64_t l = 0; l < L; ++l) vec("blk." + std::to_string(l) + ".attn_norm.weight", dim);
+  for (uint64_t l = 0; l < L; ++l) vec("blk." + std::to_string(l) + ".ffn_norm.weight", dim);
+  vec("output_norm.weight", dim);
   if (c.qkv_bias) {
     for (const char* b : {"attn_q", "attn_k", "attn_v"}) {
-      for (uint64_t l = 0; l < L; ++l) add("blk." + std::to_string(l) + "." + b + ".bias", b[5] == 'q' ? dim : kv, 0);
+      for (uint64_t l = 0; l < L; ++l) vec("blk." + std::to_string(l) + "." + b + ".bias", b[5] == 'q' ? dim : kv);
     }
   }
+  std::vector<const GgufTensor*> mats;
+  std::vector<ggml::WeightMatrix> wm;
+  auto mat = [&](const std::string& name, uint64_t ne0, uint64_t ne1) {
+    const GgufTensor* t = check(g.tensor(name), name, ne0, ne1);
+    ggml::WeightMatrix m;
+    m.type = t->type;
+    m.data = g.tensor_data(*t);
+    m.rows = static_cast<size_t>(ne1), m.cols = static_cast<size_t>(ne0);
+    m.row_bytes = static_cast<size_t>(t->bytes / ne1);  // the parser sized the tensor: whole blocks per row
+    mats.push_back(t);
+    wm.push_back(m);
+  };
+  mat("token_embd.weight", dim, vocab);
+  const char* names[] = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_down", "ffn_up"};
+  const uint64_t shapes[][2] = {{dim, dim}, {dim, kv}, {dim, kv}, {dim, dim}, {dim, hid}, {hid, dim}, {dim, hid}};
+  for (int m = 0; m < 7; ++m) {
+    for (uint64_t l = 0; l < L; ++l) mat("blk." + std::to_string(l) + "." + names[m] + ".weight", shapes[m][0], shapes[m][1]);
+  }
+  if (!c.shared_classifier) mat("output.weight", dim, vocab);
+
   uint64_t total = 0;
-  for (const auto& [t, n] : plan) total += n;  // each <= its bytes in the file (checked by the parser)
-  owned_.reset(new float[static_cast<size_t>(total)]);  // not zero-filled: every float is written below
+  for (const auto& [t, n] : vecs) total += n;  // each <= its bytes in the file (checked by the parser)
+  owned_.reset(new float[static_cast<size_t>(total)]);
   float* p = owned_.get();
   std::vector<float*> at;
-  for (const auto& [t, n] : plan) at.push_back(p), p += n;
-  // Tensors in parallel (a 1B model's 2 GB of F16 is a few seconds on one core),
-  // and each checked for NaN/Inf, which would otherwise surface as a query's
-  // non-finite value deep in the forward pass.
-  std::vector<int64_t> bad(plan.size(), -1);
-#pragma omp parallel for schedule(dynamic, 1)
-  for (size_t k = 0; k < plan.size(); ++k) {
-    dequantize_ggml(plan[k].first->type, g.tensor_data(*plan[k].first), static_cast<size_t>(plan[k].second), at[k]);
-    bad[k] = first_non_finite({at[k], static_cast<size_t>(plan[k].second)});
+  for (const auto& [t, n] : vecs) {
+    at.push_back(p);
+    ggml::dequantize(t->type, g.tensor_data(*t), static_cast<size_t>(n), p);
+    const int64_t bad = first_non_finite({p, static_cast<size_t>(n)});
+    if (bad >= 0) {
+      Fail("model '", path, "': tensor '", t->name, "' holds a non-finite value (", p[bad], ") at element ", bad,
+           "; kvq needs finite weights");
+    }
+    p += n;
   }
-  for (size_t k = 0; k < plan.size(); ++k) {
-    if (bad[k] >= 0) {
-      Fail("model '", path, "': tensor '", plan[k].first->name, "' holds a non-finite value (",
-           at[k][static_cast<size_t>(bad[k])], ") at element ", bad[k], "; kvq needs finite weights");
+  // Every matrix is read once here, in parallel chunks of rows, for a
+  // non-finite value (a NaN/Inf fp16 scale would otherwise surface as a
+  // query's non-finite value deep in the forward pass); this also brings
+  // the file into the page cache.
+  std::vector<int64_t> bad(wm.size(), -1);
+#pragma omp parallel
+  {
+    std::vector<float> buf;
+#pragma omp for schedule(dynamic, 1)
+    for (size_t k = 0; k < wm.size(); ++k) {
+      const ggml::WeightMatrix& m = wm[k];
+      const size_t step = std::max<size_t>(1, (size_t{1} << 16) / m.cols);
+      buf.resize(step * m.cols);
+      for (size_t r = 0; r < m.rows && bad[k] < 0; r += step) {
+        const size_t r1 = std::min(m.rows, r + step);
+        ggml::dequantize_rows(m, r, r1, buf.data());
+        const int64_t b = first_non_finite({buf.data(), (r1 - r) * m.cols});
+        if (b >= 0) bad[k] = static_cast<int64_t>(r * m.cols) + b;
+      }
     }
   }
-  size_t i = 0;
+  for (size_t k = 0; k < wm.size(); ++k) {
+    if (bad[k] >= 0) {
+      Fail("model '", path, "': tensor '", mats[k]->name, "' holds a non-finite value at element ", bad[k], " (",
+           ggml_type_name(mats[k]->type), ": a non-finite scale or value); kvq needs finite weights");
+    }
+  }
   Weights& w = weights_;
+  size_t i = 0;
   w.rms_att = at[i]; i += L;
   w.rms_ffn = at[i]; i += L;
   w.rms_final = at[i++];
-  w.token_embedding = at[i++];
-  float* wq = at[i]; i += L;
-  float* wk = at[i]; i += L;
-  w.wq = wq;
-  w.wk = wk;
-  w.wv = at[i]; i += L;
-  w.wo = at[i]; i += L;
-  w.w1 = at[i]; i += L;
-  w.w2 = at[i]; i += L;
-  w.w3 = at[i]; i += L;
-  w.wcls = c.shared_classifier ? w.token_embedding : at[i++];
   float *bq = nullptr, *bk = nullptr;
   if (c.qkv_bias) {
     w.bq = bq = at[i]; i += L;
     w.bk = bk = at[i]; i += L;
     w.bv = at[i]; i += L;
   }
+  size_t k = 0;
+  w.token_embedding = wm[k++];
+  for (std::vector<ggml::WeightMatrix>* kind : {&w.wq, &w.wk, &w.wv, &w.wo, &w.w1, &w.w2, &w.w3}) {
+    kind->assign(wm.begin() + static_cast<std::ptrdiff_t>(k), wm.begin() + static_cast<std::ptrdiff_t>(k + L));
+    k += L;
+  }
+  w.wcls = c.shared_classifier ? w.token_embedding : wm[k++];
   if (arch == "qwen2") {
+    // Q and K rows (whole blocks each) copied out in kvq's RoPE order.
+    size_t bytes = 0;
+    for (uint64_t l = 0; l < L; ++l) bytes += w.wq[l].rows * w.wq[l].row_bytes + w.wk[l].rows * w.wk[l].row_bytes;
+    permuted_.resize(bytes);
+    uint8_t* out = permuted_.data();
+    auto permute = [&](ggml::WeightMatrix& m, int heads) {
+      NeoxToInterleaved(m.data, out, heads, c.head_size(), m.row_bytes);
+      m.data = out;
+      out += m.rows * m.row_bytes;
+    };
+    for (uint64_t l = 0; l < L; ++l) permute(w.wq[l], c.n_heads), permute(w.wk[l], c.n_kv_heads);
     for (uint64_t l = 0; l < L; ++l) {
-      NeoxToInterleaved(wq + l * dim * dim, c.n_heads, c.head_size(), dim);
-      NeoxToInterleaved(wk + l * kv * dim, c.n_kv_heads, c.head_size(), dim);
-      NeoxToInterleaved(bq + l * dim, c.n_heads, c.head_size(), 1);
-      NeoxToInterleaved(bk + l * kv, c.n_kv_heads, c.head_size(), 1);
+      NeoxToInterleavedInPlace(bq + l * dim, c.n_heads, c.head_size());
+      NeoxToInterleavedInPlace(bk + l * kv, c.n_kv_heads, c.head_size());
     }
   }
 
@@ -290,7 +334,7 @@ void Checkpoint::LoadGguf(const std::string& path) {
                                      : "the model's tokenizer '" + tm + "' is not supported") +
                          ": pass --tokens FILE";
   }
-  file_.reset();  // the weights are copied; the mapping goes
+  // The mapping stays: the matrices are read from it.
 }
 
 }  // namespace kvq::model

@@ -28,23 +28,37 @@ void RmsNorm(float* o, const float* x, const float* weight, int n, float eps) {
   for (int j = 0; j < n; ++j) o[j] = weight[j] * (ss * x[j]);
 }
 
-// out[i] = sum_j w[i, j] * x[j], summed in order j = 0..n-1 (the llama2.c
-// order), so that the batched version below gives identical bits.
-void MatVec(float* out, const float* x, const float* w, int n, int d) {
-  for (int i = 0; i < d; ++i) {
-    const float* row = w + static_cast<size_t>(i) * static_cast<size_t>(n);
-    float v = 0.0f;
-    for (int j = 0; j < n; ++j) v += row[j] * x[j];
-    out[i] = v;
+// out[i] = sum_j w[i, j] * x[j]: for F32 / F16 / BF16 matrices summed in
+// order j = 0..n-1 (the llama2.c order), so that the batched version below
+// gives identical bits; for the quantized block types through the fused
+// dequantise-and-dot (kvq/ggml_weights.h: 16 partial sums), which MatMul
+// calls too.
+void MatVec(float* out, const float* x, const ggml::WeightMatrix& w) {
+  if (ggml::fused_type(w.type)) {
+    // A quantized matrix: the fused kernel, its rows shared by the threads
+    // unless the caller already runs on a parallel region.
+    const int64_t rows = static_cast<int64_t>(w.rows), per = 64;
+#pragma omp parallel for schedule(static) if (!omp_in_parallel() && w.rows * w.cols >= (size_t{1} << 20))
+    for (int64_t a = 0; a < rows; a += per) {
+      const size_t b = static_cast<size_t>(std::min(rows, a + per));
+      ggml::matvec_fused(w, x, static_cast<size_t>(a), b, out + a);
+    }
+    return;
   }
+  for (size_t i = 0; i < w.rows; ++i) out[i] = ggml::dot_row(w, i, x);
 }
 
 // out[t, i] = sum_j w[i, j] * x[t, j] for T tokens, each sum in the same
 // order as MatVec. Tokens are processed in blocks of kTB with x transposed so
 // the innermost loop runs across tokens (independent sums, vectorisable).
-void MatMul(float* out, const float* x, const float* w, int T, int n, int d) {
+void MatMul(float* out, const float* x, const ggml::WeightMatrix& w, int T) {
+  if (ggml::fused_type(w.type)) {  // each token as MatVec reads it
+    for (int t = 0; t < T; ++t) MatVec(out + static_cast<size_t>(t) * w.rows, x + static_cast<size_t>(t) * w.cols, w);
+    return;
+  }
   constexpr int kTB = 16;
-  std::vector<float> xt(static_cast<size_t>(n) * kTB);
+  const int n = static_cast<int>(w.cols), d = static_cast<int>(w.rows);
+  std::vector<float> xt(static_cast<size_t>(n) * kTB), deq(w.f32() != nullptr ? 0 : w.cols);
   for (int t0 = 0; t0 < T; t0 += kTB) {
     const int tb = std::min(kTB, T - t0);
     for (int j = 0; j < n; ++j) {
@@ -54,7 +68,13 @@ void MatMul(float* out, const float* x, const float* w, int T, int n, int d) {
       }
     }
     for (int i = 0; i < d; ++i) {
-      const float* row = w + static_cast<size_t>(i) * static_cast<size_t>(n);
+      const float* row;
+      if (const float* f = w.f32()) {
+        row = f + static_cast<size_t>(i) * static_cast<size_t>(n);
+      } else {
+        ggml::dequantize_rows(w, static_cast<size_t>(i), static_cast<size_t>(i) + 1, deq.data());
+        row = deq.data();
+      }
       float acc[kTB] = {};
       for (int j = 0; j < n; ++j) {
         const float wj = row[j];
@@ -67,9 +87,34 @@ void MatMul(float* out, const float* x, const float* w, int T, int n, int d) {
 }
 
 // out[t, i] = sum_j w[i, j] * x[t, j] by the BLAS (sgemm; its own
-// summation order).
-void Gemm(float* out, const float* x, const float* w, int T, int n, int d) {
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, d, n, 1.0f, x, n, w, n, 0.0f, out, d);
+// summation order); out has ldo floats per token.
+void Gemm(float* out, const float* x, const float* w, int T, int n, int d, int ldo) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, d, n, 1.0f, x, n, w, n, 0.0f, out, ldo);
+}
+void Gemm(float* out, const float* x, const float* w, int T, int n, int d) { Gemm(out, x, w, T, n, d, d); }
+
+// Gemm over a matrix of any type: an F32 matrix directly; otherwise blocks
+// of rows (at most kGemmFloats values) are dequantised into buf (threads
+// share the work unless the caller already runs on a parallel region) and
+// multiplied into their columns of out, so a quantized model never holds
+// more than one block in float32.
+constexpr size_t kGemmFloats = size_t{1} << 24;  // 64 MiB
+void Gemm(float* out, const float* x, const ggml::WeightMatrix& w, int T, std::vector<float>& buf) {
+  const int n = static_cast<int>(w.cols), d = static_cast<int>(w.rows);
+  if (const float* f = w.f32()) return Gemm(out, x, f, T, n, d);
+  const size_t step = std::max<size_t>(1, std::min(w.rows, kGemmFloats / w.cols));
+  if (buf.size() < step * w.cols) buf.resize(step * w.cols);
+  for (size_t r0 = 0; r0 < w.rows; r0 += step) {
+    const size_t r1 = std::min(w.rows, r0 + step);
+    const int64_t rows = static_cast<int64_t>(r1 - r0);
+    const int64_t per = std::max<int64_t>(1, (int64_t{1} << 14) / n);  // rows per task: about 64 KiB of floats
+#pragma omp parallel for schedule(static) if (!omp_in_parallel() && rows * n >= (int64_t{1} << 18))
+    for (int64_t a = 0; a < rows; a += per) {
+      const size_t b = static_cast<size_t>(std::min(rows, a + per));
+      ggml::dequantize_rows(w, r0 + static_cast<size_t>(a), r0 + b, buf.data() + static_cast<size_t>(a) * w.cols);
+    }
+    Gemm(out + r0, x, buf.data(), T, n, static_cast<int>(rows), d);
+  }
 }
 
 void AddBias(float* x, const float* b, int T, int width) {
@@ -319,28 +364,28 @@ std::span<const float> Transformer::Run(std::span<const Row> rows, Pass pass, bo
   // are counted at each length as it grows, and windows keep the per-token
   // loop below.
   const bool prefill = single && pass == Pass::kBlas && one.policy_.window == 0 && one.cache_.any_length();
-  auto mm = [&](float* out, const float* in, const float* w, int n, int d) {
+  auto mm = [&](float* out, const float* in, const ggml::WeightMatrix& w) {
     if (pass == Pass::kBlas) {
-      Gemm(out, in, w, T, n, d);
+      Gemm(out, in, w, T, wbuf_);
     } else if (pass == Pass::kWindow) {
-      MatMul(out, in, w, T, n, d);
+      MatMul(out, in, w, T);
     } else {
-      for (int t = 0; t < T; ++t) MatVec(out + static_cast<size_t>(t) * d, in + static_cast<size_t>(t) * n, w, n, d);
+      for (int t = 0; t < T; ++t) MatVec(out + static_cast<size_t>(t) * w.rows, in + static_cast<size_t>(t) * w.cols, w);
     }
   };
   auto row = [](std::vector<float>& v, int t, int width) { return v.data() + static_cast<size_t>(t) * static_cast<size_t>(width); };
 
   for (int t = 0; t < T; ++t) {
-    std::memcpy(row(x_, t, dim), w_.token_embedding + static_cast<size_t>(rows[static_cast<size_t>(t)].token) * dim,
-                static_cast<size_t>(dim) * sizeof(float));
+    const size_t tok = static_cast<size_t>(rows[static_cast<size_t>(t)].token);
+    ggml::dequantize_rows(w_.token_embedding, tok, tok + 1, row(x_, t, dim));
   }
   const size_t udim = static_cast<size_t>(dim), ukv = static_cast<size_t>(kv_dim), uhid = static_cast<size_t>(hid);
   for (int l = 0; l < cfg_.n_layers; ++l) {
     const size_t ul = static_cast<size_t>(l);
     for (int t = 0; t < T; ++t) RmsNorm(row(xb_, t, dim), row(x_, t, dim), w_.rms_att + ul * udim, dim, eps);
-    mm(q_.data(), xb_.data(), w_.wq + ul * udim * udim, dim, dim);
-    mm(k_.data(), xb_.data(), w_.wk + ul * ukv * udim, dim, kv_dim);
-    mm(v_.data(), xb_.data(), w_.wv + ul * ukv * udim, dim, kv_dim);
+    mm(q_.data(), xb_.data(), w_.wq[ul]);
+    mm(k_.data(), xb_.data(), w_.wk[ul]);
+    mm(v_.data(), xb_.data(), w_.wv[ul]);
     if (w_.bq != nullptr) {
       AddBias(q_.data(), w_.bq + ul * udim, T, dim);
       AddBias(k_.data(), w_.bk + ul * ukv, T, kv_dim);
@@ -370,17 +415,17 @@ std::span<const float> Transformer::Run(std::span<const Row> rows, Pass pass, bo
       sq.bytes_at_[static_cast<size_t>(pos)] += sq.cache_.layer_bytes(l);
       sq.attention(l, pos, row(q_, t, dim), row(xb_, t, dim));
     }
-    mm(xb2_.data(), xb_.data(), w_.wo + ul * udim * udim, dim, dim);
+    mm(xb2_.data(), xb_.data(), w_.wo[ul]);
     for (size_t i = 0; i < uT * udim; ++i) x_[i] += xb2_[i];
     for (int t = 0; t < T; ++t) RmsNorm(row(xb_, t, dim), row(x_, t, dim), w_.rms_ffn + ul * udim, dim, eps);
-    mm(hb_.data(), xb_.data(), w_.w1 + ul * uhid * udim, dim, hid);
-    mm(hb2_.data(), xb_.data(), w_.w3 + ul * uhid * udim, dim, hid);
+    mm(hb_.data(), xb_.data(), w_.w1[ul]);
+    mm(hb2_.data(), xb_.data(), w_.w3[ul]);
     for (size_t i = 0; i < uT * uhid; ++i) {
       float val = hb_[i];
       val *= (1.0f / (1.0f + std::exp(-val)));
       hb_[i] = val * hb2_[i];
     }
-    mm(xb_.data(), hb_.data(), w_.w2 + ul * udim * uhid, hid, dim);
+    mm(xb_.data(), hb_.data(), w_.w2[ul]);
     for (size_t i = 0; i < uT * udim; ++i) x_[i] += xb_[i];
   }
   if (prefill) {
@@ -388,11 +433,11 @@ std::span<const float> Transformer::Run(std::span<const Row> rows, Pass pass, bo
   }
   if (last_logits) {  // a prompt's prefill: only its last token's logits
     RmsNorm(xb_.data(), row(x_, T - 1, dim), w_.rms_final, dim, eps);
-    MatVec(logits_.data(), xb_.data(), w_.wcls, dim, vocab);
+    MatVec(logits_.data(), xb_.data(), w_.wcls);
     return {logits_.data(), static_cast<size_t>(vocab)};
   }
   for (int t = 0; t < T; ++t) RmsNorm(row(xb_, t, dim), row(x_, t, dim), w_.rms_final, dim, eps);
-  mm(logits_.data(), xb_.data(), w_.wcls, dim, vocab);
+  mm(logits_.data(), xb_.data(), w_.wcls);
   return {logits_.data(), uT * static_cast<size_t>(vocab)};
 }
 

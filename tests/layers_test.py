@@ -26,7 +26,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 PUBLIC = {
     "error": "base", "tensor": "base", "half": "base", "fp8": "base", "affine": "base",
-    "ggml_quants": "base", "rope": "base", "stats": "base", "targets": "base",
+    "ggml_quants": "base", "ggml_weights": "base", "rope": "base", "stats": "base", "targets": "base",
     "crc32c": "io", "file": "io", "sha256": "io",
     "sorted_profile": "profile", "cluster_bank": "profile", "cluster_outliers": "profile",
     "attention_part": "attn", "static_ranges": "calib",

@@ -619,9 +619,11 @@ TEST(Model, ReadsExportVersion1AndRefusesVersion2) {
   const size_t L = c.n_layers, d = c.dim, kv = c.kv_dim(), hid = c.hidden_dim, V = c.vocab_size;
   const Weights& w = ref.weights();
   auto put = [&](const float* p, size_t n) { v1.append(reinterpret_cast<const char*>(p), n * 4); };
-  put(w.rms_att, L * d), put(w.rms_ffn, L * d), put(w.rms_final, d), put(w.token_embedding, V * d);
-  put(w.wq, L * d * d), put(w.wk, L * kv * d), put(w.wv, L * kv * d), put(w.wo, L * d * d);
-  put(w.w1, L * hid * d), put(w.w2, L * d * hid), put(w.w3, L * hid * d);
+  // llama2.c's matrices are float32, each kind's layers one after another in the file.
+  put(w.rms_att, L * d), put(w.rms_ffn, L * d), put(w.rms_final, d), put(w.token_embedding.f32(), V * d);
+  put(w.wq[0].f32(), L * d * d), put(w.wk[0].f32(), L * kv * d), put(w.wv[0].f32(), L * kv * d);
+  put(w.wo[0].f32(), L * d * d), put(w.w1[0].f32(), L * hid * d), put(w.w2[0].f32(), L * d * hid);
+  put(w.w3[0].f32(), L * hid * d);
   const std::string p1 = TempPath("v1.bin");
   std::ofstream(p1, std::ios::binary).write(v1.data(), static_cast<std::streamsize>(v1.size()));
   {

@@ -4,6 +4,8 @@
 #include <functional>
 
 #include "model/eval.h"
+#include "kvq/ggml_weights.h"
+#include "model/gguf.h"
 #include "model/transformer.h"
 #include "model/tokens.h"
 #include "session/generate.h"
@@ -23,6 +25,9 @@ void BindModel(py::module_& m) {
              d["vocab_size"] = g.vocab_size, d["seq_len"] = g.seq_len, d["norm_eps"] = g.norm_eps;
              d["rope"] = g.rope.describe(), d["qkv_bias"] = g.qkv_bias, d["shared_classifier"] = g.shared_classifier;
              d["format"] = c.is_gguf() ? "gguf" : "llama2.c", d["format_version"] = c.format_version();
+             py::dict types;
+             for (const auto& [t, n] : c.weights().matrix_types()) types[py::str(model::ggml_type_name(t))] = n;
+             d["weight_types"] = types, d["weight_bytes"] = c.weights().matrix_bytes();
              d["tokenizer"] = c.tokenizer() != nullptr ? "sentencepiece" : c.tokenizer_problem();
              return d;
            })
@@ -57,6 +62,21 @@ void BindModel(py::module_& m) {
         return model::load_tokenizer(c, "")->encode(text, bos);
       });
   m.def("read_token_file", &model::read_token_file);
+  // A GGUF tensor's bytes in a ggml type kvq reads (kvq/ggml_weights.h) as float32.
+  m.def("dequantize_ggml", [](uint32_t type, const py::bytes& data, int64_t n) {
+    KVQ_CHECK_ARG(ggml::weight_type_read(type), "ggml_type: expected a type kvq reads (kvq/ggml_weights.h), ",
+                  "got ", model::ggml_type_name(type));
+    const int64_t block = ggml::weight_block(type), bytes = ggml::weight_block_bytes(type);
+    KVQ_CHECK_ARG(n >= 1 && n % block == 0, "n: expected a positive multiple of ", block, " (",
+                  model::ggml_type_name(type), "'s block), got ", n);
+    const std::string_view b = data;
+    KVQ_CHECK_ARG(static_cast<int64_t>(b.size()) / bytes == n / block && static_cast<int64_t>(b.size()) % bytes == 0,
+                  "data: expected ", n / block * bytes, " bytes for ", n, " ", model::ggml_type_name(type),
+                  " values, got ", b.size());
+    py::array_t<float> out(n);
+    ggml::dequantize(type, reinterpret_cast<const uint8_t*>(b.data()), static_cast<size_t>(n), out.mutable_data());
+    return out;
+  }, py::arg("ggml_type"), py::arg("data"), py::arg("n"));
   // A generation session (session/generate.h): the library half of kvq generate.
   m.def("generate", [](const std::string& model, const std::string& tokenizer, const std::string& prompt,
                        const std::string& kv, int steps, double temperature, uint64_t seed, const std::string& save_cache,

@@ -5,8 +5,9 @@ from ._util import _numpy, _int, _str
 
 
 class Model:
-    """A model kvq can run: a GGUF file (architectures llama and qwen2; F32, F16, BF16 and Q8_0 weights,
-    dequantised to fp32) or a llama2.c checkpoint, with kvq's fp32 forward pass.
+    """A model kvq can run: a GGUF file (architectures llama and qwen2; weights F32, F16, BF16, Q4_0, Q4_1,
+    Q5_0, Q5_1, Q8_0, Q2_K ... Q6_K, IQ4_NL, IQ4_XS, kept in their type) or a llama2.c checkpoint, with
+    kvq's fp32 forward pass.
 
     Model(path)
       .config                      dict: arch, dim, n_layers, heads, RoPE, norm_eps, tokenizer, ...
@@ -33,6 +34,15 @@ class Model:
         c = self.config
         return (f"kvq.Model({c['arch']}: dim {c['dim']}, {c['n_layers']} layers, {c['n_heads']} heads, "
                 f"{c['n_kv_heads']} KV heads, vocab {c['vocab_size']}, {c['rope']})")
+
+
+def dequantize_ggml(ggml_type, data, n):
+    """n values of a GGUF tensor's bytes in ggml type id ggml_type (0 F32, 1 F16, 2 Q4_0, 3 Q4_1, 6 Q5_0,
+    7 Q5_1, 8 Q8_0, 10-14 Q2_K-Q6_K, 20 IQ4_NL, 23 IQ4_XS, 30 BF16) as float32, exactly as ggml's
+    reference dequantisation computes them."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        data = _numpy(data).tobytes()
+    return _kvq.dequantize_ggml(_int(ggml_type, "ggml_type", 0, 2 ** 32 - 1), bytes(data), _int(n, "n"))
 
 
 def read_token_file(path, vocab_size):

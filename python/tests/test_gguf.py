@@ -214,10 +214,10 @@ def test_models_kvq_cannot_run_are_named(tmp_path):
     g.write(p)
     assert "mixture of experts" in _error(p)
     g = _small()
-    g.tensors = [(n, ne, 12 if n == "blk.0.attn_q.weight" else ty, d) for n, ne, ty, d in g.tensors]
-    g.write(p)  # the bytes no longer match Q4_K's size: caught as a bad size or as the type
+    g.tensors = [(n, ne, 16 if n == "blk.0.attn_q.weight" else ty, d) for n, ne, ty, d in g.tensors]
+    g.write(p)  # IQ2_XXS: a grid type kvq does not read
     msg = _error(p)
-    assert "Q4_K" in msg or "past the end" in msg, msg
+    assert "'blk.0.attn_q.weight' is IQ2_XXS; kvq reads F32, F16, BF16, Q4_0" in msg, msg
     g = _small()
     g.tensors = [t for t in g.tensors if t[0] != "blk.0.ffn_up.weight"]
     g.write(p)

@@ -21,28 +21,17 @@ import numpy as np
 import pytest
 
 import kvq
+from llama_cpp_lib import oracle_dir
 from test_gguf import MODEL, SHARED, TOKENIZER, _eval, _need_data, gw
 
 ROOT = Path(__file__).resolve().parents[2]
-ORACLES = Path(os.environ.get("KVQ_ORACLES", ROOT / "build" / "oracles"))
 
 
 def _oracle():
     """The directory holding node_modules/node-llama-cpp, with our script copied beside it."""
-    mod = ORACLES / "node_modules" / "node-llama-cpp" / "package.json"
-    why = None
-    if shutil.which("node") is None:
-        why = "node is not installed"
-    elif not mod.exists():
-        why = f"{mod} is missing (KVQ_WITH_ORACLES=1 bash scripts/install_deps.sh installs it from npm)"
-    elif json.loads(mod.read_text())["version"] != "3.21.1":
-        why = f"{mod}: expected node-llama-cpp 3.21.1"
-    if why:
-        if os.environ.get("KVQ_REQUIRE_DATA") == "1":
-            pytest.fail(f"llama.cpp oracle unavailable: {why}")
-        pytest.skip(f"llama.cpp oracle unavailable: {why}")
-    shutil.copy(ROOT / "tests" / "llama_cpp_ppl.mjs", ORACLES / "llama_cpp_ppl.mjs")
-    return ORACLES
+    oracles = oracle_dir()
+    shutil.copy(ROOT / "tests" / "llama_cpp_ppl.mjs", oracles / "llama_cpp_ppl.mjs")
+    return oracles
 
 
 def _llama_cpp_ppl(model, ids, ctx, chunks, kv_type):

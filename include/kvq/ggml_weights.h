@@ -1,0 +1,72 @@
+// The weight types of a GGUF file as kvq reads them: each tensor stays in
+// its ggml type, rows are dequantised where they are used (model/ggml_weights.cc).
+//
+// Types (ggml's ids; block = elements, bytes per block):
+//   F32 (0; 1, 4)  F16 (1; 1, 2)  BF16 (30; 1, 2)
+//   Q4_0 (2; 32, 18)  Q4_1 (3; 32, 20)  Q5_0 (6; 32, 22)  Q5_1 (7; 32, 24)  Q8_0 (8; 32, 34)
+//   Q2_K (10; 256, 84)  Q3_K (11; 256, 110)  Q4_K (12; 256, 144)  Q5_K (13; 256, 176)  Q6_K (14; 256, 210)
+//   IQ4_NL (20; 32, 18)  IQ4_XS (23; 256, 136)
+// Each value is computed as ggml's reference dequantisation (ggml-quants.c's
+// dequantize_row_*) computes it, operation for operation in float32 (no
+// contraction: the build sets -ffp-contract=off), so kvq's weights equal
+// llama.cpp's own F32 copy of a file bit for bit (python/tests/test_ggml_weights.py
+// checks every type against libggml). Not read: Q8_1 and Q8_K (ggml's
+// activation formats, never stored in model files), the IQ1/IQ2/IQ3
+// grid types and TQ1_0/TQ2_0 (lattice codebooks of 256-2048 entries;
+// requantize such a file to one of the types above).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace kvq::ggml {
+
+enum class WeightType : uint32_t {
+  kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11,
+  kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23, kBF16 = 30,
+};
+
+// Whether kvq reads weights of this ggml type id.
+bool weight_type_read(uint32_t type);
+// Elements per block of a type kvq reads (1, 32 or 256).
+int weight_block(uint32_t type);
+// Bytes of one block.
+int weight_block_bytes(uint32_t type);
+
+// Dequantises n elements (a multiple of the block) of a type kvq reads from
+// `in` (any alignment) into out. Non-finite values (from a non-finite fp16
+// scale) are kept. Never throws.
+void dequantize(uint32_t type, const uint8_t* in, size_t n, float* out);
+
+// A weight matrix: `rows` rows of `cols` values in a ggml type, row i at
+// data + i * row_bytes.
+struct WeightMatrix {
+  uint32_t type = 0;
+  const uint8_t* data = nullptr;
+  size_t rows = 0, cols = 0, row_bytes = 0;
+  const uint8_t* row(size_t i) const { return data + i * row_bytes; }
+  // The values when the matrix is F32 (and float-aligned), else null.
+  const float* f32() const;
+};
+
+// sum_j w[i, j] * x[j] for one row, summed in order j = 0 .. cols - 1 over
+// the row's dequantised values: the same bits as the sequential sum over
+// an F32 copy of the matrix.
+float dot_row(const WeightMatrix& w, size_t i, const float* x);
+// Rows [r0, r1) dequantised into out ((r1 - r0) x cols floats).
+void dequantize_rows(const WeightMatrix& w, size_t r0, size_t r1, float* out);
+
+// The block types (every type above but F32, F16 and BF16), which the token
+// pass reads through the fused kernel below.
+bool fused_type(uint32_t type);
+// The token pass's fused dequantise-and-dot (src/base/ggml_dot.cc, Highway):
+// out[i - r0] = sum_j w[i, j] x[j] for rows [r0, r1) of a block type, each
+// element's value ggml's, element j added into partial sum j mod 16 in
+// order of j, the 16 sums added in a fixed tree; products and sums rounded
+// separately. The same bits on every SIMD target as dot_row_fused_ref.
+// Against the sequential sum of dot_row: both are within gamma_n sum_j
+// |w_ij x_j| of the exact sum (gamma_n = n u / (1 - n u), u = 2^-24).
+void matvec_fused(const WeightMatrix& w, const float* x, size_t r0, size_t r1, float* out);
+float dot_row_fused_ref(const WeightMatrix& w, size_t i, const float* x);
+
+}  // namespace kvq::ggml

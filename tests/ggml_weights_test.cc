@@ -1,0 +1,135 @@
+// GGUF weight types (kvq/ggml_weights.h): the fused dequantise-and-dot on
+// every compiled target against its scalar reference, bit for bit, and
+// against the exact sum within its bound. Exactness of the dequantisers
+// against ggml itself is python/tests/test_ggml_weights.py (llama.cpp's
+// libggml through ctypes).
+#include "kvq/ggml_weights.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "kvq/ggml_quants.h"
+#include "kvq/half.h"
+#include "tests/test_util.h"
+
+namespace kvq {
+namespace {
+
+using ggml::WeightType;
+
+struct TypeCase {
+  WeightType type;
+  std::vector<int> scale_offsets;  // fp16 fields within a block
+};
+const std::vector<TypeCase>& BlockTypes() {
+  static const std::vector<TypeCase> k = {
+      {WeightType::kQ4_0, {0}},      {WeightType::kQ4_1, {0, 2}},  {WeightType::kQ5_0, {0}},
+      {WeightType::kQ5_1, {0, 2}},   {WeightType::kQ8_0, {0}},     {WeightType::kQ2_K, {80, 82}},
+      {WeightType::kQ3_K, {108}},    {WeightType::kQ4_K, {0, 2}},  {WeightType::kQ5_K, {0, 2}},
+      {WeightType::kQ6_K, {208}},    {WeightType::kIQ4_NL, {0}},   {WeightType::kIQ4_XS, {0}},
+  };
+  return k;
+}
+
+// rows x cols of random blocks (every code bit pattern) with finite scales.
+std::vector<uint8_t> RandomMatrix(const TypeCase& tc, size_t rows, size_t cols, test::Rng& rng) {
+  const uint32_t t = static_cast<uint32_t>(tc.type);
+  const size_t block = static_cast<size_t>(ggml::weight_block(t)), bytes = static_cast<size_t>(ggml::weight_block_bytes(t));
+  std::vector<uint8_t> m(rows * cols / block * bytes);
+  for (uint8_t& b : m) b = static_cast<uint8_t>(rng.Next());
+  for (size_t b = 0; b < m.size() / bytes; ++b) {
+    for (int off : tc.scale_offsets) {
+      const float s = static_cast<float>(rng.Uniform() * 0.05 + 1e-3) * (rng.Next() & 1 ? -1.0f : 1.0f);
+      const uint16_t h = f32_to_f16_ref(s);
+      std::memcpy(m.data() + b * bytes + static_cast<size_t>(off), &h, 2);
+    }
+  }
+  return m;
+}
+
+ggml::WeightMatrix View(const TypeCase& tc, const std::vector<uint8_t>& m, size_t rows, size_t cols) {
+  ggml::WeightMatrix w;
+  w.type = static_cast<uint32_t>(tc.type);
+  w.data = m.data();
+  w.rows = rows, w.cols = cols;
+  w.row_bytes = m.size() / rows;
+  return w;
+}
+
+TEST(GgmlWeights, FusedDotEqualsItsReferenceBitForBitOnEveryTarget) {
+  test::Rng rng(11);
+  test::ForEachTarget([&](const char*) {
+    for (const TypeCase& tc : BlockTypes()) {
+      SCOPED_TRACE(ggml::weight_block(static_cast<uint32_t>(tc.type)) == 32 ? "32-value blocks" : "super-blocks");
+      SCOPED_TRACE(static_cast<int>(tc.type));
+      for (size_t cols : {size_t{256}, size_t{1024}, size_t{96}}) {
+        if (cols % static_cast<size_t>(ggml::weight_block(static_cast<uint32_t>(tc.type))) != 0) continue;
+        const size_t rows = 9;
+        const std::vector<uint8_t> m = RandomMatrix(tc, rows, cols, rng);
+        const ggml::WeightMatrix w = View(tc, m, rows, cols);
+        std::vector<float> x(cols), got(rows);
+        for (float& v : x) v = static_cast<float>(rng.Gaussian());
+        ggml::matvec_fused(w, x.data(), 0, rows, got.data());
+        std::vector<float> part(rows - 3);
+        ggml::matvec_fused(w, x.data(), 3, rows, part.data());
+        for (size_t i = 0; i < rows; ++i) {
+          const float want = ggml::dot_row_fused_ref(w, i, x.data());
+          ASSERT_TRUE(std::isfinite(want));
+          uint32_t a, b;
+          std::memcpy(&a, &got[i], 4), std::memcpy(&b, &want, 4);
+          ASSERT_EQ(a, b) << "row " << i << " cols " << cols << ": " << got[i] << " vs " << want;
+          if (i >= 3) ASSERT_EQ(part[i - 3], got[i]);
+        }
+      }
+    }
+  });
+}
+
+// Both orders (the fused 16 partial sums and the sequential sum) are within
+// gamma_n sum |w x| of the exact sum, n the row length (Higham, Accuracy and
+// Stability, 3.1, for any summation order; products add one rounding each).
+TEST(GgmlWeights, FusedAndSequentialDotsAreWithinGammaNOfTheExactSum) {
+  test::Rng rng(12);
+  for (const TypeCase& tc : BlockTypes()) {
+    const size_t rows = 16, cols = 2048;
+    const std::vector<uint8_t> m = RandomMatrix(tc, rows, cols, rng);
+    const ggml::WeightMatrix w = View(tc, m, rows, cols);
+    std::vector<float> x(cols), fused(rows), deq(cols);
+    for (float& v : x) v = static_cast<float>(rng.Gaussian()) * (rng.Next() % 9 == 0 ? 30.0f : 1.0f);
+    ggml::matvec_fused(w, x.data(), 0, rows, fused.data());
+    const double u = std::ldexp(1.0, -24), gamma = (static_cast<double>(cols) + 1) * u / (1 - (cols + 1) * u);
+    double worst = 0;
+    for (size_t i = 0; i < rows; ++i) {
+      ggml::dequantize_rows(w, i, i + 1, deq.data());
+      double exact = 0, mag = 0;
+      for (size_t j = 0; j < cols; ++j) exact += static_cast<double>(deq[j]) * x[j], mag += std::fabs(static_cast<double>(deq[j]) * x[j]);
+      const double seq = ggml::dot_row(w, i, x.data());
+      ASSERT_LE(std::fabs(fused[i] - exact), gamma * mag) << static_cast<int>(tc.type) << " row " << i;
+      ASSERT_LE(std::fabs(seq - exact), gamma * mag) << static_cast<int>(tc.type) << " row " << i;
+      worst = std::max(worst, std::fabs(fused[i] - exact) / mag);
+    }
+    EXPECT_GT(worst, 0.0);  // the check saw rounding, not identical sums by construction
+  }
+}
+
+TEST(GgmlWeights, Q8_0RowsDecodeAsTheKvCachesBlocks) {
+  test::Rng rng(13);
+  std::vector<float> x(256);
+  for (float& v : x) v = static_cast<float>(rng.Gaussian());
+  std::vector<ggml::BlockQ8_0> blocks(8);
+  ggml::quantize_row_q8_0(x, blocks);
+  std::vector<float> a(256), b(256);
+  ggml::dequantize_row_q8_0(blocks, a);
+  ggml::dequantize(static_cast<uint32_t>(WeightType::kQ8_0), reinterpret_cast<const uint8_t*>(blocks.data()), 256,
+                   b.data());
+  EXPECT_EQ(0, std::memcmp(a.data(), b.data(), 256 * sizeof(float)));
+  EXPECT_FALSE(ggml::weight_type_read(16));  // IQ2_XXS
+  EXPECT_FALSE(ggml::fused_type(static_cast<uint32_t>(WeightType::kF16)));
+  EXPECT_TRUE(ggml::fused_type(static_cast<uint32_t>(WeightType::kIQ4_XS)));
+}
+
+}  // namespace
+}  // namespace kvq
