@@ -1,23 +1,77 @@
 // GGUF models (model/gguf.h, gguf_model.cc) and token-id files
 // (model/tokens.h): the loader either rejects the bytes with kvq::Error or
-// every weight it hands out is readable (each table's ends are read) and
+// every weight it hands out is readable (each table's ends are read, each
+// quantized matrix's first and last rows go through the fused kernel) and
 // its tokenizer encodes; the same bytes as a .npy / raw uint32 token file
-// either parse to in-vocabulary ids or are refused.
+// either parse to in-vocabulary ids or are refused; and the same bytes as
+// blocks of every ggml weight type (kvq/ggml_weights.h: any bit pattern,
+// NaN/Inf/subnormal scales) decode, and the fused dequantise-and-dot gives
+// its scalar reference's bits.
 #include <cstddef>
 #include <cstdint>
 #include <span>
 
+#include <cstring>
+#include <vector>
+
 #include "fuzz/fuzz_util.h"
 #include "kvq/error.h"
+#include "kvq/ggml_weights.h"
 #include "model/checkpoint.h"
 #include "model/tokenizer.h"
 #include "model/tokens.h"
 
+namespace {
+
+// The input as rows of blocks of every block type.
+void Blocks(const uint8_t* data, size_t size) {
+  for (uint32_t type = 0; type < 40; ++type) {
+    if (!kvq::ggml::fused_type(type)) continue;
+    const size_t block = static_cast<size_t>(kvq::ggml::weight_block(type)),
+                 bytes = static_cast<size_t>(kvq::ggml::weight_block_bytes(type));
+    const size_t per_row = block == 32 ? 8 : 1, rows = std::min<size_t>(4, size / (per_row * bytes));
+    if (rows == 0) continue;
+    kvq::ggml::WeightMatrix w;
+    w.type = type;
+    w.data = data;
+    w.rows = rows, w.cols = per_row * block, w.row_bytes = per_row * bytes;
+    std::vector<float> x(w.cols), deq(rows * w.cols), out(rows);
+    for (size_t j = 0; j < w.cols; ++j) x[j] = static_cast<float>(j % 7) - 3.0f;
+    kvq::ggml::dequantize_rows(w, 0, rows, deq.data());
+    kvq::ggml::matvec_fused(w, x.data(), 0, rows, out.data());
+    for (size_t i = 0; i < rows; ++i) {
+      const float ref = kvq::ggml::dot_row_fused_ref(w, i, x.data());
+      uint32_t a, b;
+      std::memcpy(&a, &out[i], 4), std::memcpy(&b, &ref, 4);
+      if (a != b && !(out[i] != out[i] && ref != ref)) __builtin_trap();  // equal bits, or both NaN
+    }
+  }
+}
+
+// A loaded model's quantized matrices: first and last rows through the kernels.
+void Matrices(const kvq::model::Weights& w) {
+  auto rows = [](const kvq::ggml::WeightMatrix& m) {
+    std::vector<float> x(m.cols, 0.5f), out(1), deq(m.cols);
+    for (size_t i : {size_t{0}, m.rows - 1}) {
+      kvq::ggml::dequantize_rows(m, i, i + 1, deq.data());
+      if (kvq::ggml::fused_type(m.type)) kvq::ggml::matvec_fused(m, x.data(), i, i + 1, out.data());
+    }
+  };
+  rows(w.token_embedding), rows(w.wcls);
+  for (const auto* kind : {&w.wq, &w.wk, &w.wv, &w.wo, &w.w1, &w.w2, &w.w3}) {
+    for (const kvq::ggml::WeightMatrix& m : *kind) rows(m);
+  }
+}
+
+}  // namespace
+
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  Blocks(data, size);
   const kvq::fuzz::MemFile f(data, size);
   try {
     const kvq::model::Checkpoint c(f.path());
     kvq::fuzz::ReadWeightEnds(c);
+    Matrices(c.weights());
     if (const kvq::model::Tokenizer* t = c.tokenizer()) {
       for (int id : t->encode("Once upon a time \xE2\x96\x81 <0x0A> \xF0\x9F\x98\x80", true)) {
         if (id < 0 || id >= t->vocab_size()) __builtin_trap();

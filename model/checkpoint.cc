@@ -188,6 +188,14 @@ std::map<uint32_t, int> Weights::matrix_types() const {
   return n;
 }
 
+std::string Weights::describe() const {
+  std::string out;
+  for (const auto& [t, n] : matrix_types()) out += (out.empty() ? "" : ", ") + ggml_type_name(t) + " x " + std::to_string(n);
+  char buf[64];
+  std::snprintf(buf, sizeof buf, ": %.2f GiB", static_cast<double>(matrix_bytes()) / (1u << 30));
+  return out + buf;
+}
+
 uint64_t Weights::matrix_bytes() const {
   uint64_t n = token_embedding.rows * token_embedding.row_bytes;
   for (const std::vector<ggml::WeightMatrix>* k : {&wq, &wk, &wv, &wo, &w1, &w2, &w3}) {

@@ -54,6 +54,8 @@ struct Weights {
   uint64_t matrix_bytes() const;
   // How many matrices are of each ggml type (the classifier once when tied).
   std::map<uint32_t, int> matrix_types() const;
+  // "Q4_K x 193, Q6_K x 33: 4.58 GiB".
+  std::string describe() const;
 };
 
 class Checkpoint {

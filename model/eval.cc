@@ -251,6 +251,7 @@ EvalReport run_eval(const EvalOptions& o) {
   rep.model_path = o.model_path;
   rep.text_path = o.tokens_path.empty() ? o.text_path : o.tokens_path;
   rep.config = cfg;
+  rep.weights = ckpt.weights().describe();
   rep.forward = o.forward;
   const bool batched = o.forward == ForwardPass::kBatched;
   // Windows run in parallel, one per thread: the BLAS runs on the calling
@@ -531,10 +532,10 @@ std::string format_report(const EvalReport& r) {
   const Config& c = r.config;
   const bool llama = r.protocol == EvalProtocol::kLlamaPerplexity;
   std::snprintf(buf, sizeof buf,
-                "model: %s (dim %d, layers %d, heads %d, kv_heads %d, head_size %d, vocab %d)\n"
+                "model: %s (dim %d, layers %d, heads %d, kv_heads %d, head_size %d, vocab %d; weights %s)\n"
                 "text: %s: %lld predicted tokens, %d %s of ctx %d%s, %d threads\n",
                 r.model_path.c_str(), c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.head_size(), c.vocab_size,
-                r.text_path.c_str(), static_cast<long long>(r.tokens), r.windows, llama ? "chunks" : "windows", r.ctx,
+                r.weights.c_str(), r.text_path.c_str(), static_cast<long long>(r.tokens), r.windows, llama ? "chunks" : "windows", r.ctx,
                 llama ? " (llama-perplexity's protocol: the whole file tokenized, BOS first in each chunk, its "
                         "second half scored)"
                       : " (+1)",

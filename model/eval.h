@@ -129,6 +129,7 @@ struct SchemeResult {
 struct EvalReport {
   std::string model_path, text_path;
   Config config;
+  std::string weights;  // the matrices' types and bytes (Weights::describe)
   ForwardPass forward = ForwardPass::kExact;
   // The forward pass's arithmetic: FLOPs per predicted token (matrix
   // products and attention at the mean length), the fp32 row's rate, and

@@ -19,7 +19,7 @@ cmake --build "$B"
 shared=${KVQ_SHARED:-$(cd .. && pwd)/shared}
 rm -rf "$B/seeds"
 "$B/make_seeds" "$B/seeds" "$shared"
-# GGUF seeds (scripts/gguf_write.py, NumPy): small llama / qwen2 models, F16 / Q8_0 / BF16, a sentencepiece,
+# GGUF seeds (scripts/gguf_write.py, NumPy): small llama / qwen2 models, F16 / Q8_0 / BF16 (K-quants below), a sentencepiece,
 # a BPE and no tokenizer; .npy token files.
 mkdir -p "$B/seeds/gguf"
 w="/usr/bin/python3 scripts/gguf_write.py synthetic"
@@ -29,6 +29,19 @@ $w "$B/seeds/gguf/llama3_q8.gguf" $tiny --type Q8_0 --rope-scaling llama3
 $w "$B/seeds/gguf/qwen2_bf16.gguf" $tiny --arch qwen2 --type BF16 --tied --tokenizer gpt2 --rope-scaling none
 $w "$B/seeds/gguf/aliased.gguf" $tiny --type F16 --tokenizer llama --alias  # overlapping tensors
 /usr/bin/python3 -c "import numpy as np; np.save('$B/seeds/gguf/ids.npy', np.arange(40, dtype=np.int64))"
+# K-quant and IQ4 seeds (rows of 256), quantized by llama.cpp itself when its oracle is installed.
+$w "$B/seeds/gguf/k_f32.gguf" --dim 256 --hidden 256 --layers 1 --heads 2 --kv-heads 1 --vocab 16 --ctx 64 --type F32
+/usr/bin/python3 - "$B/seeds/gguf" <<'PY' || echo "fuzz.sh: warning: no K-quant seeds (llama.cpp oracle: KVQ_WITH_ORACLES=1 scripts/install_deps.sh)" >&2
+import sys
+sys.path.insert(0, "python/tests")
+from llama_cpp_lib import FTYPE_Q4_K_M, TYPES, Llama
+d = sys.argv[1]
+llama = Llama()
+llama.quantize_model(f"{d}/k_f32.gguf", f"{d}/k_q4_k_m.gguf", FTYPE_Q4_K_M, pure=False)
+for name in ("Q2_K", "Q3_K", "Q5_K", "IQ4_XS", "Q5_1"):
+    llama.quantize_model(f"{d}/k_f32.gguf", f"{d}/k_{name.lower()}.gguf", TYPES[name][3], pure=True)
+PY
+rm -f "$B/seeds/gguf/k_f32.gguf"
 passed=0; failed=0
 for t in "${targets[@]}"; do
   corpus="$B/corpus/$t"; crashes="$B/crashes/$t"

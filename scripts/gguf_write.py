@@ -8,7 +8,8 @@
   gguf_write.py synthetic OUT.gguf [--arch llama|qwen2] [--dim ...] ...
       random weights with a real model's structure (GQA, head size, RoPE base
       and Llama 3 scaling as llama.cpp stores it: rope_freqs.weight; qwen2's
-      Q/K/V biases).
+      Q/K/V biases). --stream makes each matrix as it is written (an 8B
+      geometry without holding its weights in memory).
 
 Layout as llama.cpp's convert_hf_to_gguf.py writes it: tensor names
 token_embd / blk.N.attn_{norm,q,k,v,output} / ffn_{norm,gate,up,down} /
@@ -65,6 +66,30 @@ def quantize(w, ty):
     raise ValueError(f"unknown type {ty}")
 
 
+class Lazy:
+    """A matrix made when the file is written (synthetic(..., stream=True): an 8B-geometry model
+    without holding its weights in memory)."""
+
+    def __init__(self, shape, make):
+        self.shape, self.make = tuple(shape), make
+
+    def map(self, f):
+        return Lazy(self.shape, lambda: f(self.make()))
+
+
+class _Deferred:
+    def __init__(self, nbytes, make):
+        self.nbytes, self.make = nbytes, make
+
+    def __len__(self):
+        return self.nbytes
+
+
+def _nbytes(shape, ty):
+    n = int(np.prod(shape))
+    return {"F32": 4 * n, "F16": 2 * n, "BF16": 2 * n, "Q8_0": n // 32 * 34}[ty]
+
+
 class Writer:
     def __init__(self, version=3):
         self.version = version
@@ -98,8 +123,13 @@ class Writer:
     def tensor(self, name, w, ty="F32"):
         """Adds w (shape (out, in) or (n,)); returns what kvq reads back. Rows that Q8_0's blocks of 32
         cannot cut are stored F16, as llama.cpp's converter does."""
-        if ty == "Q8_0" and np.shape(w)[-1] % 32 != 0:
+        shape = w.shape if isinstance(w, Lazy) else np.shape(w)
+        if ty == "Q8_0" and shape[-1] % 32 != 0:
             ty = "F16"
+        if isinstance(w, Lazy):
+            self.tensors.append((name, list(reversed(shape)), GGML[ty],
+                                 _Deferred(_nbytes(shape, ty), lambda: quantize(w.make(), ty)[0])))
+            return None
         data, deq = quantize(w, ty)
         ne = list(reversed(np.shape(w)))
         self.tensors.append((name, ne, GGML[ty], data))
@@ -122,7 +152,14 @@ class Writer:
     def _chunks(self):
         yield self._header()
         for _, _, _, data in self.tensors:
-            yield data + b"\0" * ((-len(data)) % ALIGN)
+            pad = b"\0" * ((-len(data)) % ALIGN)
+            if isinstance(data, _Deferred):
+                b = data.make()
+                assert len(b) == data.nbytes
+                yield b
+                yield pad
+            else:
+                yield data + pad
 
     def tobytes(self):
         return b"".join(self._chunks())
@@ -135,6 +172,8 @@ class Writer:
 
 def hf_to_gguf_rows(w, n_head):
     """llama.cpp's permute for llama Q/K: half-split rotation rows -> adjacent pairs."""
+    if isinstance(w, Lazy):
+        return w.map(lambda a: hf_to_gguf_rows(a, n_head))
     return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
 
 
@@ -178,7 +217,7 @@ class _Discard(dict):
             super().__setitem__(key, value)
 
 
-def synthetic(cfg, seed=0, keep_reference=True):
+def synthetic(cfg, seed=0, keep_reference=True, stream=False):
     """A GGUF Writer with random weights; returns (writer, weights in Hugging
     Face layout as float32 after the storage type's rounding; with
     keep_reference=False only what the writer needs, for large models)."""
@@ -203,8 +242,14 @@ def synthetic(cfg, seed=0, keep_reference=True):
         g.add_array("tokenizer.ggml.token_type", I32, [2, 3, 3] + [6] * 256 + [1] * (V - 259))
     hf = {} if keep_reference else _Discard()
 
+    made = [0]
+
     def mat(out_dim, in_dim, scale=None):
         s = scale if scale is not None else 1.0 / np.sqrt(in_dim)
+        if stream:  # made at write time, each matrix from its own generator
+            made[0] += 1
+            sub = np.random.default_rng([seed, made[0]])
+            return Lazy((out_dim, in_dim), lambda: sub.standard_normal((out_dim, in_dim), dtype=np.float32) * np.float32(s))
         return (rng.standard_normal((out_dim, in_dim)) * s).astype(np.float32)
 
     def norm(n):
@@ -245,6 +290,8 @@ def synthetic(cfg, seed=0, keep_reference=True):
 
 def unpermute(w, n_head):
     """Inverse of hf_to_gguf_rows."""
+    if w is None:
+        return None
     return (w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
 
 
@@ -359,6 +406,8 @@ def main():
     s.add_argument("--tokenizer", default="none", choices=["none", "gpt2", "llama"])
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--alias", action="store_true", help="every tensor at data offset 0 (a crafted file)")
+    s.add_argument("--stream", action="store_true",
+                   help="make each matrix as it is written (from its own generator): an 8B model in little memory")
     args = ap.parse_args()
     if args.cmd == "llama2c":
         convert_llama2c(args.model, args.tokenizer, args.out, args.type)
@@ -367,7 +416,7 @@ def main():
                    kv_heads=args.kv_heads, vocab=args.vocab, ctx=args.ctx, rope_base=args.rope_base,
                    rope_scaling=args.rope_scaling, rope_factor=args.rope_factor, eps=args.eps, tied=args.tied,
                    type=args.type, tokenizer=args.tokenizer)
-        g, _ = synthetic(cfg, args.seed, keep_reference=False)
+        g, _ = synthetic(cfg, args.seed, keep_reference=False, stream=args.stream)
         if args.alias:
             g.offset_of = {t[0]: 0 for t in g.tensors}
         g.write(args.out)

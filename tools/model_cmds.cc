@@ -243,6 +243,7 @@ int RunEval(const EvalCliOptions& o) {
     nlohmann::json j = RunJson(o, r.model_path, r.text_path, r.config, r.ctx, r.windows, r.threads);
     j["tokens"] = r.tokens;
     j["protocol"] = name_of(kProtocols, r.protocol);
+    j["weights"] = r.weights;
     j["forward"] = r.forward == model::ForwardPass::kBatched ? "batched" : "exact";
     if (r.gemm_peak_gflops > 0) {
       j["flops_per_token"] = r.flops_per_token;
