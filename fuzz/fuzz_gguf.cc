@@ -7,9 +7,11 @@
 // blocks of every ggml weight type (kvq/ggml_weights.h: any bit pattern,
 // NaN/Inf/subnormal scales) decode, and the fused dequantise-and-dot gives
 // its scalar reference's bits.
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
 
 #include <cstring>
 #include <vector>
@@ -75,6 +77,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (const kvq::model::Tokenizer* t = c.tokenizer()) {
       for (int id : t->encode("Once upon a time \xE2\x96\x81 <0x0A> \xF0\x9F\x98\x80", true)) {
         if (id < 0 || id >= t->vocab_size()) __builtin_trap();
+      }
+      // the input's own bytes as text (byte-level BPE: any bytes, invalid UTF-8 included)
+      for (int id : t->encode(std::string(reinterpret_cast<const char*>(data), std::min<size_t>(size, 2048)), false)) {
+        if (id < 0 || id >= t->vocab_size()) __builtin_trap();
+        (void)t->decode(-1, id);
       }
     }
   } catch (const kvq::Error&) {

@@ -17,6 +17,7 @@
 #include "kvq/error.h"
 #include "kvq/ggml_weights.h"
 #include "model/gguf.h"
+#include "model/bpe.h"
 #include "model/checkpoint.h"
 #include "model/tokenizer.h"
 
@@ -326,9 +327,41 @@ void Checkpoint::LoadGguf(const std::string& path) {
       }
     }
   } else if (tm == "gpt2") {
-    tokenizer_problem_ =
-        "the model's tokenizer is byte-level BPE (tokenizer.ggml.model = gpt2: Llama 3, Qwen2), which kvq does not "
-        "implement: pass pre-tokenized text with --tokens FILE (README: Evaluate your own model)";
+    add_bos_ = g.get_bool("tokenizer.ggml.add_bos_token").value_or(false);
+    const std::string pre = g.get_string("tokenizer.ggml.pre").value_or("default");
+    const std::optional<ByteLevelBpe::Pre> p = ByteLevelBpe::parse_pre(pre);
+    if (!p) {
+      tokenizer_problem_ = "the model's byte-level BPE pre-tokenizer '" + pre +
+                           "' (tokenizer.ggml.pre) is not one kvq implements (llama-bpe, qwen2, smollm, gpt-2): pass "
+                           "pre-tokenized text with --tokens FILE (docs/eval.md: Evaluate your own model)";
+    } else {
+      std::vector<std::string> tokens = g.string_array("tokenizer.ggml.tokens");
+      const std::vector<int64_t> types =
+          g.find("tokenizer.ggml.token_type") ? g.int_array("tokenizer.ggml.token_type") : std::vector<int64_t>{};
+      const std::vector<std::string> merges =
+          g.find("tokenizer.ggml.merges") ? g.string_array("tokenizer.ggml.merges") : std::vector<std::string>{};
+      const int V = c.vocab_size;
+      auto id = [&](const char* key) -> int {
+        const std::optional<uint64_t> v = g.get_uint(key);
+        return v && *v < static_cast<uint64_t>(V) ? static_cast<int>(*v) : -1;
+      };
+      if (tokens.size() != static_cast<size_t>(V)) {
+        tokenizer_problem_ = "tokenizer.ggml.tokens holds " + std::to_string(tokens.size()) +
+                             " tokens, the model's vocabulary is " + std::to_string(V) + ": pass --tokens FILE";
+      } else {
+        try {
+          auto bpe = std::make_shared<const ByteLevelBpe>(std::move(tokens), types, merges, *p, "model '" + path + "'");
+          std::vector<int> ends;
+          for (const char* k : {"tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"}) {
+            if (id(k) >= 0) ends.push_back(id(k));
+          }
+          tokenizer_ = std::make_shared<const Tokenizer>(std::move(bpe), id("tokenizer.ggml.bos_token_id"), add_bos_,
+                                                         std::move(ends));
+        } catch (const Error& e) {
+          tokenizer_problem_ = std::string(e.what()) + ": pass --tokens FILE";
+        }
+      }
+    }
   } else {
     tokenizer_problem_ = (tm.empty() ? std::string("the model has no tokenizer")
                                      : "the model's tokenizer '" + tm + "' is not supported") +

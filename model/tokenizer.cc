@@ -16,6 +16,7 @@
 #include <limits>
 
 #include "kvq/error.h"
+#include "model/bpe.h"
 #include "model/gguf.h"
 
 namespace kvq::model {
@@ -120,7 +121,38 @@ constexpr float kNoMerge = -1e10f;
 
 }  // namespace
 
+Tokenizer::Tokenizer(std::shared_ptr<const ByteLevelBpe> bpe, int bos, bool add_bos, std::vector<int> ends)
+    : bpe_(std::move(bpe)), bpe_bos_(bos), bpe_add_bos_(add_bos && bos >= 0), bpe_ends_(std::move(ends)) {
+  KVQ_ASSERT(bpe_ != nullptr && bos < bpe_->vocab_size());
+}
+
+Tokenizer::~Tokenizer() = default;
+
+int Tokenizer::vocab_size() const { return bpe_ ? bpe_->vocab_size() : static_cast<int>(pieces_.size()); }
+
+const std::string& Tokenizer::piece(int id) const {
+  return bpe_ ? bpe_->token(id) : pieces_[static_cast<size_t>(id)];
+}
+
+bool Tokenizer::ends_text(int id) const {
+  if (!bpe_) return id == kBos;
+  return std::find(bpe_ends_.begin(), bpe_ends_.end(), id) != bpe_ends_.end();
+}
+
+std::string Tokenizer::kind() const {
+  if (!bpe_) return "sentencepiece";
+  const char* names[] = {"llama-bpe", "qwen2", "smollm", "gpt-2"};
+  return std::string("byte-level BPE (") + names[static_cast<int>(bpe_->pre())] + ")";
+}
+
 std::vector<int> Tokenizer::encode(const std::string& text, bool bos) const {
+  if (bpe_) {
+    std::vector<int> ids;
+    if (bos && bpe_add_bos_) ids.push_back(bpe_bos_);
+    const std::vector<int> t = bpe_->encode(text);
+    ids.insert(ids.end(), t.begin(), t.end());
+    return ids;
+  }
   std::vector<int> ids = Symbols(text, bos);
   const size_t first = bos ? 1 : 0;
   const size_t n = ids.size();
@@ -170,6 +202,7 @@ std::vector<int> Tokenizer::encode(const std::string& text, bool bos) const {
 }
 
 std::vector<int> Tokenizer::encode_reference(const std::string& text, bool bos) const {
+  if (bpe_) return encode(text, bos);
   std::vector<int> ids = Symbols(text, bos);
   // Merge the leftmost best-scoring adjacent pair until none merges.
   const size_t first = bos ? 1 : 0;
@@ -200,6 +233,7 @@ std::vector<int> Tokenizer::encode_reference(const std::string& text, bool bos) 
 
 std::string Tokenizer::decode(int prev, int token) const {
   KVQ_CHECK_ARG(token >= 0 && token < vocab_size(), "token: expected 0..", vocab_size() - 1, ", got ", token);
+  if (bpe_) return bpe_->decode(token);
   std::string p = pieces_[static_cast<size_t>(token)];
   if (prev == kBos && !p.empty() && p[0] == ' ') p.erase(0, 1);
   unsigned int byte = 0;

@@ -1,12 +1,16 @@
 // llama2.c's tokenizer (tokenizer.bin, or a GGUF's sentencepiece vocabulary): BPE merges by score,
-// byte fallback, decoding with its special pieces (model/tokenizer.cc).
+// byte fallback, decoding with its special pieces (model/tokenizer.cc); or a GGUF's byte-level BPE
+// (model/bpe.h) behind the same interface.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 namespace kvq::model {
+
+class ByteLevelBpe;
 
 class Tokenizer {
  public:
@@ -21,6 +25,11 @@ class Tokenizer {
   // the source in errors. Throws kvq::Error.
   Tokenizer(std::vector<std::string> pieces, std::vector<float> scores, const std::vector<bool>& matchable,
             const std::string& what);
+  // A byte-level BPE vocabulary (a GGUF's gpt2 tokenizer): its BOS id (-1:
+  // none), whether encode(text, true) adds it (tokenizer.ggml.add_bos_token),
+  // and the ids that end a text (EOS, EOT).
+  Tokenizer(std::shared_ptr<const ByteLevelBpe> bpe, int bos, bool add_bos, std::vector<int> ends);
+  ~Tokenizer();
   static constexpr int kBos = 1;
   static constexpr int kEos = 2;
   static constexpr int kMinVocab = 3 + 256;
@@ -33,11 +42,17 @@ class Tokenizer {
   // The same tokens by the original O(n^2) loop (rescan all pairs after each
   // merge); kept as the reference encode is tested against.
   std::vector<int> encode_reference(const std::string& text, bool bos) const;
-  // The text of `token` following `prev` (drops the leading space after BOS,
-  // maps <0xNN> pieces to raw bytes).
+  // The text of `token` following `prev` (sentencepiece: drops the leading
+  // space after BOS, maps <0xNN> pieces to raw bytes; byte-level BPE: the
+  // token's bytes, control tokens none).
   std::string decode(int prev, int token) const;
-  int vocab_size() const { return static_cast<int>(pieces_.size()); }
-  const std::string& piece(int id) const { return pieces_[static_cast<size_t>(id)]; }
+  int vocab_size() const;
+  const std::string& piece(int id) const;
+  // Whether generating `id` ends the text: BOS for llama2.c's vocabulary
+  // (BOS delimits its stories), EOS / EOT for byte-level BPE.
+  bool ends_text(int id) const;
+  // "sentencepiece" or "byte-level BPE (<pre>)".
+  std::string kind() const;
 
  private:
   void Index(const std::vector<bool>& matchable);
@@ -47,6 +62,10 @@ class Tokenizer {
   std::vector<std::string> pieces_;
   std::vector<float> scores_;
   std::vector<std::pair<std::string, int>> sorted_;  // piece -> id, sorted
+  std::shared_ptr<const ByteLevelBpe> bpe_;
+  int bpe_bos_ = -1;
+  bool bpe_add_bos_ = false;
+  std::vector<int> bpe_ends_;
 };
 
 }  // namespace kvq::model

@@ -28,6 +28,7 @@ $w "$B/seeds/gguf/llama_f16.gguf" $tiny --type F16 --tokenizer llama
 $w "$B/seeds/gguf/llama3_q8.gguf" $tiny --type Q8_0 --rope-scaling llama3
 $w "$B/seeds/gguf/qwen2_bf16.gguf" $tiny --arch qwen2 --type BF16 --tied --tokenizer gpt2 --rope-scaling none
 $w "$B/seeds/gguf/aliased.gguf" $tiny --type F16 --tokenizer llama --alias  # overlapping tensors
+$w "$B/seeds/gguf/llama3_bpe.gguf" $tiny --type F16 --tokenizer bpe  # a byte-level BPE (llama-bpe)
 /usr/bin/python3 -c "import numpy as np; np.save('$B/seeds/gguf/ids.npy', np.arange(40, dtype=np.int64))"
 # K-quant and IQ4 seeds (rows of 256), quantized by llama.cpp itself when its oracle is installed.
 $w "$B/seeds/gguf/k_f32.gguf" --dim 256 --hidden 256 --layers 1 --heads 2 --kv-heads 1 --vocab 16 --ctx 64 --type F32

@@ -194,6 +194,72 @@ def llama_metadata(g, arch, cfg):
         g.add(f"{arch}.rope.scaling.factor", F32, cfg["rope_factor"])
 
 
+def hf_bpe_vocab(tokenizer_json):
+    """(tokens, GGUF token types, merges "a b") of a Hugging Face byte-level BPE tokenizer.json: the
+    model's vocabulary, then its added tokens (special: control 3, else user-defined 4) at their ids,
+    gaps filled with unused (5) placeholders, as llama.cpp's converter lays them out."""
+    import json
+    t = json.load(open(tokenizer_json, encoding="utf-8"))
+    vocab = dict(t["model"]["vocab"])
+    types = {i: 1 for i in vocab.values()}
+    for a in t.get("added_tokens", []):
+        vocab[a["content"]] = a["id"]
+        types[a["id"]] = 3 if a.get("special") else 4
+    n = max(vocab.values()) + 1
+    tokens = [f"[PAD{i}]" for i in range(n)]
+    kinds = [5] * n
+    for s, i in vocab.items():
+        tokens[i], kinds[i] = s, types[i]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in t["model"]["merges"]]
+    return tokens, kinds, merges
+
+
+def byte_chars():
+    """GPT-2's bytes_to_unicode: byte b -> its character."""
+    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    out, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + n)
+            n += 1
+    return [out[b] for b in range(256)]
+
+
+def tiny_bpe_vocab(V):
+    """V >= 260 tokens: the 256 byte characters, merges of common letter pairs (and " " + letter), then
+    two control tokens (EOS, BOS) last."""
+    assert V >= 260, "tokenizer bpe needs vocab >= 260"
+    chars = byte_chars()
+    tokens, merges = list(chars), []
+    letters = "etaonishrdlu"
+    pairs = [(chars[32], c) for c in letters] + [(a, b) for a in letters for b in letters]
+    for a, b in pairs[:V - 258]:
+        merges.append(f"{a} {b}")
+        tokens.append(a + b)
+    tokens += ["<|eos|>", "<|bos|>"]
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), V)]
+    tokens[V - 2:] = ["<|eos|>", "<|bos|>"]
+    kinds = [1] * V
+    kinds[V - 2:] = [3, 3]
+    return tokens[:V], kinds, merges[:V - 258]
+
+
+def add_bpe_tokenizer(g, tokens, kinds, merges, pre, bos=None, eos=None, add_bos=False):
+    """tokenizer.ggml.model = gpt2 with its pre-tokenizer name (llama-bpe, qwen2, smollm, gpt-2)."""
+    g.add("tokenizer.ggml.model", STRING, "gpt2")
+    g.add("tokenizer.ggml.pre", STRING, pre)
+    g.add_array("tokenizer.ggml.tokens", STRING, tokens)
+    g.add_array("tokenizer.ggml.token_type", I32, kinds)
+    g.add_array("tokenizer.ggml.merges", STRING, merges)
+    if bos is not None:
+        g.add("tokenizer.ggml.bos_token_id", U32, bos)
+    if eos is not None:
+        g.add("tokenizer.ggml.eos_token_id", U32, eos)
+    g.add("tokenizer.ggml.add_bos_token", BOOL, add_bos)
+
+
 def llama3_rope_factors(head_dim, base, factor, low=1.0, high=4.0, original=8192):
     """convert_hf_to_gguf.py's rope_freqs for Llama 3 (per-frequency divisors)."""
     freqs = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
@@ -228,9 +294,12 @@ def synthetic(cfg, seed=0, keep_reference=True, stream=False):
     g = Writer()
     llama_metadata(g, arch, cfg)
     tok = cfg.get("tokenizer", "none")
-    if tok == "gpt2":
+    if tok == "gpt2":  # a gpt2 tokenizer kvq cannot read (no pre-tokenizer name, no byte characters)
         g.add("tokenizer.ggml.model", STRING, "gpt2")
         g.add_array("tokenizer.ggml.tokens", STRING, [f"t{i}" for i in range(V)])
+    elif tok == "bpe":  # a small real byte-level BPE (llama-bpe): GPT-2's 256 byte characters, then merges
+        tokens, kinds, merges = tiny_bpe_vocab(V)
+        add_bpe_tokenizer(g, tokens, kinds, merges, "llama-bpe", bos=V - 1, eos=V - 2, add_bos=True)
     elif tok == "llama":  # sentencepiece layout: <unk>, <s>, </s>, 256 byte pieces, then words
         letters = "abcdefghijklmnopqrstuvwxyz"
         words = ["\u2581" + a for a in letters] + [a + b for a in letters for b in letters]
@@ -403,7 +472,7 @@ def main():
     s.add_argument("--eps", type=float, default=1e-5)
     s.add_argument("--tied", action="store_true")
     s.add_argument("--type", default="F16", choices=sorted(GGML))
-    s.add_argument("--tokenizer", default="none", choices=["none", "gpt2", "llama"])
+    s.add_argument("--tokenizer", default="none", choices=["none", "gpt2", "bpe", "llama"])
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--alias", action="store_true", help="every tensor at data offset 0 (a crafted file)")
     s.add_argument("--stream", action="store_true",

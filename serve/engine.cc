@@ -499,7 +499,7 @@ bool Engine::Step() {
       StoreIfDue(s);
       const Request& rq = s.job->request();
       const int next = model::sample_token(logits.subspan(b * V, V), rq.temperature, rq.top_p, s.rng);
-      if (tok_ && next == model::Tokenizer::kBos) {  // BOS delimits sequences (llama2.c's vocabulary), as generate
+      if (tok_ && tok_->ends_text(next)) {  // as generate: BOS for llama2.c's vocabulary, EOS / EOT for BPE
         Finish(s, "stop");
         continue;
       }

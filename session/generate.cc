@@ -226,7 +226,7 @@ GenerateReport generate(const GenerateOptions& o, const std::function<void(const
                     static_cast<unsigned long long>(r.stored_bytes), 1e3 * store_s));
     }
     const int next = pos + 1 < P ? prompt[static_cast<size_t>(pos) + 1] : model::sample_token(logits, o.temperature, rng);
-    if (tok_ptr && next == model::Tokenizer::kBos) break;  // BOS delimits sequences (llama2.c's vocabulary)
+    if (tok_ptr && tok_ptr->ends_text(next)) break;  // BOS delimits llama2.c's sequences; EOS / EOT a BPE model's
     if (pos + 1 >= P) r.ids.push_back(next);
     text(token, next);
     token = next;

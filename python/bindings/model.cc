@@ -28,7 +28,7 @@ void BindModel(py::module_& m) {
              py::dict types;
              for (const auto& [t, n] : c.weights().matrix_types()) types[py::str(model::ggml_type_name(t))] = n;
              d["weight_types"] = types, d["weight_bytes"] = c.weights().matrix_bytes();
-             d["tokenizer"] = c.tokenizer() != nullptr ? "sentencepiece" : c.tokenizer_problem();
+             d["tokenizer"] = c.tokenizer() != nullptr ? c.tokenizer()->kind() : c.tokenizer_problem();
              return d;
            })
       // tokens: int list; pass: "token" (one forward() per token), "window" (forward_window), "batched".
@@ -60,6 +60,16 @@ void BindModel(py::module_& m) {
            })
       .def("tokenize", [](const model::Checkpoint& c, const std::string& text, bool bos) {
         return model::load_tokenizer(c, "")->encode(text, bos);
+      })
+      .def("tokenize_bytes", [](const model::Checkpoint& c, const py::bytes& text, bool bos) {
+        return model::load_tokenizer(c, "")->encode(std::string(text), bos);
+      })
+      .def("detokenize", [](const model::Checkpoint& c, const std::vector<int>& ids) {
+        const std::shared_ptr<const model::Tokenizer> t = model::load_tokenizer(c, "");
+        std::string out;
+        int prev = -1;
+        for (int id : ids) out += t->decode(prev, id), prev = id;
+        return py::bytes(out);
       });
   m.def("read_token_file", &model::read_token_file);
   // A GGUF tensor's bytes in a ggml type kvq reads (kvq/ggml_weights.h) as float32.

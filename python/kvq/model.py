@@ -15,7 +15,9 @@ class Model:
                                    the KV cache in scheme kv; forward "token" (one decoding step at a time),
                                    "window" (the same numbers, bitwise) or "batched" (sgemm + chunked prefill:
                                    the same up to summation order)
-      .tokenize(text, bos=True)    the GGUF's own sentencepiece tokenizer (ValueError when it has none)
+      .tokenize(text, bos=True)    the GGUF's own tokenizer, sentencepiece or byte-level BPE (ValueError when it
+                                   has none); text as str or bytes
+      .detokenize(ids)             bytes
     """
 
     def __init__(self, path):
@@ -28,7 +30,15 @@ class Model:
         return self._m.logits(ids, _str(kv, "kv"), _str(forward, "forward"))
 
     def tokenize(self, text, bos=True):
+        """The model's own tokenizer: str, or bytes (any bytes; byte-level BPE keeps invalid UTF-8 as
+        byte tokens)."""
+        if isinstance(text, (bytes, bytearray)):
+            return self._m.tokenize_bytes(bytes(text), bool(bos))
         return self._m.tokenize(_str(text, "text"), bool(bos))
+
+    def detokenize(self, ids):
+        """The bytes the ids stand for (BOS/EOS and other control tokens: none)."""
+        return self._m.detokenize([_int(t, "ids") for t in ids])
 
     def __repr__(self):
         c = self.config

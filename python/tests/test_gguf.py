@@ -228,11 +228,12 @@ def test_models_kvq_cannot_run_are_named(tmp_path):
     assert "rope.freq_base' is string, expected a number" in _error(p)
 
 
-def test_gpt2_tokenizer_points_to_tokens(tmp_path):
+def test_gpt2_tokenizer_kvq_cannot_read_points_to_tokens(tmp_path):
+    """No tokenizer.ggml.pre (llama.cpp's "default"): refused by name (byte-level BPE: test_bpe.py)."""
     g, _ = gw.synthetic(dict(CONFIGS["qwen2-hd64-bf16"], layers=1, tokenizer="gpt2"), seed=1)
     g.write(tmp_path / "q.gguf")
     m = kvq.Model(str(tmp_path / "q.gguf"))
-    assert "--tokens" in m.config["tokenizer"]
+    assert "pre-tokenizer 'default'" in m.config["tokenizer"] and "--tokens" in m.config["tokenizer"]
     with pytest.raises(ValueError, match="byte-level BPE.*--tokens"):
         m.tokenize("hello")
 
