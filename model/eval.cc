@@ -333,7 +333,10 @@ EvalReport run_eval(const EvalOptions& o) {
           t_var = std::chrono::steady_clock::now();
           const size_t row = i + (report_ref ? 1 : 0);
           WindowSums& ws = sums[row * static_cast<size_t>(windows) + static_cast<size_t>(w)];
-          const std::span<const float> logits = fwd(*tf[i], win);
+          // on the reference's buffers: one set of activations and logits per thread
+          const std::span<const int> toks{win, static_cast<size_t>(ctx)};
+          const std::span<const float> logits =
+              batched ? ref->forward_batched_into(*tf[i], toks) : ref->forward_window_into(*tf[i], toks);
           ws.state_bytes = static_cast<double>(tf[i]->attention_state_bytes());
           if (vars[i].policy.window == 0) ws.bits_ss = SteadyStateBits(tf[i]->cache_bytes_history(), ctx, cfg);
           for (int t = sb; t < se; ++t) {

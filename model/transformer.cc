@@ -266,6 +266,16 @@ std::span<const float> Transformer::forward_batched(std::span<const int> tokens)
   return run(tokens, 0, Pass::kBlas);
 }
 
+std::span<const float> Transformer::forward_window_into(Transformer& seq, std::span<const int> tokens) {
+  KVQ_CHECK_ARG(&seq.w_ == &w_, "seq: expected a sequence of this checkpoint");
+  return run(tokens, 0, Pass::kWindow, false, &seq);
+}
+
+std::span<const float> Transformer::forward_batched_into(Transformer& seq, std::span<const int> tokens) {
+  KVQ_CHECK_ARG(&seq.w_ == &w_, "seq: expected a sequence of this checkpoint");
+  return run(tokens, 0, Pass::kBlas, false, &seq);
+}
+
 std::span<const float> Transformer::prefill(std::span<const int> tokens, int pos0) {
   return prefill_into(*this, tokens, pos0);
 }

@@ -76,6 +76,13 @@ class Transformer {
   // row schemes without a window, KvCache::prefill: the numbers of
   // forward_window up to floating-point summation order.
   std::span<const float> forward_batched(std::span<const int> tokens);
+  // forward_window / forward_batched of another sequence `seq` (a
+  // Transformer of this checkpoint) on this object's activation buffers:
+  // the same bits as seq's own call; the logits are in this object's buffer.
+  // Several caches evaluated side by side keep one set of buffers (a
+  // 128K-vocabulary window's logits alone are 256 MiB at ctx 512).
+  std::span<const float> forward_window_into(Transformer& seq, std::span<const int> tokens);
+  std::span<const float> forward_batched_into(Transformer& seq, std::span<const int> tokens);
   // Prompt tokens at positions [pos0, pos0 + tokens.size()), pos0 the
   // sequence's length, through the batched pass (forward_batched's numbers;
   // KvCache::prefill for caches that read any length): their K/V go into

@@ -415,11 +415,43 @@ def read_llama2c(model_path, tok_path):
     return cfg, w, pieces, scores
 
 
-def convert_llama2c(model_path, tok_path, out_path, ty="F32"):
+def pad_heads(w, cfg, P):
+    """The same model with every head zero-padded from hd to P channels (llama.cpp's quantized KV
+    caches need head_dim a multiple of 32): pair i of a head's adjacent-pair RoPE moves to pair
+    i * P / hd, whose frequency base^(-2i/hd) is the same; Q's rows are scaled by sqrt(P / hd) so
+    that q.k / sqrt(P) is the original score (up to the float32 rounding of that product); V's padded
+    rows and wo's padded columns are zero."""
+    H, KV, hd, L = cfg["heads"], cfg["kv_heads"], cfg["dim"] // cfg["heads"], cfg["layers"]
+    assert P % hd == 0 and P > hd
+    step = P // hd
+    at = np.zeros(hd, dtype=np.int64)
+    for i in range(hd // 2):
+        at[2 * i], at[2 * i + 1] = 2 * i * step, 2 * i * step + 1
+
+    def rows(m, heads, scale=1.0):
+        out = np.zeros((heads * P,) + m.shape[1:], dtype=np.float32)
+        for h in range(heads):
+            out[h * P + at] = m[h * hd:(h + 1) * hd] * np.float32(scale)
+        return out
+
+    w = dict(w)
+    w["wq"] = np.stack([rows(w["wq"][l], H, np.sqrt(P / hd)) for l in range(L)])
+    w["wk"] = np.stack([rows(w["wk"][l], KV) for l in range(L)])
+    w["wv"] = np.stack([rows(w["wv"][l], KV) for l in range(L)])
+    w["wo"] = np.stack([rows(w["wo"][l].T, H).T for l in range(L)])
+    return w
+
+
+def convert_llama2c(model_path, tok_path, out_path, ty="F32", pad_head=None):
     cfg, w, pieces, scores = read_llama2c(model_path, tok_path)
     g = Writer()
     c = dict(cfg, rope_base=10000.0, eps=1e-5, name="stories260K (llama2.c)")
     llama_metadata(g, "llama", c)
+    if pad_head:
+        w = pad_heads(w, cfg, pad_head)
+        for k in ("attention.key_length", "attention.value_length", "rope.dimension_count"):
+            g.kv = [e for e in g.kv if e[0] != f"llama.{k}"]
+            g.add(f"llama.{k}", U32, pad_head)
     g.add("tokenizer.ggml.model", STRING, "llama")
     # llama2.c's export turned sentencepiece's U+2581 into spaces; GGUF keeps U+2581.
     g.add_array("tokenizer.ggml.tokens", STRING, [p.replace(b" ", "\u2581".encode()) for p in pieces])
@@ -456,6 +488,9 @@ def main():
     a.add_argument("tokenizer")
     a.add_argument("out")
     a.add_argument("--type", default="F32", choices=sorted(GGML))
+    a.add_argument("--pad-head", type=int, default=0,
+                   help="zero-pad every head to this many channels (for llama.cpp's quantized KV caches; kvq "
+                        "refuses such a file, it reads the unpadded one)")
     s = sub.add_parser("synthetic", help="random weights with a real model's structure")
     s.add_argument("out")
     s.add_argument("--arch", default="llama", choices=["llama", "qwen2"])
@@ -479,7 +514,7 @@ def main():
                    help="make each matrix as it is written (from its own generator): an 8B model in little memory")
     args = ap.parse_args()
     if args.cmd == "llama2c":
-        convert_llama2c(args.model, args.tokenizer, args.out, args.type)
+        convert_llama2c(args.model, args.tokenizer, args.out, args.type, args.pad_head or None)
     else:
         cfg = dict(arch=args.arch, dim=args.dim, hidden=args.hidden, layers=args.layers, heads=args.heads,
                    kv_heads=args.kv_heads, vocab=args.vocab, ctx=args.ctx, rope_base=args.rope_base,

@@ -98,7 +98,7 @@ def main():
                                       "--steps", str(a.steps), "--kv", "fp16", *env_threads])
     m = re.search(r"kvq generate: .*, ([0-9.]+) tok/s\s*$", err.strip().splitlines()[-1])
     decode = float(m.group(1))
-    bench = subprocess.run([a.bench, "--benchmark_filter=BM_weight_read/Q4_K/threads:%d$" % a.threads,
+    bench = subprocess.run([a.bench, "--benchmark_filter=BM_weight_read/Q4_K/threads:%d/" % a.threads,
                             "--benchmark_repetitions=3", "--benchmark_report_aggregates_only=true",
                             "--benchmark_format=json"], capture_output=True, text=True, check=True)
     rate = next(b["bytes_per_second"] for b in json.loads(bench.stdout)["benchmarks"] if b["aggregate_name"] == "median")

@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""kvq's KV caches beside llama.cpp's on stories260K, under llama-perplexity's protocol (the whole dev
+text tokenized with BOS first, chunks of --ctx, the second half of each chunk scored).
+
+  PYTHONPATH=build/release/python /usr/bin/python3 scripts/llama_cpp_table.py [--ctx 256] [--json out.json]
+
+- kvq: `kvq eval --protocol llama-perplexity` on stories260K as GGUF (head size 8) with fp32, fp16,
+  q8_0, q4_0 and the kvq presets (calibrated as kvq eval calibrates: sequences the model generates).
+- llama.cpp: node-llama-cpp 3.21.1's CPU build (tests/llama_cpp_ppl.mjs, the same ids and chunks) with
+  its KV types F32, F16, Q8_0, Q5_0, Q4_0, IQ4_NL, each with its Hadamard rotation of K/V on (the
+  default for head_dim a multiple of 64) and off (LLAMA_ATTN_ROT_DISABLE=1). llama.cpp's quantized
+  caches need head_dim a multiple of 32, so it runs the same model with every head zero-padded to 64
+  channels (scripts/gguf_write.py llama2c --pad-head 64: RoPE pairs moved to the padded head's pairs of
+  equal frequency, Q scaled by sqrt(64 / 8)); its F32 row shows the padded model is the same model.
+  Bits per element for llama.cpp's types are the types' own (on a real model's heads, unpadded); on
+  this padded model it stores 8x the elements.
+
+Prints a markdown table (docs/eval.md and README quote it) and optionally writes the figures as JSON."""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import gguf_write as gw  # noqa: E402
+
+LLAMA_TYPES = [("F32", 32.0), ("F16", 16.0), ("Q8_0", 8.5), ("Q5_0", 5.5), ("Q4_0", 4.5), ("IQ4_NL", 4.5)]
+KVQ = "fp32,fp16,q8_0,q4_0,kvq-6.5,kvq-4.5,kvq-3.5,kvq-2.5"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shared", default=os.environ.get("KVQ_SHARED", str(ROOT.parent / "shared")))
+    ap.add_argument("--kvq", default=str(ROOT / "build" / "release" / "kvq"))
+    ap.add_argument("--oracles", default=os.environ.get("KVQ_ORACLES", str(ROOT / "build" / "oracles")))
+    ap.add_argument("--ctx", type=int, default=256)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    import kvq
+    shared = Path(a.shared)
+    model, tok = shared / "models" / "stories260K" / "stories260K.bin", shared / "models" / "stories260K" / "tok512.bin"
+    text = (shared / "data" / "tinystories-valid-dev.txt").read_text(encoding="utf-8")
+    d = Path(tempfile.mkdtemp(prefix="kvq-llama-table-"))
+    try:
+        g8, g64 = d / "s8.gguf", d / "s64.gguf"
+        gw.convert_llama2c(str(model), str(tok), str(g8))
+        gw.convert_llama2c(str(model), str(tok), str(g64), pad_head=64)
+        ids = kvq.Model(str(g8)).tokenize(text, bos=True)
+        chunks = len(ids) // a.ctx
+        ids = ids[:chunks * a.ctx]
+        np.save(d / "ids.npy", np.asarray(ids, dtype=np.uint32))
+        r = subprocess.run([a.kvq, "eval", "--model", str(g8), "--tokens", str(d / "ids.npy"), "--kv", KVQ, "--ctx",
+                            str(a.ctx), "--protocol", "llama-perplexity", "--forward", "exact", "--json",
+                            str(d / "kvq.json")], capture_output=True, text=True)
+        if r.returncode != 0:
+            sys.exit(f"llama_cpp_table: kvq eval failed:\n{r.stderr[-2000:]}")
+        kj = json.loads((d / "kvq.json").read_text())
+        rows = [dict(engine="kvq", kv=x["label"], rotation="", bits=x["bits_per_element"], ppl=x["ppl"])
+                for x in kj["results"]]
+        oracle = Path(a.oracles)
+        if not (oracle / "node_modules" / "node-llama-cpp").exists() or shutil.which("node") is None:
+            sys.exit(f"llama_cpp_table: node-llama-cpp is not in {oracle} (KVQ_WITH_ORACLES=1 scripts/install_deps.sh)")
+        shutil.copy(ROOT / "tests" / "llama_cpp_ppl.mjs", oracle / "llama_cpp_ppl.mjs")
+        (d / "ids.json").write_text(json.dumps([int(x) for x in ids]))
+        for ty, bits in LLAMA_TYPES:
+            for rot in ((False,) if ty in ("F32", "F16") else (True, False)):
+                env = dict(os.environ)
+                if not rot:
+                    env["LLAMA_ATTN_ROT_DISABLE"] = "1"
+                r = subprocess.run(["node", str(oracle / "llama_cpp_ppl.mjs"), str(g64), str(d / "ids.json"),
+                                    str(a.ctx), str(chunks), ty], capture_output=True, text=True, env=env,
+                                   timeout=3600)
+                if r.returncode != 0:
+                    sys.exit(f"llama_cpp_table: llama.cpp {ty} failed:\n{r.stderr[-2000:]}")
+                out = json.loads(r.stdout.strip().splitlines()[-1])
+                rows.append(dict(engine="llama.cpp", kv=ty.lower(), rotation="" if ty in ("F32", "F16") else
+                                 ("on" if rot else "off"), bits=bits, ppl=out["ppl"]))
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    base = {e: next(x["ppl"] for x in rows if x["engine"] == e and x["kv"] in ("fp32", "f32")) for e in ("kvq", "llama.cpp")}
+    print(f"stories260K, dev text, {chunks} chunks of {a.ctx} (llama-perplexity's protocol), "
+          f"{chunks * (a.ctx - 1 - a.ctx // 2)} scored tokens")
+    print("| engine | KV | Hadamard rotation | bits / element | PPL | ΔPPL vs the engine's fp32 |")
+    print("|---|---|---|---:|---:|---:|")
+    for x in rows:
+        x["delta_pct"] = 100.0 * (x["ppl"] / base[x["engine"]] - 1)
+        print(f"| {x['engine']} | {x['kv']} | {x['rotation']} | {x['bits']:.3f} | {x['ppl']:.4f} | "
+              f"{x['delta_pct']:+.3f}% |")
+    if a.json:
+        Path(a.json).write_text(json.dumps(dict(ctx=a.ctx, chunks=chunks, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
