@@ -7,11 +7,12 @@ text tokenized with BOS first, chunks of --ctx, the second half of each chunk sc
 - kvq: `kvq eval --protocol llama-perplexity` on stories260K as GGUF (head size 8) with fp32, fp16,
   q8_0, q4_0 and the kvq presets (calibrated as kvq eval calibrates: sequences the model generates).
 - llama.cpp: node-llama-cpp 3.21.1's CPU build (tests/llama_cpp_ppl.mjs, the same ids and chunks) with
-  its KV types F32, F16, Q8_0, Q5_0, Q4_0, IQ4_NL, each with its Hadamard rotation of K/V on (the
-  default for head_dim a multiple of 64) and off (LLAMA_ATTN_ROT_DISABLE=1). llama.cpp's quantized
-  caches need head_dim a multiple of 32, so it runs the same model with every head zero-padded to 64
-  channels (scripts/gguf_write.py llama2c --pad-head 64: RoPE pairs moved to the padded head's pairs of
-  equal frequency, Q scaled by sqrt(64 / 8)); its F32 row shows the padded model is the same model.
+  its KV types F32, F16, Q8_0, Q5_0, Q4_0, IQ4_NL, each with its Hadamard rotation of K/V on and off.
+  llama.cpp's quantized caches need head_dim a multiple of 32, so it runs the same model with every
+  head zero-padded to 64 channels (scripts/gguf_write.py llama2c --pad-head 64: RoPE pairs moved to the
+  padded head's pairs of equal frequency, Q scaled by sqrt(64 / 8)); llama.cpp rotates by default at
+  head_dim 64, LLAMA_ATTN_ROT_DISABLE=1 turns it off. Its F32 row shows the padded model is the same
+  model.
   Bits per element for llama.cpp's types are the types' own (on a real model's heads, unpadded); on
   this padded model it stores 8x the elements.
 
@@ -62,7 +63,7 @@ def main():
         if r.returncode != 0:
             sys.exit(f"llama_cpp_table: kvq eval failed:\n{r.stderr[-2000:]}")
         kj = json.loads((d / "kvq.json").read_text())
-        rows = [dict(engine="kvq", kv=x["label"], rotation="", bits=x["bits_per_element"], ppl=x["ppl"])
+        rows = [dict(engine="kvq", kv=x["label"], head=8, rotation="", bits=x["bits_per_element"], ppl=x["ppl"])
                 for x in kj["results"]]
         oracle = Path(a.oracles)
         if not (oracle / "node_modules" / "node-llama-cpp").exists() or shutil.which("node") is None:
@@ -70,28 +71,31 @@ def main():
         shutil.copy(ROOT / "tests" / "llama_cpp_ppl.mjs", oracle / "llama_cpp_ppl.mjs")
         (d / "ids.json").write_text(json.dumps([int(x) for x in ids]))
         for ty, bits in LLAMA_TYPES:
-            for rot in ((False,) if ty in ("F32", "F16") else (True, False)):
+            for rot in ((True, False) if ty not in ("F32", "F16") else (False,)):
                 env = dict(os.environ)
                 if not rot:
                     env["LLAMA_ATTN_ROT_DISABLE"] = "1"
-                r = subprocess.run(["node", str(oracle / "llama_cpp_ppl.mjs"), str(g64), str(d / "ids.json"),
-                                    str(a.ctx), str(chunks), ty], capture_output=True, text=True, env=env,
-                                   timeout=3600)
+                r = subprocess.run(["node", str(oracle / "llama_cpp_ppl.mjs"), str(g64),
+                                    str(d / "ids.json"), str(a.ctx), str(chunks), ty], capture_output=True, text=True,
+                                   env=env, timeout=3600)
                 if r.returncode != 0:
-                    sys.exit(f"llama_cpp_table: llama.cpp {ty} failed:\n{r.stderr[-2000:]}")
+                    sys.exit(f"llama_cpp_table: llama.cpp {ty} (rotation {rot}) exited {r.returncode}:\n"
+                             f"{r.stderr[-2000:]}")
                 out = json.loads(r.stdout.strip().splitlines()[-1])
-                rows.append(dict(engine="llama.cpp", kv=ty.lower(), rotation="" if ty in ("F32", "F16") else
-                                 ("on" if rot else "off"), bits=bits, ppl=out["ppl"]))
+                rows.append(dict(engine="llama.cpp", kv=ty.lower(), head=64,
+                                 rotation="" if ty in ("F32", "F16") else ("on" if rot else "off"), bits=bits,
+                                 ppl=out["ppl"]))
     finally:
         shutil.rmtree(d, ignore_errors=True)
-    base = {e: next(x["ppl"] for x in rows if x["engine"] == e and x["kv"] in ("fp32", "f32")) for e in ("kvq", "llama.cpp")}
+    base = {(x["engine"], x["head"]): x["ppl"] for x in rows if x["kv"] in ("fp32", "f32")}
     print(f"stories260K, dev text, {chunks} chunks of {a.ctx} (llama-perplexity's protocol), "
           f"{chunks * (a.ctx - 1 - a.ctx // 2)} scored tokens")
-    print("| engine | KV | Hadamard rotation | bits / element | PPL | ΔPPL vs the engine's fp32 |")
-    print("|---|---|---|---:|---:|---:|")
+    print("| engine | head size | KV | Hadamard rotation | bits / element | PPL | ΔPPL vs its fp32 |")
+    print("|---|---:|---|---|---:|---:|---:|")
     for x in rows:
-        x["delta_pct"] = 100.0 * (x["ppl"] / base[x["engine"]] - 1)
-        print(f"| {x['engine']} | {x['kv']} | {x['rotation']} | {x['bits']:.3f} | {x['ppl']:.4f} | "
+        b = base[(x["engine"], x["head"])]
+        x["delta_pct"] = 100.0 * (x["ppl"] / b - 1)
+        print(f"| {x['engine']} | {x['head']} | {x['kv']} | {x['rotation']} | {x['bits']:.3f} | {x['ppl']:.4f} | "
               f"{x['delta_pct']:+.3f}% |")
     if a.json:
         Path(a.json).write_text(json.dumps(dict(ctx=a.ctx, chunks=chunks, rows=rows), indent=1))

@@ -7,7 +7,7 @@ const ctx = +ctxS, chunks = +chunksS;
 const ids = JSON.parse(fs.readFileSync(idsPath, "utf8"));
 const llama = await getLlama({gpu: false, build: "never", logLevel: "error"});
 const model = await llama.loadModel({modelPath});
-const context = await model.createContext({contextSize: Math.max(256, ctx), batchSize: ctx, threads: 1,
+const context = await model.createContext({contextSize: ctx + 256, batchSize: ctx, threads: 1,
     flashAttention: kvType !== "F16" && kvType !== "F32",
     experimentalKvCacheKeyType: kvType, experimentalKvCacheValueType: kvType});
 const seq = context.getSequence();
