@@ -66,11 +66,13 @@ StaticRanges calibrate_static_ranges(const Checkpoint& ckpt, const CalibrationOp
     });
   }
   const uint64_t seed = o.seed ? o.seed : 0x9E3779B97F4A7C15ull;
+  // The model's BOS (a GGUF's byte-level BPE names its own, e.g. Llama 3's 128000).
+  const int bos = ckpt.tokenizer() != nullptr ? ckpt.tokenizer()->bos_id() : Tokenizer::kBos;
   if (!o.batched) {
     uint64_t rng = seed;
     for (int s = 0; s < o.sequences; ++s) {
       seq_of[0] = s;
-      int token = Tokenizer::kBos;
+      int token = bos;
       for (int pos = 0; pos < len; ++pos) token = sample_token(tfs[0]->forward(token, pos), o.temperature, rng);
     }
   } else {
@@ -86,7 +88,7 @@ StaticRanges calibrate_static_ranges(const Checkpoint& ckpt, const CalibrationOp
         z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
         rngs.push_back((z ^ (z >> 31)) | 1);
       }
-      std::vector<int> tokens(static_cast<size_t>(n), Tokenizer::kBos);
+      std::vector<int> tokens(static_cast<size_t>(n), bos);
       const size_t V = static_cast<size_t>(cfg.vocab_size);
       for (int pos = 0; pos < len; ++pos) {
         const std::span<const float> logits = Transformer::forward_many(seqs, tokens, pos);

@@ -48,6 +48,9 @@ class Tokenizer {
   std::string decode(int prev, int token) const;
   int vocab_size() const;
   const std::string& piece(int id) const;
+  // The id a sequence starts from: BOS (1 for sentencepiece; a BPE
+  // vocabulary's own, or 1 when it names none).
+  int bos_id() const { return bpe_ && bpe_bos_ >= 0 ? bpe_bos_ : kBos; }
   // Whether generating `id` ends the text: BOS for llama2.c's vocabulary
   // (BOS delimits its stories), EOS / EOT for byte-level BPE.
   bool ends_text(int id) const;
