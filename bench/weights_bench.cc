@@ -29,8 +29,8 @@ struct Matrices {
   std::vector<kvq::ggml::WeightMatrix> m;
 };
 
-// kMats random matrices of `type` with finite scales (every fp16 field of a
-// block is overwritten with a small value).
+// kMats random matrices of `type` with finite scales (every fp16 scale
+// field of a block set to 0.01).
 const Matrices& Make(uint32_t type) {
   static std::vector<std::pair<uint32_t, Matrices>> made;
   for (auto& [t, m] : made) {
@@ -48,18 +48,7 @@ const Matrices& Make(uint32_t type) {
   }
   const uint16_t h = kvq::f32_to_f16_ref(0.01f);
   for (size_t b = 0; b < out.bytes.size() / bb; ++b) {
-    uint8_t* p = out.bytes.data() + b * bb;
-    // every fp16 scale field of the types measured here
-    switch (static_cast<kvq::ggml::WeightType>(type)) {
-      case kvq::ggml::WeightType::kQ2_K: std::memcpy(p + 80, &h, 2), std::memcpy(p + 82, &h, 2); break;
-      case kvq::ggml::WeightType::kQ3_K: std::memcpy(p + 108, &h, 2); break;
-      case kvq::ggml::WeightType::kQ6_K: std::memcpy(p + 208, &h, 2); break;
-      case kvq::ggml::WeightType::kQ4_1: case kvq::ggml::WeightType::kQ5_1: case kvq::ggml::WeightType::kQ4_K:
-      case kvq::ggml::WeightType::kQ5_K:
-        std::memcpy(p, &h, 2), std::memcpy(p + 2, &h, 2);
-        break;
-      default: std::memcpy(p, &h, 2);
-    }
+    for (uint8_t off : kvq::ggml::scale_fields(type)) std::memcpy(out.bytes.data() + b * bb + off, &h, 2);
   }
   for (size_t k = 0; k < kMats; ++k) {
     kvq::ggml::WeightMatrix w;

@@ -99,13 +99,19 @@ struct ByteLevelBpe::Regexes {
       : main(p == Pre::kLlama3 ? kLlama3 : p == Pre::kQwen2 ? kQwen2 : kGpt2), digit(kDigit) {}
 };
 
+namespace {
+// tokenizer.ggml.pre's names, in the order of ByteLevelBpe::Pre.
+constexpr const char* kPreNames[] = {"llama-bpe", "qwen2", "smollm", "gpt-2"};
+}  // namespace
+
 std::optional<ByteLevelBpe::Pre> ByteLevelBpe::parse_pre(const std::string& name) {
-  if (name == "llama-bpe") return Pre::kLlama3;
-  if (name == "qwen2") return Pre::kQwen2;
-  if (name == "smollm") return Pre::kSmolLM;
-  if (name == "gpt-2") return Pre::kGpt2;
+  for (int i = 0; i < 4; ++i) {
+    if (name == kPreNames[i]) return static_cast<Pre>(i);
+  }
   return std::nullopt;
 }
+
+const char* ByteLevelBpe::pre_name(Pre p) { return kPreNames[static_cast<int>(p)]; }
 
 ByteLevelBpe::ByteLevelBpe(std::vector<std::string> tokens, const std::vector<int64_t>& types,
                            const std::vector<std::string>& merges, Pre pre, const std::string& what)
@@ -115,6 +121,7 @@ ByteLevelBpe::ByteLevelBpe(std::vector<std::string> tokens, const std::vector<in
     Fail(what, ": ", types.size(), " token types for ", tokens_.size(), " tokens");
   }
   control_.assign(tokens_.size(), false);
+  std::fill(std::begin(char_byte_), std::end(char_byte_), int16_t{-1});
   ids_.reserve(tokens_.size());
   for (size_t i = 0; i < tokens_.size(); ++i) {
     ids_.emplace(tokens_[i], static_cast<int>(i));  // the first id of a duplicate wins, as in llama.cpp
@@ -129,8 +136,9 @@ ByteLevelBpe::ByteLevelBpe(std::vector<std::string> tokens, const std::vector<in
   for (const auto& [s, id] : added_) added_first_[static_cast<unsigned char>(s[0])] = true;
   for (int b = 0; b < 256; ++b) {
     const int cp = ByteChar(b);
-    char_byte_[cp] = static_cast<uint8_t>(b);
-    const auto it = ids_.find(Utf8(cp));
+    char_byte_[cp] = static_cast<int16_t>(b);
+    byte_chars_[b] = Utf8(cp);
+    const auto it = ids_.find(byte_chars_[b]);
     if (it == ids_.end()) Fail(what, ": byte ", b, "'s character U+", cp, " is not a token (not a byte-level vocabulary)");
     byte_id_[b] = it->second;
   }
@@ -154,9 +162,9 @@ ByteLevelBpe::~ByteLevelBpe() = default;
 
 void ByteLevelBpe::Word(std::string_view word, std::vector<int>& out) const {
   // Llama 3 (ignore_merges): a word that is a whole token is that token.
-  std::string chars;
-  for (unsigned char b : word) chars += Utf8(ByteChar(b));
   if (pre_ == Pre::kLlama3) {
+    std::string chars;
+    for (unsigned char b : word) chars += byte_chars_[b];
     if (const auto it = ids_.find(chars); it != ids_.end()) {
       out.push_back(it->second);
       return;
@@ -285,7 +293,7 @@ std::string ByteLevelBpe::decode(int id) const {
     const int32_t at = i;
     UChar32 c;
     U8_NEXT(t.data(), i, n, c);
-    if (c >= 0 && c < 324 && Utf8(ByteChar(char_byte_[c])) == t.substr(static_cast<size_t>(at), static_cast<size_t>(i - at))) {
+    if (c >= 0 && c < 324 && char_byte_[c] >= 0) {
       out += static_cast<char>(char_byte_[c]);
     } else {
       out.append(t, static_cast<size_t>(at), static_cast<size_t>(i - at));  // not a byte character: as written

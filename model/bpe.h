@@ -40,6 +40,7 @@ class ByteLevelBpe {
   enum class Pre { kLlama3, kQwen2, kSmolLM, kGpt2 };
   // "llama-bpe", "qwen2", "smollm", "gpt-2"; nullopt for any other name.
   static std::optional<Pre> parse_pre(const std::string& name);
+  static const char* pre_name(Pre p);
 
   // tokens: the vocabulary in GPT-2's byte characters; types: GGUF token
   // types (1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6
@@ -69,7 +70,8 @@ class ByteLevelBpe {
   std::unordered_map<std::string, int> ids_;
   std::unordered_map<uint64_t, std::pair<int, int>> merges_;  // (left id, right id) -> (rank, merged id)
   int byte_id_[256] = {};
-  uint8_t char_byte_[324] = {};  // GPT-2 byte character code point (< 324) -> byte
+  int16_t char_byte_[324];        // GPT-2 byte character code point (< 324) -> byte, -1: none
+  std::string byte_chars_[256];   // byte -> its character, UTF-8
   std::vector<std::pair<std::string, int>> added_;  // added tokens, longest first
   bool added_first_[256] = {};                       // bytes an added token starts with
   Pre pre_;

@@ -228,26 +228,16 @@ void Checkpoint::LoadGguf(const std::string& path) {
     }
     p += n;
   }
-  // Every matrix is read once here, in parallel chunks of rows, for a
-  // non-finite value (a NaN/Inf fp16 scale would otherwise surface as a
-  // query's non-finite value deep in the forward pass); this also brings
-  // the file into the page cache.
+  // A non-finite weight (in a block type: a non-finite fp16 scale) would
+  // surface as a query's non-finite value deep in the forward pass; the
+  // matrices' scale fields (every value of F32 / F16 / BF16) are read here.
   std::vector<int64_t> bad(wm.size(), -1);
-#pragma omp parallel
-  {
-    std::vector<float> buf;
-#pragma omp for schedule(dynamic, 1)
-    for (size_t k = 0; k < wm.size(); ++k) {
-      const ggml::WeightMatrix& m = wm[k];
-      const size_t step = std::max<size_t>(1, (size_t{1} << 16) / m.cols);
-      buf.resize(step * m.cols);
-      for (size_t r = 0; r < m.rows && bad[k] < 0; r += step) {
-        const size_t r1 = std::min(m.rows, r + step);
-        ggml::dequantize_rows(m, r, r1, buf.data());
-        const int64_t b = first_non_finite({buf.data(), (r1 - r) * m.cols});
-        if (b >= 0) bad[k] = static_cast<int64_t>(r * m.cols) + b;
-      }
-    }
+#pragma omp parallel for schedule(dynamic, 1)
+  for (size_t k = 0; k < wm.size(); ++k) {
+    const ggml::WeightMatrix& m = wm[k];
+    const size_t bytes = static_cast<size_t>(ggml::weight_block_bytes(m.type));
+    const int64_t b = ggml::first_non_finite_block(m.type, m.data, m.rows * m.row_bytes / bytes);
+    if (b >= 0) bad[k] = b * ggml::weight_block(m.type);
   }
   for (size_t k = 0; k < wm.size(); ++k) {
     if (bad[k] >= 0) {

@@ -141,8 +141,7 @@ bool Tokenizer::ends_text(int id) const {
 
 std::string Tokenizer::kind() const {
   if (!bpe_) return "sentencepiece";
-  const char* names[] = {"llama-bpe", "qwen2", "smollm", "gpt-2"};
-  return std::string("byte-level BPE (") + names[static_cast<int>(bpe_->pre())] + ")";
+  return std::string("byte-level BPE (") + ByteLevelBpe::pre_name(bpe_->pre()) + ")";
 }
 
 std::vector<int> Tokenizer::encode(const std::string& text, bool bos) const {

@@ -48,42 +48,62 @@ void MatVec(float* out, const float* x, const ggml::WeightMatrix& w) {
   for (size_t i = 0; i < w.rows; ++i) out[i] = ggml::dot_row(w, i, x);
 }
 
+// Calls fn(r0, r1, rows) for blocks of w's rows as float32: an F32 matrix
+// in one block from where it lies; any other type dequantised into buf, at
+// most kBlockFloats values a block (threads share the work unless the
+// caller already runs on a parallel region), so a quantized model never
+// holds a whole matrix in float32.
+constexpr size_t kBlockFloats = size_t{1} << 24;  // 64 MiB
+template <class F>
+void ForRowBlocks(const ggml::WeightMatrix& w, std::vector<float>& buf, F&& fn) {
+  if (const float* f = w.f32()) return fn(size_t{0}, w.rows, f);
+  const size_t step = std::max<size_t>(1, std::min(w.rows, kBlockFloats / w.cols));
+  if (buf.size() < step * w.cols) buf.resize(step * w.cols);
+  for (size_t r0 = 0; r0 < w.rows; r0 += step) {
+    const size_t r1 = std::min(w.rows, r0 + step);
+    const int64_t rows = static_cast<int64_t>(r1 - r0);
+    const int64_t per = std::max<int64_t>(1, (int64_t{1} << 14) / static_cast<int64_t>(w.cols));  // ~64 KiB a task
+#pragma omp parallel for schedule(static) if (!omp_in_parallel() && rows * static_cast<int64_t>(w.cols) >= (int64_t{1} << 18))
+    for (int64_t a = 0; a < rows; a += per) {
+      const size_t b = static_cast<size_t>(std::min(rows, a + per));
+      ggml::dequantize_rows(w, r0 + static_cast<size_t>(a), r0 + b, buf.data() + static_cast<size_t>(a) * w.cols);
+    }
+    fn(r0, r1, buf.data());
+  }
+}
+
 // out[t, i] = sum_j w[i, j] * x[t, j] for T tokens, each sum in the same
 // order as MatVec. Tokens are processed in blocks of kTB with x transposed so
 // the innermost loop runs across tokens (independent sums, vectorisable).
-void MatMul(float* out, const float* x, const ggml::WeightMatrix& w, int T) {
+void MatMul(float* out, const float* x, const ggml::WeightMatrix& w, int T, std::vector<float>& buf) {
   if (ggml::fused_type(w.type)) {  // each token as MatVec reads it
     for (int t = 0; t < T; ++t) MatVec(out + static_cast<size_t>(t) * w.rows, x + static_cast<size_t>(t) * w.cols, w);
     return;
   }
   constexpr int kTB = 16;
   const int n = static_cast<int>(w.cols), d = static_cast<int>(w.rows);
-  std::vector<float> xt(static_cast<size_t>(n) * kTB), deq(w.f32() != nullptr ? 0 : w.cols);
-  for (int t0 = 0; t0 < T; t0 += kTB) {
-    const int tb = std::min(kTB, T - t0);
-    for (int j = 0; j < n; ++j) {
-      for (int t = 0; t < kTB; ++t) {
-        xt[static_cast<size_t>(j) * kTB + static_cast<size_t>(t)] =
-            t < tb ? x[static_cast<size_t>(t0 + t) * static_cast<size_t>(n) + static_cast<size_t>(j)] : 0.0f;
-      }
-    }
-    for (int i = 0; i < d; ++i) {
-      const float* row;
-      if (const float* f = w.f32()) {
-        row = f + static_cast<size_t>(i) * static_cast<size_t>(n);
-      } else {
-        ggml::dequantize_rows(w, static_cast<size_t>(i), static_cast<size_t>(i) + 1, deq.data());
-        row = deq.data();
-      }
-      float acc[kTB] = {};
+  std::vector<float> xt(static_cast<size_t>(n) * kTB);
+  ForRowBlocks(w, buf, [&](size_t r0, size_t r1, const float* rows) {
+    for (int t0 = 0; t0 < T; t0 += kTB) {
+      const int tb = std::min(kTB, T - t0);
       for (int j = 0; j < n; ++j) {
-        const float wj = row[j];
-        const float* xj = xt.data() + static_cast<size_t>(j) * kTB;
-        for (int t = 0; t < kTB; ++t) acc[t] += wj * xj[t];
+        for (int t = 0; t < kTB; ++t) {
+          xt[static_cast<size_t>(j) * kTB + static_cast<size_t>(t)] =
+              t < tb ? x[static_cast<size_t>(t0 + t) * static_cast<size_t>(n) + static_cast<size_t>(j)] : 0.0f;
+        }
       }
-      for (int t = 0; t < tb; ++t) out[static_cast<size_t>(t0 + t) * static_cast<size_t>(d) + static_cast<size_t>(i)] = acc[t];
+      for (size_t i = r0; i < r1; ++i) {
+        const float* row = rows + (i - r0) * static_cast<size_t>(n);
+        float acc[kTB] = {};
+        for (int j = 0; j < n; ++j) {
+          const float wj = row[j];
+          const float* xj = xt.data() + static_cast<size_t>(j) * kTB;
+          for (int t = 0; t < kTB; ++t) acc[t] += wj * xj[t];
+        }
+        for (int t = 0; t < tb; ++t) out[static_cast<size_t>(t0 + t) * static_cast<size_t>(d) + i] = acc[t];
+      }
     }
-  }
+  });
 }
 
 // out[t, i] = sum_j w[i, j] * x[t, j] by the BLAS (sgemm; its own
@@ -93,28 +113,13 @@ void Gemm(float* out, const float* x, const float* w, int T, int n, int d, int l
 }
 void Gemm(float* out, const float* x, const float* w, int T, int n, int d) { Gemm(out, x, w, T, n, d, d); }
 
-// Gemm over a matrix of any type: an F32 matrix directly; otherwise blocks
-// of rows (at most kGemmFloats values) are dequantised into buf (threads
-// share the work unless the caller already runs on a parallel region) and
-// multiplied into their columns of out, so a quantized model never holds
-// more than one block in float32.
-constexpr size_t kGemmFloats = size_t{1} << 24;  // 64 MiB
+// Gemm over a matrix of any type, a block of rows at a time into its
+// columns of out.
 void Gemm(float* out, const float* x, const ggml::WeightMatrix& w, int T, std::vector<float>& buf) {
   const int n = static_cast<int>(w.cols), d = static_cast<int>(w.rows);
-  if (const float* f = w.f32()) return Gemm(out, x, f, T, n, d);
-  const size_t step = std::max<size_t>(1, std::min(w.rows, kGemmFloats / w.cols));
-  if (buf.size() < step * w.cols) buf.resize(step * w.cols);
-  for (size_t r0 = 0; r0 < w.rows; r0 += step) {
-    const size_t r1 = std::min(w.rows, r0 + step);
-    const int64_t rows = static_cast<int64_t>(r1 - r0);
-    const int64_t per = std::max<int64_t>(1, (int64_t{1} << 14) / n);  // rows per task: about 64 KiB of floats
-#pragma omp parallel for schedule(static) if (!omp_in_parallel() && rows * n >= (int64_t{1} << 18))
-    for (int64_t a = 0; a < rows; a += per) {
-      const size_t b = static_cast<size_t>(std::min(rows, a + per));
-      ggml::dequantize_rows(w, r0 + static_cast<size_t>(a), r0 + b, buf.data() + static_cast<size_t>(a) * w.cols);
-    }
-    Gemm(out + r0, x, buf.data(), T, n, static_cast<int>(rows), d);
-  }
+  ForRowBlocks(w, buf, [&](size_t r0, size_t r1, const float* rows) {
+    Gemm(out + r0, x, rows, T, n, static_cast<int>(r1 - r0), d);
+  });
 }
 
 void AddBias(float* x, const float* b, int T, int width) {
@@ -378,7 +383,7 @@ std::span<const float> Transformer::Run(std::span<const Row> rows, Pass pass, bo
     if (pass == Pass::kBlas) {
       Gemm(out, in, w, T, wbuf_);
     } else if (pass == Pass::kWindow) {
-      MatMul(out, in, w, T);
+      MatMul(out, in, w, T, wbuf_);
     } else {
       for (int t = 0; t < T; ++t) MatVec(out + static_cast<size_t>(t) * w.rows, in + static_cast<size_t>(t) * w.cols, w);
     }

@@ -164,7 +164,7 @@ class Transformer {
   };
   std::vector<LayerBank> banks_;
   std::vector<float> x_, xb_, xb2_, hb_, hb2_, q_, k_, v_, logits_;  // (T, width)
-  std::vector<float> wbuf_;  // the batched pass: a quantized matrix's rows in float32
+  std::vector<float> wbuf_;  // the batched and window passes: a block of a quantized matrix's rows in float32
 };
 
 // The BLAS's threads for its own calls (the forward pass runs windows on

@@ -238,12 +238,8 @@ def tiny_bpe_vocab(V):
     for a, b in pairs[:V - 258]:
         merges.append(f"{a} {b}")
         tokens.append(a + b)
-    tokens += ["<|eos|>", "<|bos|>"]
-    tokens += [f"[PAD{i}]" for i in range(len(tokens), V)]
-    tokens[V - 2:] = ["<|eos|>", "<|bos|>"]
-    kinds = [1] * V
-    kinds[V - 2:] = [3, 3]
-    return tokens[:V], kinds, merges[:V - 258]
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), V - 2)] + ["<|eos|>", "<|bos|>"]
+    return tokens, [1] * (V - 2) + [3, 3], merges
 
 
 def add_bpe_tokenizer(g, tokens, kinds, merges, pre, bos=None, eos=None, add_bos=False):

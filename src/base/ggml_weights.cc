@@ -5,9 +5,11 @@
 
 #include <algorithm>
 #include <cstring>
+#include <span>
 
 #include "kvq/error.h"
 #include "kvq/half.h"
+#include "src/base/ggml_weight_blocks.h"
 
 namespace kvq::ggml {
 
@@ -16,14 +18,9 @@ namespace {
 constexpr int kQK = 32;    // the 32-value blocks
 constexpr int kQKK = 256;  // the K-quants' super-blocks
 
-// IQ4_NL's and IQ4_XS's 16 levels (ggml's kvalues_iq4nl).
-constexpr int8_t kIq4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-
-float Half(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return f16_to_f32_ref(h);
-}
+using blocks::Half;
+using blocks::kIq4Levels;
+using blocks::ScaleMinK4;
 
 // Q4_0: d | qs[16]; value j = (low nibble - 8) d, value j + 16 = (high nibble - 8) d.
 void Q4_0(const uint8_t* b, float* y) {
@@ -45,32 +42,31 @@ void Q4_1(const uint8_t* b, float* y) {
   }
 }
 
+// Q5_0 / Q5_1's 32 five-bit codes: the nibbles of qs[16] (low: values
+// 0..15, high: 16..31) with their fifth bits from the 32-bit mask at qh.
+void Codes5(const uint8_t* qh_at, const uint8_t* qs, int* c) {
+  uint32_t qh;
+  std::memcpy(&qh, qh_at, 4);
+  for (int j = 0; j < kQK / 2; ++j) {
+    c[j] = (qs[j] & 0x0F) | static_cast<int>(((qh >> j) << 4) & 0x10);
+    c[j + kQK / 2] = (qs[j] >> 4) | static_cast<int>((qh >> (j + 12)) & 0x10);
+  }
+}
+
 // Q5_0: d | qh (32 fifth bits) | qs[16]; value = (5-bit code - 16) d.
 void Q5_0(const uint8_t* b, float* y) {
   const float d = Half(b);
-  uint32_t qh;
-  std::memcpy(&qh, b + 2, 4);
-  const uint8_t* qs = b + 6;
-  for (int j = 0; j < kQK / 2; ++j) {
-    const uint8_t h0 = static_cast<uint8_t>(((qh >> j) << 4) & 0x10);
-    const uint8_t h1 = static_cast<uint8_t>((qh >> (j + 12)) & 0x10);
-    y[j] = static_cast<float>(((qs[j] & 0x0F) | h0) - 16) * d;
-    y[j + kQK / 2] = static_cast<float>(((qs[j] >> 4) | h1) - 16) * d;
-  }
+  int c[kQK];
+  Codes5(b + 2, b + 6, c);
+  for (int j = 0; j < kQK; ++j) y[j] = static_cast<float>(c[j] - 16) * d;
 }
 
 // Q5_1: d | m | qh | qs[16]; value = 5-bit code d + m.
 void Q5_1(const uint8_t* b, float* y) {
   const float d = Half(b), m = Half(b + 2);
-  uint32_t qh;
-  std::memcpy(&qh, b + 4, 4);
-  const uint8_t* qs = b + 8;
-  for (int j = 0; j < kQK / 2; ++j) {
-    const uint8_t h0 = static_cast<uint8_t>(((qh >> j) << 4) & 0x10);
-    const uint8_t h1 = static_cast<uint8_t>((qh >> (j + 12)) & 0x10);
-    y[j] = static_cast<float>((qs[j] & 0x0F) | h0) * d + m;
-    y[j + kQK / 2] = static_cast<float>((qs[j] >> 4) | h1) * d + m;
-  }
+  int c[kQK];
+  Codes5(b + 4, b + 8, c);
+  for (int j = 0; j < kQK; ++j) y[j] = static_cast<float>(c[j]) * d + m;
 }
 
 // Q8_0: d | qs[32] (int8); value = q d.
@@ -141,17 +137,6 @@ void Q3_K(const uint8_t* b, float* y) {
       m = static_cast<uint8_t>(m << 1);
     }
     q += 32;
-  }
-}
-
-// The K-quants' 8 six-bit (scale, min) pairs packed in 12 bytes.
-void ScaleMinK4(int j, const uint8_t* q, uint8_t* d, uint8_t* m) {
-  if (j < 4) {
-    *d = q[j] & 63;
-    *m = q[j + 4] & 63;
-  } else {
-    *d = static_cast<uint8_t>((q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4));
-    *m = static_cast<uint8_t>((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
   }
 }
 
@@ -244,13 +229,17 @@ struct TypeCodec {
   WeightType type;
   int block, bytes;
   void (*decode)(const uint8_t*, float*);  // one block; null: F32 / F16 / BF16 (converted in bulk)
+  uint8_t n_scales, scales[2];             // the block's fp16 scale fields (byte offsets)
 };
 constexpr TypeCodec kCodecs[] = {
-    {WeightType::kF32, 1, 4, nullptr},       {WeightType::kF16, 1, 2, nullptr},     {WeightType::kBF16, 1, 2, nullptr},
-    {WeightType::kQ4_0, kQK, 18, Q4_0},      {WeightType::kQ4_1, kQK, 20, Q4_1},    {WeightType::kQ5_0, kQK, 22, Q5_0},
-    {WeightType::kQ5_1, kQK, 24, Q5_1},      {WeightType::kQ8_0, kQK, 34, Q8_0},    {WeightType::kQ2_K, kQKK, 84, Q2_K},
-    {WeightType::kQ3_K, kQKK, 110, Q3_K},    {WeightType::kQ4_K, kQKK, 144, Q4_K},  {WeightType::kQ5_K, kQKK, 176, Q5_K},
-    {WeightType::kQ6_K, kQKK, 210, Q6_K},    {WeightType::kIQ4_NL, kQK, 18, IQ4_NL}, {WeightType::kIQ4_XS, kQKK, 136, IQ4_XS},
+    {WeightType::kF32, 1, 4, nullptr, 0, {}},         {WeightType::kF16, 1, 2, nullptr, 0, {}},
+    {WeightType::kBF16, 1, 2, nullptr, 0, {}},        {WeightType::kQ4_0, kQK, 18, Q4_0, 1, {0}},
+    {WeightType::kQ4_1, kQK, 20, Q4_1, 2, {0, 2}},    {WeightType::kQ5_0, kQK, 22, Q5_0, 1, {0}},
+    {WeightType::kQ5_1, kQK, 24, Q5_1, 2, {0, 2}},    {WeightType::kQ8_0, kQK, 34, Q8_0, 1, {0}},
+    {WeightType::kQ2_K, kQKK, 84, Q2_K, 2, {80, 82}}, {WeightType::kQ3_K, kQKK, 110, Q3_K, 1, {108}},
+    {WeightType::kQ4_K, kQKK, 144, Q4_K, 2, {0, 2}},  {WeightType::kQ5_K, kQKK, 176, Q5_K, 2, {0, 2}},
+    {WeightType::kQ6_K, kQKK, 210, Q6_K, 1, {208}},   {WeightType::kIQ4_NL, kQK, 18, IQ4_NL, 1, {0}},
+    {WeightType::kIQ4_XS, kQKK, 136, IQ4_XS, 1, {0}},
 };
 
 const TypeCodec* Find(uint32_t type) {
@@ -274,6 +263,40 @@ int weight_block_bytes(uint32_t type) {
   const TypeCodec* c = Find(type);
   KVQ_ASSERT(c != nullptr);
   return c->bytes;
+}
+
+std::span<const uint8_t> scale_fields(uint32_t type) {
+  const TypeCodec* c = Find(type);
+  KVQ_ASSERT(c != nullptr);
+  return {c->scales, c->n_scales};
+}
+
+int64_t first_non_finite_block(uint32_t type, const uint8_t* data, size_t blocks) {
+  const TypeCodec* c = Find(type);
+  KVQ_ASSERT(c != nullptr);
+  const size_t bytes = static_cast<size_t>(c->bytes);
+  for (size_t b = 0; b < blocks; ++b) {
+    const uint8_t* p = data + b * bytes;
+    bool bad = false;
+    if (c->type == WeightType::kF32) {
+      uint32_t u;
+      std::memcpy(&u, p, 4);
+      bad = (u & 0x7F800000u) == 0x7F800000u;
+    } else if (c->type == WeightType::kF16 || c->type == WeightType::kBF16) {
+      uint16_t h;
+      std::memcpy(&h, p, 2);
+      const uint16_t e = c->type == WeightType::kF16 ? 0x7C00 : 0x7F80;
+      bad = (h & e) == e;
+    } else {
+      for (int k = 0; k < c->n_scales; ++k) {
+        uint16_t h;
+        std::memcpy(&h, p + c->scales[k], 2);
+        bad = bad || (h & 0x7C00) == 0x7C00;
+      }
+    }
+    if (bad) return static_cast<int64_t>(b);
+  }
+  return -1;
 }
 
 void dequantize(uint32_t type, const uint8_t* in, size_t n, float* out) {
