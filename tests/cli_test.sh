@@ -146,6 +146,22 @@ check "eval --protocol llama-perplexity on too short a text exits 2" '[ $rc -eq 
 check "eval --protocol bogus exits 2" '[ $rc -eq 2 ] && grep -q -- "--protocol" "$T/err"'
 "$KVQ" eval --protocol llama-perplexity --kv fp32 --window 8 >/dev/null 2>"$T/err"; rc=$?
 check "eval --protocol llama-perplexity with --window exits 2" '[ $rc -eq 2 ] && grep -q -- "--window" "$T/err"'
+# Both protocols in one call: each one's tables in turn, the JSON's runs under "protocols" (each the
+# figures a call with that protocol alone prints).
+"$KVQ" eval --protocol kvq,llama-perplexity --kv fp32,q4_0 --ctx 64 --max-windows 3 --json "$T/both.json" >"$T/out" 2>"$T/err"; rc=$?
+check "eval --protocol kvq,llama-perplexity runs both, the JSON holds each run" '[ $rc -eq 0 ] && grep -q "^== protocol kvq$" "$T/out" && grep -q "^== protocol llama-perplexity$" "$T/out" && grep -q "^q4_0: Final estimate: PPL = " "$T/out" && /usr/bin/python3 -c "
+import json, sys
+b = json.load(open(sys.argv[1])); lp = json.load(open(sys.argv[2]))
+runs = b[\"protocols\"]
+assert [r[\"protocol\"] for r in runs] == [\"kvq\", \"llama-perplexity\"] and b[\"protocol\"] == \"kvq\"
+want = {r[\"label\"]: r[\"ppl\"] for r in lp[\"results\"]}
+got = {r[\"label\"]: r[\"ppl\"] for r in runs[1][\"results\"]}
+assert got == want, (got, want)
+" "$T/both.json" "$T/lp.json"'
+"$KVQ" eval --protocol kvq,kvq --kv fp32 >/dev/null 2>"$T/err"; rc=$?
+check "eval --protocol kvq,kvq exits 2" '[ $rc -eq 2 ] && grep -q "given twice" "$T/err"'
+"$KVQ" eval --protocol kvq,llama-perplexity --kv fp32 --window 8 >/dev/null 2>"$T/err"; rc=$?
+check "eval --protocol kvq,llama-perplexity with --window exits 2" '[ $rc -eq 2 ] && grep -q -- "--window" "$T/err"'
 "$KVQ" eval --kv fp32 --window -3 >/dev/null 2>"$T/err"; rc=$?
 check "eval --window -3 exits 2 naming it" '[ $rc -eq 2 ] && grep -q -- "--window" "$T/err"'
 

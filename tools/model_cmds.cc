@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cctype>
 #include <cerrno>
@@ -140,9 +141,8 @@ void AddEvalCommand(CLI::App& app, EvalCliOptions& o) {
   c->add_option("--protocol", o.protocol,
                 "kvq: llama2.c's validation protocol (stories split on --story-sep, windows of ctx + 1, every position "
                 "scored); llama-perplexity: llama.cpp's (the whole file tokenized with BOS first, chunks of ctx with "
-                "BOS in place of their first token, the second half of each scored, its running [1]x.xxxx line)")
-      ->check(CLI::IsMember({name_of(kProtocols, model::EvalProtocol::kKvq),
-                             name_of(kProtocols, model::EvalProtocol::kLlamaPerplexity)}))
+                "BOS in place of their first token, the second half of each scored, its running [1]x.xxxx line); "
+                "a comma-separated list runs each in turn (kvq,llama-perplexity)")
       ->capture_default_str();
   c->add_flag("--per-token", o.per_token,
               "with --json: also every token's NLL, KLD, p(target) and argmax agreement, for each scheme and fp32");
@@ -205,6 +205,56 @@ model::CacheScheme KvPairScheme(const EvalCliOptions& o) {
   return model::CacheScheme(g.name());
 }
 
+nlohmann::json EvalJson(const EvalCliOptions& o, const model::EvalReport& r) {
+  nlohmann::json j = RunJson(o, r.model_path, r.text_path, r.config, r.ctx, r.windows, r.threads);
+  j["tokens"] = r.tokens;
+  j["protocol"] = name_of(kProtocols, r.protocol);
+  j["weights"] = r.weights;
+  j["forward"] = r.forward == model::ForwardPass::kBatched ? "batched" : "exact";
+  if (r.gemm_peak_gflops > 0) {
+    j["flops_per_token"] = r.flops_per_token;
+    j["forward_gflops"] = r.forward_gflops;
+    j["gemm_peak_gflops"] = r.gemm_peak_gflops;
+  }
+  j["results"] = nlohmann::json::array();
+  for (const auto& s : r.results) {
+    j["results"].push_back({{"scheme", s.scheme.info(r.config.head_size()).name},
+                            {"label", s.label},
+                            {"window", s.policy.window},
+                            {"sinks", s.policy.window ? s.policy.sinks : 0},
+                            {"bank", s.policy.bank},
+                            {"bits_per_element", s.bits_per_element},
+                            {"bits_at_ctx", s.bits_at_ctx},
+                            {"kv_bytes", s.kv_bytes},
+                            {"ppl", s.ppl},
+                            {"mean_nll", s.mean_nll},
+                            {"delta_ppl", s.delta_ppl},
+                            {"delta_ppl_pct", s.delta_ppl_pct},
+                            {"kld_mean", s.kld_mean},
+                            {"kld_max", s.kld_max},
+                            {"top1_pct", s.top1_pct},
+                            {"tokens_per_s", s.tokens_per_s},
+                            {"ppl_se", s.ppl_se},
+                            {"ln_ppl_ratio", s.ln_ratio},
+                            {"ln_ppl_ratio_se", s.ln_ratio_se},
+                            {"kld_se", s.kld_se},
+                            {"kld_median", s.kld_median},
+                            {"kld_p99", s.kld_p99},
+                            {"kld_p999", s.kld_p999},
+                            {"rms_dp", s.rms_dp},
+                            {"rms_dp_se", s.rms_dp_se},
+                            {"same_top", s.same_top},
+                            {"same_top_se", s.same_top_se}});
+    if (!s.running_ppl.empty()) j["results"].back()["running_ppl"] = s.running_ppl;
+    if (o.per_token) {
+      j["results"].back()["per_token"] = {{"nll", s.token_nll},          {"nll_fp32", s.token_nll_ref},
+                                          {"kld", s.token_kld},          {"p", s.token_p},
+                                          {"p_fp32", s.token_p_ref},     {"same_top", s.token_same_top}};
+    }
+  }
+  return j;
+}
+
 int RunEval(const EvalCliOptions& o) {
   model::EvalOptions e;
   FillModelText(o, e);
@@ -225,8 +275,18 @@ int RunEval(const EvalCliOptions& o) {
   KVQ_CHECK_ARG(o.window_chunk >= 1, "--window-chunk: expected >= 1, got ", o.window_chunk);
   e.tokens_path = o.tokens;
   KVQ_CHECK_ARG(o.tokens.empty() || o.text.empty(), "--tokens: use either --text or --tokens");
-  e.protocol = parse_name(kProtocols, o.protocol, "--protocol");
-  KVQ_CHECK_ARG(e.protocol == model::EvalProtocol::kKvq || o.window == 0,
+  // One protocol or a comma-separated list (kvq,llama-perplexity): each runs
+  // in turn on the same schemes and prints its tables.
+  std::vector<model::EvalProtocol> protocols;
+  for (size_t at = 0; at <= o.protocol.size();) {
+    const size_t comma = std::min(o.protocol.find(',', at), o.protocol.size());
+    const model::EvalProtocol p = parse_name(kProtocols, o.protocol.substr(at, comma - at), "--protocol");
+    KVQ_CHECK_ARG(std::find(protocols.begin(), protocols.end(), p) == protocols.end(), "--protocol: '",
+                  name_of(kProtocols, p), "' given twice");
+    protocols.push_back(p);
+    at = comma + 1;
+  }
+  KVQ_CHECK_ARG(o.window == 0 || (protocols.size() == 1 && protocols[0] == model::EvalProtocol::kKvq),
                 "--window: not with --protocol llama-perplexity (windowed attention is scored over whole windows)");
   e.forward = o.forward == "batched" || (o.forward == "auto" && model::is_gguf_file(e.model_path))
                   ? model::ForwardPass::kBatched
@@ -234,58 +294,23 @@ int RunEval(const EvalCliOptions& o) {
   check_output_path("--json", o.json, {e.model_path, e.tokenizer_path, e.text_path, e.tokens_path});
   e.per_token = o.per_token;
   KVQ_CHECK_ARG(!o.per_token || !o.json.empty(), "--per-token: expected --json FILE to write them to");
-  const model::EvalReport r = model::run_eval(e);
-  std::fputs(model::format_report(r).c_str(), stdout);
-  std::fputs("\nStatistics against fp32 (llama-perplexity --kl-divergence; ± is the standard error of the mean):\n",
-             stdout);
-  std::fputs(model::format_statistics(r).c_str(), stdout);
+  std::vector<nlohmann::json> runs;
+  for (const model::EvalProtocol p : protocols) {
+    e.protocol = p;
+    if (protocols.size() > 1) std::printf("%s== protocol %s\n", runs.empty() ? "" : "\n", name_of(kProtocols, p));
+    const model::EvalReport r = model::run_eval(e);
+    std::fputs(model::format_report(r).c_str(), stdout);
+    std::fputs("\nStatistics against fp32 (llama-perplexity --kl-divergence; ± is the standard error of the mean):\n",
+               stdout);
+    std::fputs(model::format_statistics(r).c_str(), stdout);
+    std::fflush(stdout);
+    if (!o.json.empty()) runs.push_back(EvalJson(o, r));
+  }
   if (!o.json.empty()) {
-    nlohmann::json j = RunJson(o, r.model_path, r.text_path, r.config, r.ctx, r.windows, r.threads);
-    j["tokens"] = r.tokens;
-    j["protocol"] = name_of(kProtocols, r.protocol);
-    j["weights"] = r.weights;
-    j["forward"] = r.forward == model::ForwardPass::kBatched ? "batched" : "exact";
-    if (r.gemm_peak_gflops > 0) {
-      j["flops_per_token"] = r.flops_per_token;
-      j["forward_gflops"] = r.forward_gflops;
-      j["gemm_peak_gflops"] = r.gemm_peak_gflops;
-    }
-    j["results"] = nlohmann::json::array();
-    for (const auto& s : r.results) {
-      j["results"].push_back({{"scheme", s.scheme.info().name},
-                              {"label", s.label},
-                              {"window", s.policy.window},
-                              {"sinks", s.policy.window ? s.policy.sinks : 0},
-                              {"bank", s.policy.bank},
-                              {"bits_per_element", s.bits_per_element},
-                              {"bits_at_ctx", s.bits_at_ctx},
-                              {"kv_bytes", s.kv_bytes},
-                              {"ppl", s.ppl},
-                              {"mean_nll", s.mean_nll},
-                              {"delta_ppl", s.delta_ppl},
-                              {"delta_ppl_pct", s.delta_ppl_pct},
-                              {"kld_mean", s.kld_mean},
-                              {"kld_max", s.kld_max},
-                              {"top1_pct", s.top1_pct},
-                              {"tokens_per_s", s.tokens_per_s},
-                              {"ppl_se", s.ppl_se},
-                              {"ln_ppl_ratio", s.ln_ratio},
-                              {"ln_ppl_ratio_se", s.ln_ratio_se},
-                              {"kld_se", s.kld_se},
-                              {"kld_median", s.kld_median},
-                              {"kld_p99", s.kld_p99},
-                              {"kld_p999", s.kld_p999},
-                              {"rms_dp", s.rms_dp},
-                              {"rms_dp_se", s.rms_dp_se},
-                              {"same_top", s.same_top},
-                              {"same_top_se", s.same_top_se}});
-      if (!s.running_ppl.empty()) j["results"].back()["running_ppl"] = s.running_ppl;
-      if (o.per_token) {
-        j["results"].back()["per_token"] = {{"nll", s.token_nll},          {"nll_fp32", s.token_nll_ref},
-                                            {"kld", s.token_kld},          {"p", s.token_p},
-                                            {"p_fp32", s.token_p_ref},     {"same_top", s.token_same_top}};
-      }
-    }
+    // One protocol: its object, as always; several: the first one's object
+    // with every run under "protocols" (each of the same shape).
+    nlohmann::json j = runs.front();
+    if (runs.size() > 1) j["protocols"] = runs;
     WriteJson(o.json, j);
   }
   return 0;
