@@ -202,7 +202,10 @@ std::string Duration(double secs) {
 std::vector<CacheScheme> parse_cache_schemes(const std::string& list, const char* arg) {
   std::vector<CacheScheme> out;
   auto add = [&](const std::string& name) {
-    CacheScheme s(describe_kv_scheme(name, arg).name);
+    // A preset stays a preset (it resolves per head size when the cache is
+    // made); any other name becomes its canonical form.
+    const KvSchemeInfo info = describe_kv_scheme(name, arg);
+    CacheScheme s(grouped_kv_preset(name, 0) ? name : info.name);
     if (std::find(out.begin(), out.end(), s) == out.end()) out.push_back(s);
   };
   if (list == "all") {
@@ -579,8 +582,12 @@ std::string format_report(const EvalReport& r) {
   }
   os << "bits: every stored bit, in steady state (mean over cache lengths ctx-127..ctx)\n";
   for (const SchemeResult& s : r.results) {
-    const std::string name = s.scheme.info().name;
-    if (s.label != name && s.policy.window == 0) os << "  " << s.label << " = " << name << "\n";
+    const std::string name = s.scheme.info(r.config.head_size()).name;
+    if (s.label != name && s.policy.window == 0) {
+      os << "  " << s.label << " = " << name;
+      if (name != s.scheme.info().name) os << " (at heads of " << r.config.head_size() << "; " << s.scheme.info().name << " at the smallest)";
+      os << "\n";
+    }
   }
   if (r.calibration_tokens > 0) {
     std::snprintf(buf, sizeof buf,

@@ -48,7 +48,9 @@ struct CacheScheme {
   CacheScheme(std::string n) : name(std::move(n)) {}             // NOLINT: implicit on purpose
   CacheScheme(const char* n) : name(n) {}                        // NOLINT
   CacheScheme(KvScheme s) : name(kv_scheme_name(s)) {}           // NOLINT
-  KvSchemeInfo info() const { return describe_kv_scheme(name); }
+  // head_dim > 0: as a cache of heads that size resolves it (a preset may
+  // resolve per head size).
+  KvSchemeInfo info(int head_dim = 0) const { return describe_kv_scheme(name, "kv", head_dim); }
   bool operator==(const CacheScheme& o) const { return info().name == o.info().name; }
 };
 

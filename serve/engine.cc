@@ -99,7 +99,7 @@ Engine::Engine(const EngineOptions& o) : o_(o), scheme_(std::make_unique<SchemeH
     co.batched = o.calib_batched;
     scheme_->scheme.ranges = std::make_shared<const StaticRanges>(model::calibrate_static_ranges(*ckpt_, co));
   }
-  const KvSchemeInfo info = scheme_->scheme.info();
+  const KvSchemeInfo info = scheme_->scheme.info(cfg.head_size());
   kv_label_ = info.label == info.name ? info.name : info.label + " = " + info.name;
   budget_ = static_cast<uint64_t>(o.kv_budget_mb * 1048576.0);
   // What one token can add to a cache: a row scheme its token's bytes
@@ -155,7 +155,7 @@ int Engine::vocab_size() const { return ckpt_->config().vocab_size; }
 
 uint64_t Engine::reserve_bytes(int tokens) const {
   const model::Config& cfg = ckpt_->config();
-  const double layer = kv_scheme_layer_bytes(scheme_->scheme.info().name, tokens, cfg.n_kv_heads, cfg.head_size());
+  const double layer = kv_scheme_layer_bytes(scheme_->scheme.info(cfg.head_size()).name, tokens, cfg.n_kv_heads, cfg.head_size());
   // A grouped cache's least bytes count its tokens in groups; up to
   // open_tokens_ of them are held open in fp16 (K and V) meanwhile.
   const uint64_t open = static_cast<uint64_t>(std::min(tokens, open_tokens_)) * 2 *
@@ -320,7 +320,7 @@ void Engine::Admit() {
     // The sequence's cache: empty, or its prompt's longest stored prefix.
     const model::Config& cfg = ckpt_->config();
     auto empty = [&] {
-      return KvCache(scheme_->scheme.info().name, cfg.n_layers, s->limit, cfg.n_kv_heads, cfg.head_size(),
+      return KvCache(scheme_->scheme.info(cfg.head_size()).name, cfg.n_layers, s->limit, cfg.n_kv_heads, cfg.head_size(),
                      scheme_->scheme.ranges.get(), cfg.rope);
     };
     try {

@@ -2,6 +2,7 @@
 // attention call, saved caches restored bitwise and continued, their size,
 // and every corrupted or mismatched container a clear error.
 #include "kvq/kv_cache.h"
+#include "kvq/grouped_kv.h"
 
 #include <gtest/gtest.h>
 #include <sys/stat.h>
@@ -116,6 +117,48 @@ TEST(KvCache, UnknownNamesListEveryFamilyAndEveryPreset) {
   EXPECT_EQ(describe_kv_scheme(describe_kv_scheme("kvq-2.5").name).label, "kvq-2.5");
   EXPECT_TRUE(describe_kv_scheme("kvq-4.5").needs_ranges);
   EXPECT_FALSE(describe_kv_scheme("int8").needs_ranges);
+}
+
+// A preset resolves per head size (grouped_kv_preset): kvq-2.5 holds its
+// open tokens in 3 bits from heads of 64 on; a cache, its bytes and
+// describe_kv_scheme(head_dim) agree, the label stays the preset's.
+TEST(KvCache, PresetsResolvePerHeadSize) {
+  EXPECT_EQ(describe_kv_scheme("kvq-2.5", "kv", 8).name, "k2av2g96p8mo4w4r3");
+  EXPECT_EQ(describe_kv_scheme("kvq-2.5", "kv", 32).name, "k2av2g96p8mo4w4r3");
+  EXPECT_EQ(describe_kv_scheme("kvq-2.5", "kv", 64).name, "k2v2g96p8mo3w4r3");
+  EXPECT_EQ(describe_kv_scheme("kvq-2.5", "kv", 128).label, "kvq-2.5");
+  EXPECT_EQ(describe_kv_scheme("kvq-2.5").name, "k2av2g96p8mo4w4r3");  // no head size: the smallest heads'
+  EXPECT_EQ(describe_kv_scheme("kvq-4.5", "kv", 64).name, describe_kv_scheme("kvq-4.5").name);
+  EXPECT_EQ(describe_kv_scheme("k2av2g96p8mo4w4r3", "kv", 64).name, "k2av2g96p8mo4w4r3");  // a name is itself
+  EXPECT_EQ(kv_scheme_layer_bytes("kvq-2.5", 512, 2, 64), kv_scheme_layer_bytes("k2v2g96p8mo3w4r3", 512, 2, 64));
+  EXPECT_NE(kv_scheme_layer_bytes("kvq-2.5", 512, 2, 64), kv_scheme_layer_bytes("k2av2g96p8mo4w4r3", 512, 2, 64));
+  std::vector<std::vector<float>> k(2), v(2);
+  test::Rng rng(4);
+  for (int l = 0; l < 2; ++l) {
+    for (int i = 0; i < 64 * 64; ++i) {
+      k[static_cast<size_t>(l)].push_back(static_cast<float>(rng.Gaussian()));
+      v[static_cast<size_t>(l)].push_back(static_cast<float>(rng.Gaussian()));
+    }
+  }
+  const StaticRanges r64 = StaticRanges::from_samples(k, v, 1, 64);
+  KvCache wide("kvq-2.5", 2, 256, 1, 64, &r64);
+  EXPECT_EQ(wide.scheme(), "k2v2g96p8mo3w4r3");
+  EXPECT_EQ(wide.info().label, "kvq-2.5");
+  const StaticRanges r = Ranges(2);
+  KvCache narrow("kvq-2.5", kL, 256, kH, kD, &r);
+  EXPECT_EQ(narrow.scheme(), describe_kv_scheme("kvq-2.5").name);
+  // Saved, a resolved preset is its scheme: the file restores as that.
+  std::vector<float> kk(64), vv(64);
+  for (int t = 0; t < 130; ++t) {
+    for (int i = 0; i < 64; ++i) kk[static_cast<size_t>(i)] = static_cast<float>(rng.Gaussian()), vv[static_cast<size_t>(i)] = static_cast<float>(rng.Gaussian());
+    for (int l = 0; l < 2; ++l) wide.write(l, t, kk, vv);
+  }
+  const KvCache back = KvCache::from_bytes(wide.to_bytes());
+  EXPECT_EQ(back.scheme(), "k2v2g96p8mo3w4r3");
+  EXPECT_EQ(back.bytes(), wide.bytes());
+  bool seen = false;
+  for (const auto& [name, from, scheme] : grouped_kv_preset_variants()) seen |= name == "kvq-2.5" && from == 64;
+  EXPECT_TRUE(seen);
 }
 
 // Saved and restored: the same bytes held, bitwise the same attention now

@@ -174,8 +174,15 @@ bool is_grouped_kv_scheme(const std::string& name);
 // in the grammar; the scheme when it is; kvq::Error naming `arg` when it is
 // in the grammar but out of range (k9v3g64).
 std::optional<GroupedKvScheme> find_grouped_kv_scheme(const std::string& name, const char* arg = "kv");
-// Presets, best measured pair per bit budget: (preset name, scheme).
+// Presets, best measured pair per bit budget: (preset name, scheme), each
+// as it resolves at the smallest head sizes.
 const std::vector<std::pair<std::string, GroupedKvScheme>>& grouped_kv_presets();
+// A preset as it resolves for heads of `head_dim` channels (a preset may
+// resolve to other parameters per head size; 0: the smallest heads');
+// nullopt when `name` is no preset.
+std::optional<GroupedKvScheme> grouped_kv_preset(const std::string& name, int head_dim);
+// Every (preset, smallest head_dim it applies from, canonical scheme).
+std::vector<std::tuple<std::string, int, std::string>> grouped_kv_preset_variants();
 // The grammar, for error messages.
 const char* grouped_kv_grammar();
 

@@ -69,11 +69,14 @@ struct KvSchemeInfo {
 };
 
 // Throws kvq::Error naming `arg` and listing the row schemes, the grouped
-// grammar and the presets when the name is unknown.
-KvSchemeInfo describe_kv_scheme(const std::string& name, const char* arg = "kv");
+// grammar and the presets when the name is unknown. head_dim > 0: a preset
+// resolves as it does for heads of that size (grouped_kv_preset; a cache
+// resolves its own), its label still the preset's name.
+KvSchemeInfo describe_kv_scheme(const std::string& name, const char* arg = "kv", int head_dim = 0);
 // The fewest bytes one layer of `tokens` tokens takes in the scheme (its
 // calibrated tables included; a grouped scheme's units held in fp16 outside
 // their grid add to it once written: KvCache::bytes counts them).
+// (A preset as it resolves at head_dim.)
 double kv_scheme_layer_bytes(const std::string& name, int64_t tokens, int n_kv_heads, int head_dim);
 // Every row scheme, then every preset (what "all" means to kvq eval).
 std::vector<std::string> all_kv_scheme_names();

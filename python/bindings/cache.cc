@@ -132,17 +132,19 @@ void BindCache(py::module_& m) {
       .def_property_readonly("n_kv_heads", &KvCache::n_kv_heads)
       .def_property_readonly("head_dim", &KvCache::head_dim);
 
-  m.def("grouped_kv_presets", [] {
+  m.def("grouped_kv_presets", [](int head_dim) {
+    KVQ_CHECK_ARG(head_dim >= 0 && head_dim <= (1 << 20), "head_dim: expected 0..2^20, got ", head_dim);
     std::vector<std::pair<std::string, std::string>> out;
-    for (const auto& [name, g] : grouped_kv_presets()) out.emplace_back(name, g.name());
+    for (const auto& [name, g] : grouped_kv_presets()) out.emplace_back(name, grouped_kv_preset(name, head_dim)->name());
     return out;
-  });
+  }, py::arg("head_dim") = 0);
   m.def("grouped_kv_scheme_name", [](const std::string& name) { return parse_grouped_kv_scheme(name, "scheme").name(); });
   m.def("grouped_kv_scheme_bits", [](const std::string& name, int64_t T, int n_kv_heads, int head_dim) {
     KVQ_CHECK_ARG(T >= 1 && T <= (int64_t{1} << 40), "tokens: expected 1..2^40, got ", T);
     KVQ_CHECK_ARG(n_kv_heads >= 1 && head_dim >= 1 && int64_t{n_kv_heads} * head_dim <= (1 << 20),
                   "n_kv_heads, head_dim: expected >= 1 with at most 2^20 values a token");
-    return parse_grouped_kv_scheme(name, "scheme").bits(T, n_kv_heads, head_dim);
+    const std::optional<GroupedKvScheme> preset = grouped_kv_preset(name, head_dim);  // as a cache resolves it
+    return (preset ? *preset : parse_grouped_kv_scheme(name, "scheme")).bits(T, n_kv_heads, head_dim);
   });
   py::class_<StaticRanges, std::shared_ptr<StaticRanges>>(m, "StaticRanges")
       .def_readonly("n_layers", &StaticRanges::n_layers)

@@ -229,9 +229,10 @@ def decode_attention(q, cache, layer, tokens=None, *, int8_query=False, scale=0.
 # ---- grouped low-bit schemes ------------------------------------------------------------
 
 
-def grouped_kv_presets():
-    """{preset name: scheme name} of the grouped low-bit presets."""
-    return dict(_kvq.grouped_kv_presets())
+def grouped_kv_presets(head_dim=0):
+    """{preset name: scheme name} of the grouped low-bit presets, as a cache of heads of `head_dim`
+    channels resolves them (a preset may resolve per head size; 0: the smallest heads')."""
+    return dict(_kvq.grouped_kv_presets(int(head_dim)))
 
 
 def static_ranges_from_samples(k, v, n_kv_heads, head_dim, *, clip=0.0, k_weight=None):

@@ -135,6 +135,9 @@ def test_one_cache_type_takes_grouped_names_and_matches_numpy(scheme):
     with pytest.raises(kvq.Error, match="current length"):
         kvq.decode_attention(q, c, 0, N - 1)
     assert set(kvq.grouped_kv_presets()) == {"kvq-6.5", "kvq-4.5", "kvq-3.5", "kvq-2.5"}
+    # a preset resolves per head size, as a cache of that head size holds it
+    assert kvq.grouped_kv_presets(64)["kvq-2.5"] == "k2v2g96p8mo3w4r3" != kvq.grouped_kv_presets(8)["kvq-2.5"]
+    assert kvq.grouped_kv_presets(64)["kvq-4.5"] == kvq.grouped_kv_presets()["kvq-4.5"]
     names = kvq.all_kv_scheme_names()
     assert names[:len(kvq.kv_schemes())] == list(kvq.kv_schemes()) and names[-4:] == list(kvq.grouped_kv_presets())
 

@@ -6,11 +6,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <fstream>
 #include <sstream>
 
@@ -18,6 +20,7 @@
 
 #include "kvq/error.h"
 #include "kvq/file.h"
+#include "kvq/grouped_kv.h"
 #include "kvq/sha256.h"
 #include "src/io/container.h"
 #include "src/cache/families.h"
@@ -116,7 +119,14 @@ std::string hex_digest(const std::array<uint8_t, 32>& d) {
   return s;
 }
 
-KvSchemeInfo describe_kv_scheme(const std::string& name, const char* arg) {
+KvSchemeInfo describe_kv_scheme(const std::string& name, const char* arg, int head_dim) {
+  if (head_dim > 0) {
+    if (const std::optional<GroupedKvScheme> g = grouped_kv_preset(name, head_dim)) {
+      KvSchemeInfo info = describe_kv_scheme(g->name(), arg);
+      info.label = name;
+      return info;
+    }
+  }
   KvSchemeInfo info;
   for (const detail::KvCacheFamily& f : detail::kv_cache_families()) {
     if (f.describe(name, arg, info)) return info;
@@ -133,7 +143,7 @@ std::vector<std::string> all_kv_scheme_names() {
 }
 
 double kv_scheme_layer_bytes(const std::string& name, int64_t tokens, int n_kv_heads, int head_dim) {
-  const KvSchemeInfo info = describe_kv_scheme(name, "scheme");
+  const KvSchemeInfo info = describe_kv_scheme(name, "scheme", std::max(head_dim, 1));
   KVQ_CHECK_ARG(tokens >= 0 && tokens <= (int64_t{1} << 40), "tokens: expected 0..2^40, got ", tokens);
   KVQ_CHECK_ARG(n_kv_heads >= 1 && head_dim >= 1 && int64_t{n_kv_heads} * head_dim <= static_cast<int64_t>(kMaxRow),
                 "n_kv_heads, head_dim: expected >= 1 with at most 2^20 values a token, got ", n_kv_heads, ", ", head_dim);
@@ -142,7 +152,7 @@ double kv_scheme_layer_bytes(const std::string& name, int64_t tokens, int n_kv_h
 
 KvCache::KvCache(const std::string& scheme, int n_layers, int max_seq, int n_kv_heads, int head_dim,
                  const StaticRanges* ranges, const RopeConfig& rope)
-    : info_(describe_kv_scheme(scheme, "scheme")),
+    : info_(describe_kv_scheme(scheme, "scheme", std::max(head_dim, 1))),
       n_layers_(n_layers),
       max_seq_(max_seq),
       n_kv_heads_(n_kv_heads),

@@ -187,19 +187,57 @@ GroupedKvScheme Named(const char* name) {
 }
 }  // namespace
 
+namespace {
+// A preset's scheme per head size: `scheme` below `wide_from` channels a
+// head, `wide` from there on (empty: the same). Chosen on both models and
+// both protocols (docs/schemes.md).
+struct PresetEntry {
+  const char* name;
+  const char* scheme;
+  int wide_from;
+  const char* wide;
+};
+// Chosen on stories260K's dev text at ctx 512 (see README): per quality
+// tier, few steady-state bits with a margin under both of its bounds.
+// Every one allocates K bits by calibrated weights and all but kvq-6.5
+// code group parameters on a calibrated grid, so they need ranges (kvq
+// eval measures them on text the model generates). kvq-2.5 at heads of 64
+// and more holds its open tokens in 3 bits: a unit of 64 values falls out
+// of the 4-bit grid (and costs 16 bits a value) far more often than one of
+// 8 (stories-hd64: 2.65 bits with o4, 2.48 with o3, ΔPPL +0.8% and +0.04%
+// on the two protocols), and at K = 2 bits `a` has no bits to move.
+constexpr PresetEntry kPresets[] = {
+    {"kvq-6.5", "k6av5g128o8x16r8", 0, ""},
+    {"kvq-4.5", "k4av3g64p8o8r16", 0, ""},
+    {"kvq-3.5", "k3av2g64p8o8r8", 0, ""},
+    {"kvq-2.5", "k2av2g96p8mo4w4r3", 64, "k2v2g96p8mo3w4r3"},
+};
+}  // namespace
+
 const std::vector<std::pair<std::string, GroupedKvScheme>>& grouped_kv_presets() {
-  // Chosen on stories260K's dev text at ctx 512 (see README): per quality
-  // tier, few steady-state bits with a margin under both of its bounds.
-  // Every one allocates K bits by calibrated weights and all but kvq-6.5
-  // code group parameters on a calibrated grid, so they need ranges (kvq
-  // eval measures them on text the model generates).
-  static const std::vector<std::pair<std::string, GroupedKvScheme>> p = {
-      {"kvq-6.5", Named("k6av5g128o8x16r8")},
-      {"kvq-4.5", Named("k4av3g64p8o8r16")},
-      {"kvq-3.5", Named("k3av2g64p8o8r8")},
-      {"kvq-2.5", Named("k2av2g96p8mo4w4r3")},
-  };
+  static const std::vector<std::pair<std::string, GroupedKvScheme>> p = [] {
+    std::vector<std::pair<std::string, GroupedKvScheme>> v;
+    for (const PresetEntry& e : kPresets) v.emplace_back(e.name, Named(e.scheme));
+    return v;
+  }();
   return p;
+}
+
+std::optional<GroupedKvScheme> grouped_kv_preset(const std::string& name, int head_dim) {
+  for (const PresetEntry& e : kPresets) {
+    if (name != e.name) continue;
+    return Named(e.wide_from > 0 && head_dim >= e.wide_from ? e.wide : e.scheme);
+  }
+  return std::nullopt;
+}
+
+std::vector<std::tuple<std::string, int, std::string>> grouped_kv_preset_variants() {
+  std::vector<std::tuple<std::string, int, std::string>> v;
+  for (const PresetEntry& e : kPresets) {
+    v.emplace_back(e.name, 0, Named(e.scheme).name());
+    if (e.wide_from > 0) v.emplace_back(e.name, e.wide_from, Named(e.wide).name());
+  }
+  return v;
 }
 
 const char* grouped_kv_grammar() {
