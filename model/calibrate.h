@@ -30,7 +30,8 @@ struct CalibrationOptions {
 // The calibration length when none is asked (CalibrationOptions::length 0
 // at a caller that knows how far it will read): max(tokens, 512), at most the
 // model's context (a long-context model's full length would be hours of
-// generation). kvq eval passes its ctx, kvq generate its steps.
+// generation). kvq eval passes its ctx; kvq generate 0 (512 tokens,
+// whatever the prompt and steps).
 int default_calibration_length(const Config& cfg, int tokens);
 
 // Throws kvq::Error naming the option unless `o` is valid for a model of

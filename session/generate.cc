@@ -134,7 +134,10 @@ GenerateReport generate(const GenerateOptions& o, const std::function<void(const
     model::CacheScheme scheme = schemes.front();
     if (scheme.info().needs_ranges) {  // ranges: never the prompt
       model::CalibrationOptions co;
-      co.length = model::default_calibration_length(cfg, o.steps);
+      // Ranges are per layer and channel: 512 tokens a sequence measure them
+      // whatever the prompt and --steps (a 16K prompt calibrated on 16K-token
+      // sequences took minutes before the prompt was read).
+      co.length = model::default_calibration_length(cfg, 0);
       co.batched = o.calib_batched;
       const auto t_cal = Clock::now();
       scheme.ranges = std::make_shared<const StaticRanges>(model::calibrate_static_ranges(ckpt, co));

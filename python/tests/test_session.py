@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import kvq
-from kvq_test_helpers import MODEL, TOKENIZER, kvq_cli, need_data as _need_data
+from kvq_test_helpers import MODEL, ROOT, TOKENIZER, kvq_cli, need_data as _need_data
 
 README = MODEL.parent / "README.md"
 
@@ -86,3 +86,19 @@ def test_a_prompt_cache_in_memory_and_bad_arguments(tmp_path):
     with pytest.raises(TypeError):
         kvq.generate(MODEL, tokenizer=TOKENIZER, steps=8, on_text=3)
     assert MODEL.stat().st_size > 0  # the input is still there
+
+
+def test_calibration_does_not_scale_with_the_prompt_or_steps(tmp_path):
+    """A calibrated scheme on a model of 4096 tokens' context calibrates on 512-token sequences whatever
+    --steps asks (it took the whole of max(steps, 512) before: minutes before a long prompt was read)."""
+    import sys
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gguf_write as gw
+    cfg = dict(arch="llama", dim=64, hidden=64, layers=1, heads=2, kv_heads=1, vocab=64, ctx=4096,
+               rope_base=10000.0, eps=1e-5)
+    g, _ = gw.synthetic(cfg, seed=2, keep_reference=False)
+    g.write(tmp_path / "long.gguf")
+    r = kvq.generate(str(tmp_path / "long.gguf"), tokens=[1, 5, 6, 7], steps=2000, kv="k4v4cr16", calib_batched=True)
+    line = [s for s in r["status"] if s.startswith("calibrated ")]
+    assert len(line) == 1 and "16 sequences of 512 tokens" in line[0], r["status"]
+    assert r["evaluated"] == 2000
