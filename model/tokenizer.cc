@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -228,6 +229,24 @@ std::vector<int> Tokenizer::encode_reference(const std::string& text, bool bos) 
     if (best_at > first) merged[best_at - 1] = pair_id(best_at - 1);
   }
   return ids;
+}
+
+bool Tokenizer::shows_piece(const std::string& piece) {
+  if (piece.size() != 1) return true;
+  const unsigned char c = static_cast<unsigned char>(piece[0]);
+  return c >= 0x80 || std::isprint(c) || std::isspace(c);
+}
+
+size_t Tokenizer::incomplete_utf8_tail(const std::string& text) {
+  // The last lead byte within 3 bytes of the end, and the length it announces.
+  const size_t n = text.size();
+  for (size_t k = 1; k <= std::min<size_t>(3, n); ++k) {
+    const unsigned char c = static_cast<unsigned char>(text[n - k]);
+    if ((c & 0xC0) == 0x80) continue;  // a continuation byte: look further back
+    const size_t need = (c & 0xE0) == 0xC0 ? 2 : (c & 0xF0) == 0xE0 ? 3 : (c & 0xF8) == 0xF0 ? 4 : 1;
+    return need > k ? k : 0;  // an ASCII byte or an invalid lead byte (need 1) never waits
+  }
+  return 0;
 }
 
 std::string Tokenizer::decode(int prev, int token) const {

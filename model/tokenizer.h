@@ -46,6 +46,14 @@ class Tokenizer {
   // space after BOS, maps <0xNN> pieces to raw bytes; byte-level BPE: the
   // token's bytes, control tokens none).
   std::string decode(int prev, int token) const;
+  // Whether a decoded piece is text to show: all but a lone ASCII control
+  // byte (llama2.c's safe_printf skips unprintable single bytes; a byte of
+  // 0x80 and above is part of a UTF-8 character and is kept: "café" is
+  // "caf", <0xC3>, <0xA9> in stories260K's vocabulary).
+  static bool shows_piece(const std::string& piece);
+  // How many bytes at the end of `text` begin a UTF-8 character that is not
+  // complete yet (0..3): a stream holds them back until the next piece.
+  static size_t incomplete_utf8_tail(const std::string& text);
   int vocab_size() const;
   const std::string& piece(int id) const;
   // The id a sequence starts from: BOS (1 for sentencepiece; a BPE

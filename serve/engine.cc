@@ -509,10 +509,7 @@ bool Engine::Step() {
       ++sampled;
       if (tok_) {
         const std::string piece = tok_->decode(prev, next);
-        if (!(piece.size() == 1 && !std::isprint(static_cast<unsigned char>(piece[0])) &&
-              !std::isspace(static_cast<unsigned char>(piece[0])))) {
-          s.text += piece;
-        }
+        if (model::Tokenizer::shows_piece(piece)) s.text += piece;
       }
       // Stop strings: cut at the first; withhold a tail that may begin one.
       size_t cut = std::string::npos, hold = 0;
@@ -535,6 +532,10 @@ bool Engine::Step() {
         Finish(s, "length");
         continue;
       }
+      // A character whose bytes are still coming (a byte-level token of
+      // half a UTF-8 sequence) waits for the rest: every event's text is
+      // whole characters.
+      hold = std::max(hold, std::min(model::Tokenizer::incomplete_utf8_tail(s.text), s.text.size() - s.sent));
       Event e;
       e.text = s.text.substr(s.sent, s.text.size() - hold - s.sent);
       s.sent += e.text.size();

@@ -25,6 +25,11 @@ namespace {
 
 using json = nlohmann::json;
 
+// JSON text that never throws: a string that is not UTF-8 (the bytes a
+// stream holds back at its end: half a character when the length or a stop
+// cut it) is written with U+FFFD in place of each bad byte.
+std::string Dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
 json ErrorBody(const std::string& message, const std::string& type, const std::string& param = "") {
   json e = {{"message", message}, {"type", type}, {"code", nullptr}};
   e["param"] = param.empty() ? json(nullptr) : json(param);
@@ -35,7 +40,7 @@ void SendError(httplib::Response& res, int status, const std::string& message, c
   res.status = status;
   const char* type = status == 503 ? "server_busy" : status >= 500 ? "server_error" : "invalid_request_error";
   if (status == 503) res.set_header("Retry-After", "1");
-  res.set_content(ErrorBody(message, type, param).dump(), "application/json");
+  res.set_content(Dump(ErrorBody(message, type, param)), "application/json");
 }
 
 // A request's fields, checked against OpenAI's completions API. Fields kvq
@@ -297,7 +302,7 @@ int serve_http(Engine& engine, const HttpOptions& o, const std::function<void(in
               {"kv", engine.kv_label()},       {"context_length", engine.context_length()},
               {"vocab_size", engine.vocab_size()},
               {"kv_bytes_at_context", engine.reserve_bytes(engine.context_length())}};
-    res.set_content(json({{"object", "list"}, {"data", json::array({m})}}).dump(), "application/json");
+    res.set_content(Dump(json({{"object", "list"}, {"data", json::array({m})}})), "application/json");
   });
   svr.Get("/metrics", [&](const httplib::Request&, httplib::Response& res) {
     res.set_content(MetricsText(engine), "text/plain; version=0.0.4");
@@ -332,7 +337,7 @@ int serve_http(Engine& engine, const HttpOptions& o, const std::function<void(in
         SendError(res, e.status, e.error);
         return;
       }
-      res.set_content(Chunk(id, created, model, text, e.finish_reason, &e).dump(), "application/json");
+      res.set_content(Dump(Chunk(id, created, model, text, e.finish_reason, &e)), "application/json");
       return;
     }
     ++in_flight;
@@ -345,15 +350,15 @@ int serve_http(Engine& engine, const HttpOptions& o, const std::function<void(in
           if (!job->next(e, std::chrono::milliseconds(200))) return true;  // asked again
           std::string out;
           if (!e.error.empty()) {
-            out = "data: " + ErrorBody(e.error, e.status == 503 ? "server_busy" : "server_error").dump() + "\n\n";
+            out = "data: " + Dump(ErrorBody(e.error, e.status == 503 ? "server_busy" : "server_error")) + "\n\n";
           } else {
-            if (!e.text.empty() || !e.done) out += "data: " + Chunk(id, created, model, e.text, nullptr, nullptr).dump() + "\n\n";
+            if (!e.text.empty() || !e.done) out += "data: " + Dump(Chunk(id, created, model, e.text, nullptr, nullptr)) + "\n\n";
             if (e.done) {
-              out += "data: " + Chunk(id, created, model, "", e.finish_reason, nullptr).dump() + "\n\n";
+              out += "data: " + Dump(Chunk(id, created, model, "", e.finish_reason, nullptr)) + "\n\n";
               if (usage) {
                 json u = Chunk(id, created, model, "", nullptr, &e);
                 u["choices"] = json::array();
-                out += "data: " + u.dump() + "\n\n";
+                out += "data: " + Dump(u) + "\n\n";
               }
             }
           }

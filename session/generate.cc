@@ -188,11 +188,7 @@ GenerateReport generate(const GenerateOptions& o, const std::function<void(const
   auto text = [&](int prev, int next) {
     if (!tok_ptr) return;
     const std::string piece = tok_ptr->decode(prev, next);
-    // Like llama2.c's safe_printf: skip lone unprintable bytes.
-    if (piece.size() == 1 && !std::isprint(static_cast<unsigned char>(piece[0])) &&
-        !std::isspace(static_cast<unsigned char>(piece[0]))) {
-      return;
-    }
+    if (!model::Tokenizer::shows_piece(piece)) return;  // a lone ASCII control byte
     r.text += piece;
     if (on_text) on_text(piece);
   };

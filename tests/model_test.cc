@@ -572,6 +572,42 @@ TEST(Model, TokenizerEncodesAndDecodes) {
 // one story (no separators: the case that took the old loop minutes), and on
 // random byte strings (invalid UTF-8, byte fallbacks, long runs of one
 // piece, where merge ties are everywhere).
+// What a stream shows of each piece: every byte but a lone ASCII control
+// byte (the bytes of "café"'s é are kept), and a UTF-8 character held back
+// until its last byte has come.
+TEST(Model, PiecesKeepUtf8BytesAndStreamsHoldHalfCharacters) {
+  EXPECT_TRUE(Tokenizer::shows_piece("\xC3"));
+  EXPECT_TRUE(Tokenizer::shows_piece("\xA9"));
+  EXPECT_TRUE(Tokenizer::shows_piece("\n"));
+  EXPECT_TRUE(Tokenizer::shows_piece(" the"));
+  EXPECT_FALSE(Tokenizer::shows_piece(std::string(1, '\x07')));
+  EXPECT_FALSE(Tokenizer::shows_piece(std::string(1, '\0')));
+  EXPECT_EQ(Tokenizer::incomplete_utf8_tail(""), 0u);
+  EXPECT_EQ(Tokenizer::incomplete_utf8_tail("caf"), 0u);
+  EXPECT_EQ(Tokenizer::incomplete_utf8_tail("caf\xC3"), 1u);         // é's first byte
+  EXPECT_EQ(Tokenizer::incomplete_utf8_tail("caf\xC3\xA9"), 0u);     // é whole
+  EXPECT_EQ(Tokenizer::incomplete_utf8_tail("a\xE2\x80"), 2u);       // two of ’'s three
+  EXPECT_EQ(Tokenizer::incomplete_utf8_tail("a\xE2\x80\x99"), 0u);
+  EXPECT_EQ(Tokenizer::incomplete_utf8_tail("\xF0\x9F\x98"), 3u);   // three of an emoji's four
+  EXPECT_EQ(Tokenizer::incomplete_utf8_tail("\xF0\x9F\x98\x80"), 0u);
+  EXPECT_EQ(Tokenizer::incomplete_utf8_tail("\x80\x80"), 0u);        // stray continuation bytes never wait
+  EXPECT_EQ(Tokenizer::incomplete_utf8_tail("\xFF"), 0u);             // nor a byte no character starts with
+}
+
+// stories260K has no piece for ü or 😀: their byte pieces are shown.
+TEST(Model, ByteFallbackPiecesOfACharacterAreShown) {
+  KVQ_MODEL_FILES();
+  const Tokenizer tok(tok_path, 512);
+  const std::vector<int> ids = tok.encode("Müller 😀", true);
+  ASSERT_NE(std::find(ids.begin(), ids.end(), 3 + 0xC3), ids.end());  // ü's first byte as its byte piece
+  std::string text;
+  for (size_t i = 1; i < ids.size(); ++i) {
+    const std::string piece = tok.decode(ids[i - 1], ids[i]);
+    if (Tokenizer::shows_piece(piece)) text += piece;
+  }
+  EXPECT_EQ(text, "Müller 😀");
+}
+
 TEST(Model, FastEncoderMatchesTheReferenceLoop) {
   KVQ_MODEL_FILES();
   const Tokenizer tok(tok_path, 512);

@@ -151,6 +151,28 @@ def test_stop_strings_cut_the_text_streamed_or_not():
             assert text == full[:cut] and ev[-2]["choices"][0]["finish_reason"] == "stop"
 
 
+def test_byte_tokens_of_half_a_character_never_abort_the_server():
+    """stories260K at temperature 2 samples byte pieces (<0xC3>, <0xA9>, ...): a streamed event never
+    carries half a UTF-8 character (it waits for the rest), a byte that no character completes is
+    written as U+FFFD, and the server keeps serving (the JSON writer threw on such text and aborted
+    it)."""
+    with Server(KVQ, stories()) as s:
+        seen_high = False
+        for seed in (1, 2, 3, 4):
+            body = {"prompt": "Once", "max_tokens": 480, "temperature": 2, "seed": seed}
+            st, b = s.post(body)
+            assert st == 200, b
+            text, ev = s.stream(body)
+            assert ev[-1] == "[DONE]" and ev[-2]["choices"][0]["finish_reason"] in ("length", "stop")
+            seen_high |= any(ord(ch) >= 0x80 for ch in text + b["choices"][0]["text"])
+            # the events carry whole characters: joined, they are the plain reply's text (a character
+            # split across two events would come out as two U+FFFD instead)
+            assert text == b["choices"][0]["text"], (seed, text, b["choices"][0]["text"])
+        assert seen_high, "no non-ASCII byte was sampled: the test proved nothing"
+        st, _, d = s.request("GET", "/health")
+        assert st == 200 and json.loads(d) == {"status": "ok"}
+
+
 BAD = [
     (b"{not json", 400, None),
     (b"[1, 2]", 400, None),

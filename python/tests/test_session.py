@@ -102,3 +102,14 @@ def test_calibration_does_not_scale_with_the_prompt_or_steps(tmp_path):
     line = [s for s in r["status"] if s.startswith("calibrated ")]
     assert len(line) == 1 and "16 sequences of 512 tokens" in line[0], r["status"]
     assert r["evaluated"] == 2000
+
+
+def test_non_ascii_byte_pieces_are_kept():
+    """stories260K has no piece for ü: it is the byte pieces <0xC3> <0xBC>, which generate keeps (they
+    were dropped as unprintable single bytes: "Müller" came out "Mller"), and on_text gets whole
+    characters."""
+    _need_data()
+    pieces = []
+    r = kvq.generate(MODEL, "Müller saw a 😀", tokenizer=TOKENIZER, steps=20, on_text=pieces.append)
+    assert r["text"].startswith("Müller saw a 😀"), r["text"]
+    assert "".join(pieces) == r["text"] and all("\ufffd" not in p for p in pieces[:4])
