@@ -13,7 +13,11 @@ int sample_token(std::span<const float> logits, double temperature, uint64_t& rn
 
 int sample_token(std::span<const float> logits, double temperature, double top_p, uint64_t& rng) {
   const int V = static_cast<int>(logits.size());
-  if (temperature == 0.0) return static_cast<int>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+  // Greedy at 0, and at a temperature so small that it is 0 as the float the
+  // softmax divides by (1e-46: 0/0 made every weight NaN): T -> 0 is argmax.
+  if (temperature == 0.0 || !(static_cast<float>(temperature) > 0.0f)) {
+    return static_cast<int>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+  }
   rng ^= rng >> 12, rng ^= rng << 25, rng ^= rng >> 27;  // xorshift64*
   const float u = static_cast<float>((rng * 0x2545F4914F6CDD1Dull) >> 40) / 16777216.0f;
   const float m = *std::max_element(logits.begin(), logits.end());

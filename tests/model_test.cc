@@ -357,6 +357,20 @@ TEST(Model, TopPKeepsTheFewestMostProbableTokens) {
 
 // --calib-batched: the sequences side by side (17: two rounds of up to 16),
 // deterministic, every sample written, other samples than one after the other.
+// A temperature that is 0 as a float (1e-46) samples as greedy, never from
+// NaN weights; a small one that is not (1e-30) still picks the argmax here.
+TEST(Model, TinyTemperaturesAreGreedy) {
+  const std::vector<float> logits = {0.5f, 3.0f, -1.0f, 2.999f, 0.0f};
+  for (const double t : {1e-46, 1e-300, 4.9e-324, 1e-30}) {
+    for (uint64_t seed = 1; seed < 50; ++seed) {
+      uint64_t rng = seed;
+      EXPECT_EQ(sample_token(logits, t, rng), 1) << t;
+      rng = seed;
+      EXPECT_EQ(sample_token(logits, t, 0.9, rng), 1) << t;
+    }
+  }
+}
+
 TEST(Model, CalibrationSideBySideIsDeterministic) {
   KVQ_MODEL_FILES();
   const Checkpoint ckpt(model_path);
