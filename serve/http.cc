@@ -100,7 +100,8 @@ bool ParseCompletion(const std::string& body, const Engine& engine, Parsed& p, s
       if (v.is_null()) continue;
       if (!v.is_number_integer()) return fail(k, "max_tokens must be an integer");
       const int64_t n = v.get<int64_t>();
-      if (n < 1 || n > std::numeric_limits<int>::max()) return fail(k, "max_tokens must be at least 1");
+      if (n < 1) return fail(k, "max_tokens must be at least 1");
+      if (n > std::numeric_limits<int>::max()) return fail(k, "max_tokens must be at most the model's context");
       p.req.max_tokens = static_cast<int>(n);
     } else if (k == "temperature" || k == "top_p") {
       if (v.is_null()) continue;
@@ -396,13 +397,19 @@ int serve_http(Engine& engine, const HttpOptions& o, const std::function<void(in
     SendError(res, 500, what);
   });
 
+  // SO_REUSEADDR only: httplib's default sets SO_REUSEPORT, under which a
+  // second server on a port in use started and took half its connections.
+  svr.set_socket_options([](socket_t sock) {
+    int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
+  });
   int port = o.port;
   if (port == 0) {
     port = svr.bind_to_any_port(o.host);
   } else if (!svr.bind_to_port(o.host, port)) {
     port = -1;
   }
-  KVQ_CHECK_ARG(port > 0, "--port: cannot listen on ", o.host, ":", o.port);
+  KVQ_CHECK_ARG(port > 0, "--port: cannot listen on ", o.host, ":", o.port, " (in use by another server?)");
   WidenBacklog(port);
   if (on_listening) on_listening(port);
 

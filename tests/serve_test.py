@@ -173,6 +173,17 @@ def test_byte_tokens_of_half_a_character_never_abort_the_server():
         assert st == 200 and json.loads(d) == {"status": "ok"}
 
 
+def test_a_second_server_on_a_port_in_use_is_refused():
+    """The listening socket has SO_REUSEADDR only (httplib's default SO_REUSEPORT let a second kvq serve
+    start on the same port and take part of its connections): the second exits 2 naming --port."""
+    with Server(KVQ, stories()) as s:
+        r = subprocess.run([str(KVQ), "serve", "--port", str(s.port), *stories()], capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 2 and "--port" in r.stderr and "in use" in r.stderr, (r.returncode, r.stderr[-500:])
+        st, _, d = s.request("GET", "/health")
+        assert st == 200
+
+
 BAD = [
     (b"{not json", 400, None),
     (b"[1, 2]", 400, None),
