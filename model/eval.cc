@@ -18,6 +18,7 @@
 #include "kvq/file.h"
 #include "model/parallel.h"
 #include "model/tokens.h"
+#include "src/base/names.h"
 
 namespace kvq::model {
 
@@ -212,12 +213,7 @@ std::vector<CacheScheme> parse_cache_schemes(const std::string& list, const char
     for (const std::string& n : all_kv_scheme_names()) add(n);
     return out;
   }
-  size_t i = 0;
-  while (i <= list.size()) {
-    const size_t j = std::min(list.find(',', i), list.size());
-    add(list.substr(i, j - i));
-    i = j + 1;
-  }
+  for (const std::string& name : split_list(list)) add(name);
   return out;
 }
 
@@ -585,7 +581,8 @@ std::string format_report(const EvalReport& r) {
     const std::string name = s.scheme.info(r.config.head_size()).name;
     if (s.label != name && s.policy.window == 0) {
       os << "  " << s.label << " = " << name;
-      if (name != s.scheme.info().name) os << " (at heads of " << r.config.head_size() << "; " << s.scheme.info().name << " at the smallest)";
+      const std::string smallest = s.scheme.info().name;
+      if (name != smallest) os << " (at heads of " << r.config.head_size() << "; " << smallest << " at the smallest)";
       os << "\n";
     }
   }

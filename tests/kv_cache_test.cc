@@ -156,9 +156,8 @@ TEST(KvCache, PresetsResolvePerHeadSize) {
   const KvCache back = KvCache::from_bytes(wide.to_bytes());
   EXPECT_EQ(back.scheme(), "k2v2g96p8mo3w4r3");
   EXPECT_EQ(back.bytes(), wide.bytes());
-  bool seen = false;
-  for (const auto& [name, from, scheme] : grouped_kv_preset_variants()) seen |= name == "kvq-2.5" && from == 64;
-  EXPECT_TRUE(seen);
+  EXPECT_EQ(grouped_kv_preset("kvq-2.5", 63)->name(), "k2av2g96p8mo4w4r3");  // from heads of 64 on exactly
+  EXPECT_FALSE(grouped_kv_preset("k2av2g96p8mo4w4r3", 64).has_value());       // not a preset
 }
 
 // Saved and restored: the same bytes held, bitwise the same attention now

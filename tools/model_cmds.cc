@@ -278,13 +278,11 @@ int RunEval(const EvalCliOptions& o) {
   // One protocol or a comma-separated list (kvq,llama-perplexity): each runs
   // in turn on the same schemes and prints its tables.
   std::vector<model::EvalProtocol> protocols;
-  for (size_t at = 0; at <= o.protocol.size();) {
-    const size_t comma = std::min(o.protocol.find(',', at), o.protocol.size());
-    const model::EvalProtocol p = parse_name(kProtocols, o.protocol.substr(at, comma - at), "--protocol");
+  for (const std::string& name : split_list(o.protocol)) {
+    const model::EvalProtocol p = parse_name(kProtocols, name, "--protocol");
     KVQ_CHECK_ARG(std::find(protocols.begin(), protocols.end(), p) == protocols.end(), "--protocol: '",
                   name_of(kProtocols, p), "' given twice");
     protocols.push_back(p);
-    at = comma + 1;
   }
   KVQ_CHECK_ARG(o.window == 0 || (protocols.size() == 1 && protocols[0] == model::EvalProtocol::kKvq),
                 "--window: not with --protocol llama-perplexity (windowed attention is scored over whole windows)");
@@ -295,9 +293,9 @@ int RunEval(const EvalCliOptions& o) {
   e.per_token = o.per_token;
   KVQ_CHECK_ARG(!o.per_token || !o.json.empty(), "--per-token: expected --json FILE to write them to");
   std::vector<nlohmann::json> runs;
-  for (const model::EvalProtocol p : protocols) {
-    e.protocol = p;
-    if (protocols.size() > 1) std::printf("%s== protocol %s\n", runs.empty() ? "" : "\n", name_of(kProtocols, p));
+  for (size_t i = 0; i < protocols.size(); ++i) {
+    e.protocol = protocols[i];
+    if (protocols.size() > 1) std::printf("%s== protocol %s\n", i == 0 ? "" : "\n", name_of(kProtocols, e.protocol));
     const model::EvalReport r = model::run_eval(e);
     std::fputs(model::format_report(r).c_str(), stdout);
     std::fputs("\nStatistics against fp32 (llama-perplexity --kl-divergence; ± is the standard error of the mean):\n",

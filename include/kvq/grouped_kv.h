@@ -181,8 +181,6 @@ const std::vector<std::pair<std::string, GroupedKvScheme>>& grouped_kv_presets()
 // resolve to other parameters per head size; 0: the smallest heads');
 // nullopt when `name` is no preset.
 std::optional<GroupedKvScheme> grouped_kv_preset(const std::string& name, int head_dim);
-// Every (preset, smallest head_dim it applies from, canonical scheme).
-std::vector<std::tuple<std::string, int, std::string>> grouped_kv_preset_variants();
 // The grammar, for error messages.
 const char* grouped_kv_grammar();
 

@@ -8,8 +8,10 @@
 //   parse_name(kModes, "int4", "mode")      -> kvq::Error "mode: expected 'int8' or 'fp8', got 'int4'"
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <string>
+#include <vector>
 
 #include "kvq/error.h"
 
@@ -47,6 +49,18 @@ E parse_name(const NamedValue<E> (&table)[N], const std::string& s, const char* 
     if (s == e.name) return e.value;
   }
   Fail(arg, ": expected ", names_of(table), ", got '", s, "'");
+}
+
+// "a,b,,c" -> {"a", "b", "", "c"}: an option's comma-separated list, each
+// item as written (the caller says what an empty one means).
+inline std::vector<std::string> split_list(const std::string& list) {
+  std::vector<std::string> out;
+  for (size_t at = 0; at <= list.size();) {
+    const size_t comma = std::min(list.find(',', at), list.size());
+    out.push_back(list.substr(at, comma - at));
+    at = comma + 1;
+  }
+  return out;
 }
 
 }  // namespace kvq

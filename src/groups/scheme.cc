@@ -231,15 +231,6 @@ std::optional<GroupedKvScheme> grouped_kv_preset(const std::string& name, int he
   return std::nullopt;
 }
 
-std::vector<std::tuple<std::string, int, std::string>> grouped_kv_preset_variants() {
-  std::vector<std::tuple<std::string, int, std::string>> v;
-  for (const PresetEntry& e : kPresets) {
-    v.emplace_back(e.name, 0, Named(e.scheme).name());
-    if (e.wide_from > 0) v.emplace_back(e.name, e.wide_from, Named(e.wide).name());
-  }
-  return v;
-}
-
 const char* grouped_kv_grammar() {
   return "k<bits>[a]v<bits>g<G>[p8][m][o<N>[x<X>][w<W>]][r<R>][s<S>] or k<bits>[a]v<bits>c[r<R>][s<S>]";
 }
