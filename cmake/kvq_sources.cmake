@@ -50,4 +50,5 @@ set(KVQ_CORE_SOURCES
 )
 # The parsers the fuzz targets reach (fuzz/CMakeLists.txt): the core and the
 # model's loaders, no forward pass.
-set(KVQ_MODEL_LOADER_SOURCES model/checkpoint.cc model/tokenizer.cc model/bpe.cc model/gguf.cc model/gguf_model.cc model/tokens.cc)
+set(KVQ_MODEL_LOADER_SOURCES model/checkpoint.cc model/tokenizer.cc model/bpe.cc model/gguf.cc model/gguf_model.cc model/tokens.cc
+    model/chat_template.cc)

@@ -1,5 +1,5 @@
 // Writes the seed corpora of the fuzz targets into DIR/{kvqp,kvqc,
-// checkpoint,tokenizer}: valid encodings of every path, small consistent
+// checkpoint,tokenizer,chat_template}: valid encodings of every path, small consistent
 // checkpoints and tokenizers, and, when SHARED has them, the shipped
 // model's header and tokenizer (read at run time, never committed).
 //   make_seeds DIR [SHARED]
@@ -17,6 +17,7 @@
 #include "kvq/cluster_outliers.h"
 #include "kvq/kv_cache.h"
 #include "kvq/sorted_profile.h"
+#include "model/chat_template.h"
 #include "fuzz/fuzz_util.h"
 #include "src/io/container.h"
 
@@ -91,7 +92,24 @@ int main(int argc, char** argv) {
     return 2;
   }
   const fs::path root = argv[1];
-  for (const char* d : {"kvqp", "kvqc", "kvqs", "kvqr", "checkpoint", "tokenizer"}) fs::create_directories(root / d);
+  for (const char* d : {"kvqp", "kvqc", "kvqs", "kvqr", "checkpoint", "tokenizer", "chat_template"})
+    fs::create_directories(root / d);
+  // Chat templates: the built-ins and a few of the subset's corners.
+  for (const std::string& name : kvq::model::ChatTemplate::builtin_names()) {
+    const std::string t = kvq::model::ChatTemplate::builtin(name);
+    Write(root / "chat_template" / name, std::vector<uint8_t>(t.begin(), t.end()));
+  }
+  int corner = 0;
+  for (const std::string t : {
+           std::string("{%- set ns = namespace(i=0) -%}\n{% for m in messages[::-1] if m.role != 'tool' %}"
+                       "{% set ns.i = loop.index0 %}{{ m.content|trim|tojson(indent=2) }}{% else %}none{% endfor %}"),
+           std::string("  {%+ if tools is defined and tools|length > 0 %}{{ tools|map(attribute='function')|list }}"
+                       "{% elif not add_generation_prompt %}x{% endif %}\n{# c #}{% raw %}{{ }}{% endraw %}"),
+           std::string("{{ (1, 2.5e3, 'a' ~ none)|string }}{{ messages|selectattr('role', 'equalto', 'user')|list"
+                       "|length is divisibleby 2 }}{{ '%s'|replace('%', '') * 3 }}{{ range(3)|join(',') }}"),
+       }) {
+    Write(root / "chat_template" / ("corner" + std::to_string(corner++)), std::vector<uint8_t>(t.begin(), t.end()));
+  }
 
   // KVQP: every tail path, both families, a few widths.
   kvq::SortedProfileOptions o;

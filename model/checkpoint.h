@@ -80,6 +80,9 @@ class Checkpoint {
   const std::string& tokenizer_problem() const { return tokenizer_problem_; }
   // Whether the model adds BOS to a text (GGUF: tokenizer.ggml.add_bos_token).
   bool add_bos() const { return add_bos_; }
+  // A GGUF's tokenizer.chat_template (Jinja text; model/chat_template.h), or
+  // "" when it has none (llama2.c files never do).
+  const std::string& chat_template() const { return chat_template_; }
 
  private:
   void LoadGguf(const std::string& path);
@@ -88,6 +91,7 @@ class Checkpoint {
   std::vector<uint8_t> permuted_;   // qwen2: Q and K rows in kvq's RoPE order
   std::shared_ptr<const Tokenizer> tokenizer_;
   std::string tokenizer_problem_;
+  std::string chat_template_;
   Config config_;
   Weights weights_{};
   int format_version_ = 0;

@@ -357,6 +357,10 @@ void Checkpoint::LoadGguf(const std::string& path) {
                                      : "the model's tokenizer '" + tm + "' is not supported") +
                          ": pass --tokens FILE";
   }
+  // A chat template of another type than a string is no template.
+  if (const GgufValue* t = g.find("tokenizer.chat_template"); t != nullptr && t->type == GgufValueType::kString) {
+    chat_template_ = t->s;
+  }
   // The mapping stays: the matrices are read from it.
 }
 

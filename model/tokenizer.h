@@ -59,6 +59,10 @@ class Tokenizer {
   // The id a sequence starts from: BOS (1 for sentencepiece; a BPE
   // vocabulary's own, or 1 when it names none).
   int bos_id() const { return bpe_ && bpe_bos_ >= 0 ? bpe_bos_ : kBos; }
+  // Whether the vocabulary has a BOS of its own (a byte-level BPE may not).
+  bool has_bos() const { return !bpe_ || bpe_bos_ >= 0; }
+  // EOS: 2 for sentencepiece, a BPE vocabulary's first end id, -1 when none.
+  int eos_id() const { return !bpe_ ? kEos : bpe_ends_.empty() ? -1 : bpe_ends_.front(); }
   // Whether generating `id` ends the text: BOS for llama2.c's vocabulary
   // (BOS delimits its stories), EOS / EOT for byte-level BPE.
   bool ends_text(int id) const;

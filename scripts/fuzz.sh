@@ -3,14 +3,14 @@
 # undefined), writes their seed corpora and runs each for SECONDS (default
 # 30). Fails on any crash, leak, sanitizer report or timeout; a crashing
 # input is kept as build/fuzz/crashes/<target>/crash-*.
-# Usage: scripts/fuzz.sh [SECONDS] [TARGET...]   (targets: kvqp kvqc kvqs kvqr checkpoint tokenizer gguf)
+# Usage: scripts/fuzz.sh [SECONDS] [TARGET...]   (targets: kvqp kvqc kvqs kvqr checkpoint tokenizer gguf chat_template)
 # A long run: scripts/fuzz.sh 600
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs=${1:-30}
 shift || true
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(kvqp kvqc kvqs kvqr checkpoint tokenizer gguf)
+[ ${#targets[@]} -gt 0 ] || targets=(kvqp kvqc kvqs kvqr checkpoint tokenizer gguf chat_template)
 case "$secs" in ''|*[!0-9]*) echo "fuzz.sh: SECONDS must be a whole number, got '$secs'" >&2; exit 2 ;; esac
 KVQ_WITH_FUZZ=1 bash scripts/install_deps.sh
 B=build/fuzz

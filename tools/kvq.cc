@@ -22,6 +22,8 @@ int main(int argc, char** argv) {
   kvq::tools::AddGenerateCommand(app, gen);
   kvq::tools::ServeCliOptions serve;
   kvq::tools::AddServeCommand(app, serve);
+  kvq::tools::ChatTemplateCliOptions chat;
+  kvq::tools::AddChatTemplateCommand(app, chat);
   std::string command_line;
   for (int i = 0; i < argc; ++i) command_line += (i ? " " : "") + std::string(argv[i]);
   eval.command_line = receipts.command_line = command_line;
@@ -39,6 +41,7 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("receipts")) return kvq::tools::RunReceipts(receipts);
     if (app.got_subcommand("generate")) return kvq::tools::RunGenerate(gen);
     if (app.got_subcommand("serve")) return kvq::tools::RunServe(serve);
+    if (app.got_subcommand("chat-template")) return kvq::tools::RunChatTemplate(chat);
   } catch (const kvq::Error& e) {
     std::fprintf(stderr, "kvq: error: %s\n", e.what());
     return 2;
