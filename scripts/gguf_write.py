@@ -506,6 +506,7 @@ def main():
     s.add_argument("--tokenizer", default="none", choices=["none", "gpt2", "bpe", "llama"])
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--alias", action="store_true", help="every tensor at data offset 0 (a crafted file)")
+    s.add_argument("--chat-template", metavar="FILE", help="tokenizer.chat_template: the text of FILE")
     s.add_argument("--stream", action="store_true",
                    help="make each matrix as it is written (from its own generator): an 8B model in little memory")
     args = ap.parse_args()
@@ -517,6 +518,9 @@ def main():
                    rope_scaling=args.rope_scaling, rope_factor=args.rope_factor, eps=args.eps, tied=args.tied,
                    type=args.type, tokenizer=args.tokenizer)
         g, _ = synthetic(cfg, args.seed, keep_reference=False, stream=args.stream)
+        if args.chat_template:
+            with open(args.chat_template, encoding="utf-8") as f:
+                g.add("tokenizer.chat_template", STRING, f.read())
         if args.alias:
             g.offset_of = {t[0]: 0 for t in g.tensors}
         g.write(args.out)

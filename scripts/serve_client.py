@@ -81,15 +81,19 @@ class Server:
         c.close()
         return out
 
-    def post(self, body, timeout=300):
-        status, _, data = self.request("POST", "/v1/completions", body, timeout=timeout)
+    def post(self, body, timeout=300, path="/v1/completions"):
+        status, _, data = self.request("POST", path, body, timeout=timeout)
         return status, json.loads(data)
 
-    def stream(self, body, timeout=300, on_event=None):
-        """Streams a completion: (text, events), events the decoded JSON of each data line ([DONE] last, as
-        the string). on_event(event) may return False to hang up."""
+    def chat(self, body, timeout=300):
+        return self.post(body, timeout, "/v1/chat/completions")
+
+    def stream(self, body, timeout=300, on_event=None, path="/v1/completions"):
+        """Streams a completion (or, path /v1/chat/completions, a chat's deltas): (text, events), events the
+        decoded JSON of each data line ([DONE] last, as the string). on_event(event) may return False to hang
+        up."""
         c = self.conn(timeout)
-        c.request("POST", "/v1/completions", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+        c.request("POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
         r = c.getresponse()
         if r.status != 200:
             raise RuntimeError(f"stream: HTTP {r.status}: {r.read()!r}")
@@ -102,7 +106,8 @@ class Server:
             ev = payload if payload == "[DONE]" else json.loads(payload)
             events.append(ev)
             if isinstance(ev, dict) and ev.get("choices"):
-                text += ev["choices"][0]["text"]
+                ch = ev["choices"][0]
+                text += ch["text"] if "text" in ch else ch["delta"].get("content", "")
             if on_event is not None and on_event(ev) is False:
                 c.close()
                 return text, events

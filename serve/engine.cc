@@ -499,7 +499,8 @@ bool Engine::Step() {
       StoreIfDue(s);
       const Request& rq = s.job->request();
       const int next = model::sample_token(logits.subspan(b * V, V), rq.temperature, rq.top_p, s.rng);
-      if (tok_ && tok_->ends_text(next)) {  // as generate: BOS for llama2.c's vocabulary, EOS / EOT for BPE
+      if ((tok_ && tok_->ends_text(next)) ||  // as generate: BOS for llama2.c's vocabulary, EOS / EOT for BPE
+          std::find(rq.stop_ids.begin(), rq.stop_ids.end(), next) != rq.stop_ids.end()) {
         Finish(s, "stop");
         continue;
       }

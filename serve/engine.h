@@ -79,6 +79,7 @@ struct Request {
   double top_p = 1.0;
   uint64_t seed = 0;         // 0: a fixed default
   std::vector<std::string> stop;
+  std::vector<int> stop_ids;  // tokens that end the text too (a chat template's end of turn), not emitted
 };
 
 // What a request's client receives, in order: text as it is known, then
@@ -155,6 +156,8 @@ class Engine {
   // The prompt text's ids (BOS first); null tokenizer: kvq cannot read this model's.
   const model::Tokenizer* tokenizer() const { return tok_.get(); }
   std::vector<int> encode(const std::string& text) const;
+  // The model (its config, its chat template).
+  const model::Checkpoint& checkpoint() const { return *ckpt_; }
   int context_length() const;
   int vocab_size() const;
   const std::string& model_id() const { return model_id_; }

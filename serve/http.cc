@@ -1,4 +1,4 @@
-// OpenAI's completions API over the engine (serve/http.h).
+// OpenAI's completions and chat completions APIs over the engine (serve/http.h).
 #include "serve/http.h"
 
 #include <httplib.h>
@@ -7,6 +7,7 @@
 #include <signal.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -18,6 +19,8 @@
 #include <thread>
 
 #include "kvq/error.h"
+#include "model/chat_template.h"
+#include "model/tokenizer.h"
 #include "serve/engine.h"
 
 namespace kvq::serve {
@@ -48,9 +51,106 @@ void SendError(httplib::Response& res, int status, const std::string& message, c
 struct Parsed {
   Request req;
   bool stream = false, include_usage = false;
+  bool max_tokens_given = false;
 };
 
-bool ParseCompletion(const std::string& body, const Engine& engine, Parsed& p, std::string& err, std::string& param) {
+// A chat message's content as the template reads it: a string, or the text
+// of a list of text parts joined by newlines. False with `err` otherwise.
+bool MessageText(const json& c, std::string& out, std::string& err) {
+  if (c.is_string()) {
+    out = c.get<std::string>();
+    return true;
+  }
+  if (c.is_null()) {
+    out.clear();
+    return true;
+  }
+  if (!c.is_array()) {
+    err = "content must be a string or an array of text parts";
+    return false;
+  }
+  out.clear();
+  for (size_t i = 0; i < c.size(); ++i) {
+    const json& part = c[i];
+    if (!part.is_object() || !part.contains("type") || part["type"] != "text" || !part.contains("text") ||
+        !part["text"].is_string()) {
+      err = "content parts: only {\"type\": \"text\", \"text\": ...} is supported (no images or audio)";
+      return false;
+    }
+    if (i > 0) out += "\n";
+    out += part["text"].get<std::string>();
+  }
+  return true;
+}
+
+// `messages` of a chat request into the template's list: roles system
+// (and OpenAI's newer "developer", read as system), user and assistant;
+// content as MessageText; "name" passed through.
+bool ParseMessages(const json& v, nlohmann::ordered_json& out, std::string& err) {
+  if (!v.is_array() || v.empty()) {
+    err = "messages must be a non-empty array";
+    return false;
+  }
+  out = nlohmann::ordered_json::array();
+  for (size_t i = 0; i < v.size(); ++i) {
+    const json& m = v[i];
+    const std::string at = "messages[" + std::to_string(i) + "]: ";
+    if (!m.is_object()) {
+      err = at + "must be an object";
+      return false;
+    }
+    nlohmann::ordered_json o = nlohmann::ordered_json::object();
+    for (auto it = m.begin(); it != m.end(); ++it) {
+      const std::string& k = it.key();
+      if (k == "role") {
+        if (!it.value().is_string()) {
+          err = at + "role must be a string";
+          return false;
+        }
+        std::string role = it.value().get<std::string>();
+        if (role == "developer") role = "system";
+        if (role != "system" && role != "user" && role != "assistant") {
+          err = at + "role '" + role + "' is not supported (system, developer, user, assistant; no tools)";
+          return false;
+        }
+        o["role"] = role;
+      } else if (k == "content") {
+        std::string text, e;
+        if (!MessageText(it.value(), text, e)) {
+          err = at + e;
+          return false;
+        }
+        o["content"] = text;
+      } else if (k == "name") {
+        if (!it.value().is_string()) {
+          err = at + "name must be a string";
+          return false;
+        }
+        o["name"] = it.value().get<std::string>();
+      } else if (k == "tool_calls" || k == "function_call" || k == "tool_call_id" || k == "audio") {
+        if (!it.value().is_null()) {
+          err = at + k + " is not supported (kvq serve has no tools)";
+          return false;
+        }
+      } else if (k != "refusal") {
+        err = at + "unknown field " + k;
+        return false;
+      }
+    }
+    if (!o.contains("role")) {
+      err = at + "role is required";
+      return false;
+    }
+    if (!o.contains("content")) o["content"] = "";
+    out.push_back(std::move(o));
+  }
+  return true;
+}
+
+// `chat`: the chat route (messages rendered by the template; max_tokens or
+// max_completion_tokens); null: the completions route (prompt).
+bool ParseRequest(const std::string& body, const Engine& engine, const model::ChatFormat* chat, Parsed& p,
+                  std::string& err, std::string& param) {
   json j;
   try {
     j = json::parse(body);
@@ -68,12 +168,30 @@ bool ParseCompletion(const std::string& body, const Engine& engine, Parsed& p, s
     return false;
   };
   bool has_prompt = false;
+  nlohmann::ordered_json messages;
   for (auto it = j.begin(); it != j.end(); ++it) {
     const std::string& k = it.key();
     const json& v = it.value();
     if (k == "model") {
       if (!v.is_string()) return fail(k, "model must be a string");
-    } else if (k == "prompt") {
+    } else if (chat != nullptr && k == "messages") {
+      has_prompt = true;
+      std::string e;
+      if (!ParseMessages(v, messages, e)) return fail(k, e);
+    } else if (chat != nullptr && (k == "tools" || k == "tool_choice" || k == "functions" || k == "function_call" ||
+                                   k == "parallel_tool_calls" || k == "audio" || k == "modalities" ||
+                                   k == "prediction" || k == "web_search_options")) {
+      if (!v.is_null()) return fail(k, k + " is not supported: kvq serve answers with text only");
+    } else if (chat != nullptr && k == "response_format") {
+      if (!v.is_null() && !(v.is_object() && v.size() == 1 && v.value("type", "") == "text")) {
+        return fail(k, "response_format: only {\"type\": \"text\"} is supported");
+      }
+    } else if (chat != nullptr && (k == "logprobs" || k == "top_logprobs")) {
+      if (!v.is_null() && !(v.is_boolean() && !v.get<bool>())) return fail(k, k + " is not supported");
+    } else if (chat != nullptr && (k == "store" || k == "metadata" || k == "reasoning_effort" ||
+                                   k == "service_tier")) {
+      // accepted and ignored: nothing kvq does depends on them
+    } else if (chat == nullptr && k == "prompt") {
       has_prompt = true;
       if (v.is_string() || (v.is_array() && v.size() == 1 && v[0].is_string())) {  // text, or one text in a list
         try {
@@ -96,13 +214,14 @@ bool ParseCompletion(const std::string& body, const Engine& engine, Parsed& p, s
       } else {
         return fail(k, "prompt must be a string or an array of token ids");
       }
-    } else if (k == "max_tokens") {
+    } else if (k == "max_tokens" || (chat != nullptr && k == "max_completion_tokens")) {
       if (v.is_null()) continue;
-      if (!v.is_number_integer()) return fail(k, "max_tokens must be an integer");
+      if (!v.is_number_integer()) return fail(k, k + " must be an integer");
       const int64_t n = v.get<int64_t>();
-      if (n < 1) return fail(k, "max_tokens must be at least 1");
-      if (n > std::numeric_limits<int>::max()) return fail(k, "max_tokens must be at most the model's context");
+      if (n < 1) return fail(k, k + " must be at least 1");
+      if (n > std::numeric_limits<int>::max()) return fail(k, k + " must be at most the model's context");
       p.req.max_tokens = static_cast<int>(n);
+      p.max_tokens_given = true;
     } else if (k == "temperature" || k == "top_p") {
       if (v.is_null()) continue;
       if (!v.is_number()) return fail(k, k + " must be a number");
@@ -147,9 +266,9 @@ bool ParseCompletion(const std::string& body, const Engine& engine, Parsed& p, s
       if (!v.is_null() && !(v.is_number_integer() && v.get<int64_t>() == 1)) {
         return fail(k, k + ": kvq serve returns one completion per request (1)");
       }
-    } else if (k == "echo") {
+    } else if (chat == nullptr && k == "echo") {
       if (!v.is_null() && !(v.is_boolean() && !v.get<bool>())) return fail(k, "echo is not supported (false)");
-    } else if (k == "logprobs" || k == "suffix") {
+    } else if (chat == nullptr && (k == "logprobs" || k == "suffix")) {
       if (!v.is_null()) return fail(k, k + " is not supported (null)");
     } else if (k == "presence_penalty" || k == "frequency_penalty") {
       if (!v.is_null() && !(v.is_number() && v.get<double>() == 0.0)) return fail(k, k + " is not supported (0)");
@@ -159,7 +278,37 @@ bool ParseCompletion(const std::string& body, const Engine& engine, Parsed& p, s
       return fail(k, "Unrecognized request argument supplied: " + k);
     }
   }
-  if (!has_prompt) return fail("prompt", "prompt is required");
+  if (!has_prompt) return chat != nullptr ? fail("messages", "messages is required") : fail("prompt", "prompt is required");
+  if (chat != nullptr) {
+    if (chat->tmpl == nullptr) return fail("messages", chat->problem);
+    if (engine.tokenizer() == nullptr) {
+      return fail("messages", "this model's tokenizer is not one kvq reads: use /v1/completions with token ids");
+    }
+    try {
+      p.req.prompt = chat->prompt_ids(*engine.tokenizer(), chat->render(messages, /*add_generation_prompt=*/true));
+    } catch (const Error& e) {
+      return fail("messages", e.what());
+    }
+    // The turn ends at the template's end-of-turn token (or its text) and at EOS.
+    if (chat->end_of_turn_id >= 0) {
+      p.req.stop_ids.push_back(chat->end_of_turn_id);
+    } else if (!chat->end_of_turn.empty() &&
+               std::find(p.req.stop.begin(), p.req.stop.end(), chat->end_of_turn) == p.req.stop.end()) {
+      p.req.stop.push_back(chat->end_of_turn);
+    }
+    if (const int eos = engine.tokenizer()->eos_id(); eos >= 0) p.req.stop_ids.push_back(eos);
+    // No max_tokens: up to the context, as far as the KV budget allows.
+    if (!p.max_tokens_given) {
+      const int P = static_cast<int>(p.req.prompt.size());
+      int lo = 1, hi = std::max(1, engine.context_length() - P);
+      const uint64_t budget = engine.metrics().kv_budget_bytes;
+      while (lo < hi) {
+        const int mid = lo + (hi - lo + 1) / 2;
+        if (engine.reserve_bytes(P + mid) <= budget) lo = mid; else hi = mid - 1;
+      }
+      p.req.max_tokens = lo;
+    }
+  }
   if (j.contains("model") && j["model"].get<std::string>() != engine.model_id()) {
     param = "model";
     err = "The model '" + j["model"].get<std::string>() + "' does not exist (this server serves '" +
@@ -169,6 +318,24 @@ bool ParseCompletion(const std::string& body, const Engine& engine, Parsed& p, s
   return true;
 }
 
+// A JSON body, or a 400 sent.
+bool ParseBody(const std::string& body, httplib::Response& res, json& j) {
+  try {
+    j = json::parse(body);
+    return true;
+  } catch (const json::exception& e) {
+    SendError(res, 400, std::string("the body is not valid JSON: ") + e.what());
+    return false;
+  }
+}
+
+json Usage(const Event& e) {
+  return {{"prompt_tokens", e.prompt_tokens},
+          {"completion_tokens", e.completion_tokens},
+          {"total_tokens", e.prompt_tokens + e.completion_tokens}};
+}
+
+// A completions answer or stream chunk (text_completion).
 json Chunk(const std::string& id, time_t created, const std::string& model, const std::string& text,
            const json& finish, const Event* usage_of) {
   json c = {{"id", id},
@@ -176,11 +343,23 @@ json Chunk(const std::string& id, time_t created, const std::string& model, cons
             {"created", created},
             {"model", model},
             {"choices", json::array({{{"text", text}, {"index", 0}, {"logprobs", nullptr}, {"finish_reason", finish}}})}};
-  if (usage_of != nullptr) {
-    c["usage"] = {{"prompt_tokens", usage_of->prompt_tokens},
-                  {"completion_tokens", usage_of->completion_tokens},
-                  {"total_tokens", usage_of->prompt_tokens + usage_of->completion_tokens}};
-  }
+  if (usage_of != nullptr) c["usage"] = Usage(*usage_of);
+  return c;
+}
+
+// A chat answer (chat.completion: the message) or stream chunk
+// (chat.completion.chunk: a delta).
+json ChatChunk(const std::string& id, time_t created, const std::string& model, const json& message_or_delta,
+               bool stream, const json& finish, const Event* usage_of) {
+  json choice = {{"index", 0}, {stream ? "delta" : "message", message_or_delta}, {"logprobs", nullptr},
+                 {"finish_reason", finish}};
+  json c = {{"id", id},
+            {"object", stream ? "chat.completion.chunk" : "chat.completion"},
+            {"created", created},
+            {"model", model},
+            {"system_fingerprint", nullptr},
+            {"choices", json::array({choice})}};
+  if (usage_of != nullptr) c["usage"] = Usage(*usage_of);
   return c;
 }
 
@@ -303,15 +482,23 @@ int serve_http(Engine& engine, const HttpOptions& o, const std::function<void(in
               {"kv", engine.kv_label()},       {"context_length", engine.context_length()},
               {"vocab_size", engine.vocab_size()},
               {"kv_bytes_at_context", engine.reserve_bytes(engine.context_length())}};
+    if (o.chat != nullptr && o.chat->tmpl != nullptr) {
+      m["chat_template"] = {{"origin", o.chat->origin}, {"family", o.chat->family},
+                            {"end_of_turn", o.chat->end_of_turn}, {"end_of_turn_id", o.chat->end_of_turn_id}};
+    } else {
+      m["chat_template"] = nullptr;
+      m["chat_template_problem"] = o.chat != nullptr ? o.chat->problem : "no chat template";
+    }
     res.set_content(Dump(json({{"object", "list"}, {"data", json::array({m})}})), "application/json");
   });
   svr.Get("/metrics", [&](const httplib::Request&, httplib::Response& res) {
     res.set_content(MetricsText(engine), "text/plain; version=0.0.4");
   });
-  svr.Post("/v1/completions", [&](const httplib::Request& rq, httplib::Response& res) {
+  // One handler for both routes: `chat` null is /v1/completions.
+  auto complete = [&](const httplib::Request& rq, httplib::Response& res, const model::ChatFormat* chat) {
     Parsed p;
     std::string err, param;
-    if (!ParseCompletion(rq.body, engine, p, err, param)) {
+    if (!ParseRequest(rq.body, engine, chat, p, err, param)) {
       SendError(res, param == "model" && err.rfind("The model", 0) == 0 ? 404 : 400, err, param);
       return;
     }
@@ -321,7 +508,7 @@ int serve_http(Engine& engine, const HttpOptions& o, const std::function<void(in
       SendError(res, refused.status, refused.message, refused.param);
       return;
     }
-    const std::string id = "cmpl-" + std::to_string(job->id());
+    const std::string id = (chat ? "chatcmpl-" : "cmpl-") + std::to_string(job->id());
     const time_t created = std::time(nullptr);
     const std::string model = engine.model_id();
     if (!p.stream) {
@@ -338,26 +525,39 @@ int serve_http(Engine& engine, const HttpOptions& o, const std::function<void(in
         SendError(res, e.status, e.error);
         return;
       }
-      res.set_content(Dump(Chunk(id, created, model, text, e.finish_reason, &e)), "application/json");
+      const json answer = chat ? ChatChunk(id, created, model, {{"role", "assistant"}, {"content", text}, {"refusal", nullptr}},
+                                           false, e.finish_reason, &e)
+                               : Chunk(id, created, model, text, e.finish_reason, &e);
+      res.set_content(Dump(answer), "application/json");
       return;
     }
     ++in_flight;
-    const bool usage = p.include_usage;
+    const bool usage = p.include_usage, is_chat = chat != nullptr;
+    auto first = std::make_shared<bool>(true);
     res.set_header("Cache-Control", "no-cache");
     res.set_chunked_content_provider(
         "text/event-stream",
-        [job, id, created, model, usage](size_t, httplib::DataSink& sink) {
+        [job, id, created, model, usage, is_chat, first](size_t, httplib::DataSink& sink) {
           Event e;
           if (!job->next(e, std::chrono::milliseconds(200))) return true;  // asked again
+          auto piece = [&](const std::string& text, const json& finish, const Event* u) {
+            if (!is_chat) return Chunk(id, created, model, text, finish, u);
+            json delta = json::object();
+            if (*first) delta["role"] = "assistant";
+            if (!text.empty() || (*first && finish.is_null())) delta["content"] = text;
+            *first = false;
+            return ChatChunk(id, created, model, delta, true, finish, u);
+          };
           std::string out;
           if (!e.error.empty()) {
             out = "data: " + Dump(ErrorBody(e.error, e.status == 503 ? "server_busy" : "server_error")) + "\n\n";
           } else {
-            if (!e.text.empty() || !e.done) out += "data: " + Dump(Chunk(id, created, model, e.text, nullptr, nullptr)) + "\n\n";
+            if (!e.text.empty() || !e.done) out += "data: " + Dump(piece(e.text, nullptr, nullptr)) + "\n\n";
             if (e.done) {
-              out += "data: " + Dump(Chunk(id, created, model, "", e.finish_reason, nullptr)) + "\n\n";
+              out += "data: " + Dump(piece("", e.finish_reason, nullptr)) + "\n\n";
               if (usage) {
-                json u = Chunk(id, created, model, "", nullptr, &e);
+                json u = is_chat ? ChatChunk(id, created, model, json::object(), true, nullptr, &e)
+                                 : Chunk(id, created, model, "", nullptr, &e);
                 u["choices"] = json::array();
                 out += "data: " + Dump(u) + "\n\n";
               }
@@ -375,6 +575,85 @@ int serve_http(Engine& engine, const HttpOptions& o, const std::function<void(in
           if (!success) job->cancel();
           --in_flight;
         });
+  };
+  svr.Post("/v1/completions", [&](const httplib::Request& rq, httplib::Response& res) { complete(rq, res, nullptr); });
+  const model::ChatFormat no_chat{};
+  const model::ChatFormat& chat = o.chat ? *o.chat : no_chat;
+  svr.Post("/v1/chat/completions", [&](const httplib::Request& rq, httplib::Response& res) {
+    if (chat.tmpl == nullptr) {
+      SendError(res, 400, chat.problem.empty() ? "this server has no chat template" : chat.problem, "messages");
+      return;
+    }
+    complete(rq, res, &chat);
+  });
+  // llama-server's shapes: {"content", "add_special", "with_pieces"} ->
+  // {"tokens"}; {"tokens"} -> {"content"}.
+  svr.Post("/tokenize", [&](const httplib::Request& rq, httplib::Response& res) {
+    json j;
+    if (!ParseBody(rq.body, res, j)) return;
+    if (!j.is_object() || !j.contains("content") || !j["content"].is_string()) {
+      SendError(res, 400, "content (a string) is required", "content");
+      return;
+    }
+    bool add_special = false, with_pieces = false;
+    for (auto it = j.begin(); it != j.end(); ++it) {
+      const std::string& k = it.key();
+      if (k == "content") continue;
+      if ((k == "add_special" || k == "with_pieces" || k == "parse_special") && it.value().is_boolean()) {
+        if (k == "add_special") add_special = it.value().get<bool>();
+        if (k == "with_pieces") with_pieces = it.value().get<bool>();
+        continue;
+      }
+      SendError(res, 400, "unknown or mistyped field " + k + " (content, add_special, with_pieces)", k);
+      return;
+    }
+    const model::Tokenizer* tok = engine.tokenizer();
+    if (tok == nullptr) {
+      SendError(res, 400, "this model's tokenizer is not one kvq reads", "content");
+      return;
+    }
+    const std::vector<int> ids = tok->encode(j["content"].get<std::string>(), add_special);
+    json out = json::array();
+    int prev = tok->bos_id();
+    for (int id : ids) {
+      if (with_pieces) {
+        out.push_back({{"id", id}, {"piece", tok->decode(prev, id)}});
+      } else {
+        out.push_back(id);
+      }
+      prev = id;
+    }
+    res.set_content(Dump(json({{"tokens", out}})), "application/json");
+  });
+  svr.Post("/detokenize", [&](const httplib::Request& rq, httplib::Response& res) {
+    json j;
+    if (!ParseBody(rq.body, res, j)) return;
+    if (!j.is_object() || !j.contains("tokens") || !j["tokens"].is_array() || j.size() != 1) {
+      SendError(res, 400, "tokens (an array of token ids) is required, and nothing else", "tokens");
+      return;
+    }
+    const model::Tokenizer* tok = engine.tokenizer();
+    if (tok == nullptr) {
+      SendError(res, 400, "this model's tokenizer is not one kvq reads", "tokens");
+      return;
+    }
+    std::string text;
+    int prev = tok->bos_id();
+    for (const json& t : j["tokens"]) {
+      if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() >= engine.vocab_size()) {
+        SendError(res, 400, "token ids must be integers in 0.." + std::to_string(engine.vocab_size() - 1), "tokens");
+        return;
+      }
+      const int id = static_cast<int>(t.get<int64_t>());
+      if (tok->has_bos() && id == tok->bos_id()) {  // BOS is not text
+        prev = id;
+        continue;
+      }
+      const std::string piece = tok->decode(prev, id);
+      if (model::Tokenizer::shows_piece(piece)) text += piece;
+      prev = id;
+    }
+    res.set_content(Dump(json({{"content", text}})), "application/json");
   });
   svr.set_error_handler([](const httplib::Request& rq, httplib::Response& res) {
     if (!res.body.empty()) return;

@@ -4,7 +4,17 @@
 //   POST /v1/completions   prompt (text, or token ids), max_tokens, temperature,
 //                          top_p, seed, stop, stream (server-sent events),
 //                          stream_options.include_usage; usage in the answer
-//   GET  /v1/models        the one model served
+//   POST /v1/chat/completions  messages (system / developer, user, assistant;
+//                          content a string or text parts) rendered by the
+//                          chat template (HttpOptions::chat), ending at its
+//                          end-of-turn token or EOS; max_tokens or
+//                          max_completion_tokens (default: up to the context
+//                          and the KV budget) and the fields above; tools,
+//                          n > 1, logprobs, images: 400
+//   POST /tokenize, /detokenize  llama-server's shapes
+//                          ({"content", "add_special", "with_pieces"} ->
+//                          {"tokens"}; {"tokens"} -> {"content"})
+//   GET  /v1/models        the one model served, with its chat template
 //   GET  /health           200 {"status":"ok"}; 503 while draining
 //   GET  /metrics          Prometheus text: requests, tokens, KV bytes and
 //                          budget, sequences running and queued, prefix-store
@@ -24,6 +34,10 @@
 #include <functional>
 #include <string>
 
+namespace kvq::model {
+struct ChatFormat;
+}
+
 namespace kvq::serve {
 
 class Engine;
@@ -35,6 +49,9 @@ struct HttpOptions {
   int timeout_seconds = 30;    // a client's read and write timeout
   int drain_seconds = 60;      // on SIGTERM, how long running requests may finish
   int connections = 0;         // worker threads (0: max_seqs + max_queue + 8)
+  // The chat route's template (null or without a template: the route
+  // answers 400 with its problem). Must outlive serve_http.
+  const model::ChatFormat* chat = nullptr;
 };
 
 // SIGTERM and SIGINT set a flag that serve_http watches (whichever thread

@@ -1,4 +1,6 @@
-"""kvq serve on loopback: OpenAI's completions API, greedy output identical to `kvq generate`, the KV
+"""kvq serve on loopback: OpenAI's completions and chat completions APIs (the chat's prompt is the template's
+rendering, its greedy answer the one `kvq generate` gives that prompt; a conversation's next turn reuses its KV
+from the prefix store), /tokenize and /detokenize, greedy output identical to `kvq generate`, the KV
 budget, the queue and 503, clients that disconnect, two servers sharing a Redis prefix store, bad and slow
 clients, SIGTERM.
 
@@ -61,6 +63,17 @@ def generate(kv, prompt, steps=400):
     return r.stdout.rstrip("\n")
 
 
+CHAT = [{"role": "system", "content": "You tell short stories."}, {"role": "user", "content": "Once upon a time"}]
+
+
+def render(template, messages):
+    """The prompt text `kvq chat-template` makes of a conversation (tests/chat_template_test.py holds it
+    against python3-jinja2)."""
+    r = subprocess.run([KVQ, "chat-template", "--chat-template", template, "--messages", "-", "--bos", "<s>",
+                        "--eos", "</s>"], input=json.dumps(messages), capture_output=True, text=True, check=True)
+    return r.stdout
+
+
 def in_threads(fns):
     out = [None] * len(fns)
     errs = []
@@ -105,6 +118,148 @@ def test_greedy_output_is_kvq_generates(kv):
     assert m["kvq_requests_finished_total"] == 8 and m["kvq_completion_tokens_total"] == 800
     assert m["kvq_sequences_running_peak"] >= 2  # they did run side by side
     assert m["kvq_kv_bytes"] == 0 and m["kvq_kv_reserved_bytes"] == 0
+
+
+@pytest.mark.parametrize("template", ["chatml", "llama2"])
+def test_chat_completions_answer_what_kvq_generate_makes_of_the_rendered_prompt(template):
+    """/v1/chat/completions, plain and streamed: its prompt is the template's rendering (the BOS llama2's template
+    writes is the model's BOS, not text), its greedy answer the continuation `kvq generate` prints for that
+    prompt; the stream's deltas (role first) add up to the plain answer."""
+    prompt = render(template, CHAT)
+    if prompt.startswith("<s>"):
+        prompt = prompt[len("<s>"):]
+    with Server(KVQ, stories("--kv", "q8_0", "--chat-template", template)) as s:
+        st, b = s.chat({"model": "stories260K", "messages": CHAT, "max_tokens": 60, "temperature": 0})
+        text, events = s.stream({"messages": CHAT, "max_tokens": 60, "temperature": 0,
+                                 "stream_options": {"include_usage": True}}, path="/v1/chat/completions")
+        st2, _, models = s.request("GET", "/v1/models")
+    assert st == 200, b
+    c = b["choices"][0]
+    assert b["object"] == "chat.completion" and b["id"].startswith("chatcmpl-")
+    assert c["message"]["role"] == "assistant" and c["finish_reason"] == "length"
+    assert b["usage"]["completion_tokens"] == 60
+    expected = generate("q8_0", prompt, steps=b["usage"]["prompt_tokens"] + 60)
+    assert expected.startswith(prompt + c["message"]["content"]), (prompt, c["message"]["content"], expected)
+    assert text == c["message"]["content"]
+    assert events[0]["object"] == "chat.completion.chunk" and events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert events[-3]["choices"][0]["finish_reason"] == "length" and events[-3]["choices"][0]["delta"] == {}
+    assert events[-2]["choices"] == [] and events[-2]["usage"] == b["usage"] and events[-1] == "[DONE]"
+    info = json.loads(models)["data"][0]["chat_template"]
+    assert info["origin"] == f"built-in {template}" and info["family"] == template
+    assert s.rc == 0
+
+
+def test_a_conversations_next_turn_prefills_only_what_is_new():
+    """Multi-turn chat over the memory prefix store: turn 2 resends turn 1's conversation, restores the KV of
+    its full chunks (kvq_prefix_tokens_reused_total) and prefills only the rest (kvq_prefill_tokens_total); the
+    answer is the one a server without the store gives."""
+    args = ("--kv", "fp16", "--chat-template", "chatml", "--prompt-cache-chunk", "16")
+    with Server(KVQ, stories(*args, "--prompt-cache", "memory:")) as s:
+        st, b1 = s.chat({"messages": CHAT, "max_tokens": 40, "temperature": 0})
+        assert st == 200, b1
+        turn2 = CHAT + [{"role": "assistant", "content": b1["choices"][0]["message"]["content"]},
+                        {"role": "user", "content": "What happened next?"}]
+        m1 = s.metrics()
+        st, b2 = s.chat({"messages": turn2, "max_tokens": 30, "temperature": 0})
+        assert st == 200, b2
+        m2 = s.metrics()
+    with Server(KVQ, stories(*args)) as cold:
+        st, c2 = cold.chat({"messages": turn2, "max_tokens": 30, "temperature": 0})
+    assert b2["choices"][0]["message"] == c2["choices"][0]["message"]
+    p1, p2 = b1["usage"]["prompt_tokens"], b2["usage"]["prompt_tokens"]
+    reused = m2["kvq_prefix_tokens_reused_total"] - m1["kvq_prefix_tokens_reused_total"]
+    prefilled = m2["kvq_prefill_tokens_total"] - m1["kvq_prefill_tokens_total"]
+    assert reused >= 16 * (p1 // 16) - 16 and reused > 0, (p1, p2, reused)
+    assert prefilled <= p2 - reused, (p2, reused, prefilled)
+
+
+def test_chat_errors_and_tokenize_detokenize(tmp_path):
+    """The chat route's 400s (no template, bad messages, unsupported fields, the template's own
+    raise_exception), a --chat-template kvq cannot render refused at startup, a GGUF's own template served and
+    one kvq cannot render turning only the chat route off; /tokenize and /detokenize round trips."""
+    with Server(KVQ, stories()) as s:
+        st, b = s.chat({"messages": CHAT})
+        assert st == 400 and "--chat-template" in b["error"]["message"] and b["error"]["param"] == "messages"
+        st, b = s.post({"prompt": "Once", "max_tokens": 2})
+        assert st == 200
+        m = json.loads(s.request("GET", "/v1/models")[2])["data"][0]
+        assert m["chat_template"] is None and "no chat template" in m["chat_template_problem"]
+    with Server(KVQ, stories("--chat-template", "llama2")) as s:
+        for body, param, words in [
+            ({}, "messages", "required"),
+            ({"messages": []}, "messages", "non-empty"),
+            ({"messages": [{"role": "tool", "content": "x"}]}, "messages", "not supported"),
+            ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+             "messages", "text"),
+            ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
+            ({"messages": CHAT, "n": 2}, "n", "one completion"),
+            ({"messages": CHAT, "logprobs": True}, "logprobs", "not supported"),
+            ({"messages": CHAT, "prompt": "x"}, "prompt", "Unrecognized"),
+            ({"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens", "at least 1"),
+            ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}, "messages",
+             "must alternate"),
+        ]:
+            st, b = s.chat(body)
+            assert st == 400 and b["error"]["param"] == param and words in b["error"]["message"], (body, b)
+        # Content as text parts; developer read as system; max_completion_tokens.
+        st, b = s.chat({"messages": [{"role": "developer", "content": "Be kind."},
+                                     {"role": "user", "content": [{"type": "text", "text": "Once upon"},
+                                                                  {"type": "text", "text": "a time"}]}],
+                        "max_completion_tokens": 5, "temperature": 0})
+        assert st == 200 and b["usage"]["completion_tokens"] == 5
+        prompt = render("llama2", [{"role": "system", "content": "Be kind."},
+                                   {"role": "user", "content": "Once upon\na time"}])[len("<s>"):]
+        st, p = s.post({"prompt": prompt, "max_tokens": 5, "temperature": 0})
+        assert p["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"]
+        assert p["choices"][0]["text"] == b["choices"][0]["message"]["content"]
+        # /tokenize and /detokenize (llama-server's shapes)
+        text = "Once upon a time, café"
+        st, _, d = s.request("POST", "/tokenize", {"content": text, "add_special": True})
+        ids = json.loads(d)["tokens"]
+        assert st == 200 and ids[0] == 1 and len(ids) == s.post({"prompt": text, "max_tokens": 1})[1]["usage"][
+            "prompt_tokens"]
+        st, _, d = s.request("POST", "/tokenize", {"content": text, "with_pieces": True})
+        pieces = json.loads(d)["tokens"]
+        assert [p["id"] for p in pieces] == ids[1:]
+        assert "".join(p["piece"] for p in pieces).encode("utf-8", "surrogateescape") is not None
+        st, _, d = s.request("POST", "/detokenize", {"tokens": ids})
+        assert st == 200 and json.loads(d)["content"] == text
+        for path, body in [("/tokenize", {}), ("/tokenize", {"content": 5}), ("/tokenize", {"content": "x", "y": 1}),
+                           ("/detokenize", {"tokens": [99999]}), ("/detokenize", {"tokens": "x"}),
+                           ("/detokenize", b"{")]:
+            st, _, d = s.request("POST", path, body)
+            assert st == 400 and "error" in json.loads(d), (path, body)
+    # A --chat-template kvq cannot render: refused at startup, naming it and the built-ins.
+    bad = tmp_path / "macro.jinja"
+    bad.write_text("{% macro m() %}{% endmacro %}{{ m() }}")
+    r = subprocess.run([KVQ, "serve", *map(str, stories("--chat-template", bad, "--port", "0"))], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and str(bad) in r.stderr and "macro" in r.stderr and "chatml" in r.stderr, r.stderr
+    r = subprocess.run([KVQ, "serve", *map(str, stories("--chat-template", "nosuch", "--port", "0"))],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "nosuch" in r.stderr, r.stderr
+    # A GGUF's own template: served; one kvq cannot render: the chat route says so, completions still work.
+    tpl = tmp_path / "own.jinja"
+    tpl.write_text("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>")
+    for name, template in [("own", tpl), ("bad", bad)]:
+        g = tmp_path / f"{name}.gguf"
+        subprocess.run(["/usr/bin/python3", ROOT / "scripts" / "gguf_write.py", "synthetic", g, "--dim", "64",
+                        "--hidden", "64", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--vocab", "300",
+                        "--ctx", "256", "--rope-scaling", "none", "--type", "F32", "--tokenizer", "bpe",
+                        "--chat-template", template], check=True)
+        with Server(KVQ, ["--model", str(g)]) as s:
+            m = json.loads(s.request("GET", "/v1/models")[2])["data"][0]
+            st, b = s.chat({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0})
+            st2, b2 = s.post({"prompt": "hi", "max_tokens": 4, "temperature": 0})
+        assert st2 == 200, b2
+        if name == "own":
+            assert m["chat_template"]["origin"] == "the GGUF's tokenizer.chat_template", m
+            assert st == 200 and b["usage"]["prompt_tokens"] > 0, b
+        else:
+            assert m["chat_template"] is None and "macro" in m["chat_template_problem"]
+            assert st == 400 and "cannot be rendered" in b["error"]["message"] and "--chat-template" in b["error"][
+                "message"], b
+            assert "/v1/chat/completions is off" in s.stderr
 
 
 def test_endpoints_and_openai_shapes():
@@ -428,14 +583,24 @@ def test_openais_official_client_reads_the_server():
         if os.environ.get("KVQ_REQUIRE_DATA") == "1":
             pytest.fail(msg)
         pytest.skip(msg)
-    with Server(KVQ, stories("--kv", "q8_0")) as s:
+    with Server(KVQ, stories("--kv", "q8_0", "--chat-template", "chatml")) as s:
         r = subprocess.run(["node", ROOT / "tests" / "openai_client.mjs", oracles, f"http://127.0.0.1:{s.port}/v1",
-                            "Once upon a time", "40"], capture_output=True, text=True, timeout=120)
+                            "Once upon a time", "40", json.dumps(CHAT)], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
         got = json.loads(r.stdout)
         st, b = s.post({"prompt": "Once upon a time", "max_tokens": 40, "temperature": 0})
+        st, c = s.chat({"messages": CHAT, "max_tokens": 40, "temperature": 0})
     assert got["models"] == ["stories260K"]
     assert got["text"] == got["streamed"] == b["choices"][0]["text"]
     assert got["finish_reason"] == got["stream_finish_reason"] == "length"
     assert got["usage"] == b["usage"]
     assert got["error_status"] == 400 and got["error_param"] == "max_tokens"
+    # chat.completions.create, plain and streamed: equal to each other and to what kvq generate makes of the
+    # rendered prompt.
+    expected = generate("q8_0", render("chatml", CHAT), steps=c["usage"]["prompt_tokens"] + 40)
+    assert got["chat_text"] == got["chat_streamed"] == c["choices"][0]["message"]["content"]
+    assert expected.startswith(render("chatml", CHAT) + got["chat_text"])
+    assert got["chat_object"] == "chat.completion" and got["chat_role"] == got["chat_stream_role"] == "assistant"
+    assert got["chat_finish_reason"] == got["chat_stream_finish_reason"] == "length"
+    assert got["chat_usage"] == got["chat_stream_usage"] == c["usage"]
+    assert got["chat_error_status"] == 400 and got["chat_error_param"] == "tools"

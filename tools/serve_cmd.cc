@@ -3,15 +3,21 @@
 #include <string>
 
 #include "CLI/CLI.hpp"
+#include "model/chat_template.h"
+#include "model/checkpoint.h"
 #include "serve/engine.h"
 #include "serve/http.h"
 #include "tools/commands.h"
 
 namespace kvq::tools {
 
+// The default memory: store's cap (llama-server's host prompt cache,
+// --cache-ram, defaults to 8 GiB of f16 KV).
+constexpr double kDefaultServeStoreMb = 512;
+
 void AddServeCommand(CLI::App& app, ServeCliOptions& o) {
   CLI::App* c = app.add_subcommand(
-      "serve", "Serve OpenAI's completions API (POST /v1/completions, GET /v1/models, /health, /metrics): continuous "
+      "serve", "Serve OpenAI's completions API (POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET /v1/models, /health, /metrics): continuous "
                "batching over compressed KV caches under a KV budget");
   c->add_option("--model", o.model, "GGUF model or llama2.c checkpoint (default: stories260K)");
   c->add_option("--tokenizer", o.tokenizer, "llama2.c tokenizer.bin (a GGUF carries its own)");
@@ -47,7 +53,17 @@ void AddServeCommand(CLI::App& app, ServeCliOptions& o) {
                 "on SIGTERM, seconds running requests may finish before they are cancelled (default 60)")
       ->check(CLI::Range(0, 86400));
   c->add_option("--connections", o.connections, "connection threads (default 256)")->check(CLI::Range(0, 65536));
+  c->add_option("--chat-template", o.chat_template,
+                "/v1/chat/completions' template: a built-in (llama3, chatml, mistral, gemma, phi3, llama2) or a file "
+                "(template text or a tokenizer_config.json); default: the GGUF's tokenizer.chat_template");
   AddPromptCacheOptions(c, o);
+  c->get_option("--prompt-cache")
+      ->description("prefix store for prompts and conversations (default: memory:, in RAM, capped at 512 MiB by "
+                    "--prompt-cache-max-mb; 'off': none; or a directory, redis://[user:password@]host:port[/db]): a "
+                    "request restores its longest stored prefix and prefills the rest");
+  c->get_option("--prompt-cache-max-mb")
+      ->description("directory or memory: store's cap in MiB, least recently used chunks evicted first (serve's "
+                    "default memory: store: 512)");
 }
 
 int RunServe(const ServeCliOptions& o) {
@@ -64,13 +80,35 @@ int RunServe(const ServeCliOptions& o) {
   e.calib_batched = o.calib_batched;
   e.calib_tokens = o.calib_tokens;
   e.admit = o.admit;
+  // The conversations' KV stays in RAM by default (a memory: store, least
+  // recently used chunks evicted past the cap); --prompt-cache off: none.
   e.prompt_cache = o.prompt_cache;
+  if (!e.prompt_cache) {
+    e.prompt_cache = "memory:serve";
+  } else if (*e.prompt_cache == "off") {
+    e.prompt_cache.reset();
+  }
   e.prompt_cache_chunk = o.prompt_cache_chunk;
   e.prompt_cache_max_mb = o.prompt_cache_max_mb;
+  if (!o.prompt_cache && o.prompt_cache_max_mb == 0) e.prompt_cache_max_mb = kDefaultServeStoreMb;
   e.prompt_cache_ttl = o.prompt_cache_ttl;
   if (o.prompt_cache) e.prompt_cache_secret = StoreSecret(o.prompt_cache_key_file);
   serve::Engine engine(e);
+  // The chat template: one given that kvq cannot render stops here; the
+  // model's own that it cannot leaves the chat route saying why.
+  const model::ChatFormat chat =
+      model::chat_format(engine.tokenizer(), engine.checkpoint().chat_template(), o.chat_template, "--chat-template");
+  if (chat.tmpl == nullptr) {
+    std::fprintf(stderr, "kvq serve: /v1/chat/completions is off: %s\n", chat.problem.c_str());
+  } else {
+    std::fprintf(stderr, "kvq serve: chat template: %s (%s; a turn ends at %s)\n", chat.origin.c_str(),
+                 chat.family.empty() ? "family not recognised" : chat.family.c_str(),
+                 chat.end_of_turn_id >= 0 ? ("token " + std::to_string(chat.end_of_turn_id) + " " + chat.end_of_turn).c_str()
+                 : !chat.end_of_turn.empty() ? ("the text " + chat.end_of_turn).c_str()
+                                             : "EOS");
+  }
   serve::HttpOptions h;
+  h.chat = &chat;
   h.host = o.host;
   h.port = o.port;
   h.max_body_kb = o.max_body_kb;
