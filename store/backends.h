@@ -13,7 +13,7 @@ namespace kvq::store {
 
 using WarnFn = std::function<void(const std::string&)>;
 
-std::unique_ptr<StoreBackend> open_memory_store(const std::string& name);
+std::unique_ptr<StoreBackend> open_memory_store(const std::string& name, uint64_t max_bytes);
 std::unique_ptr<StoreBackend> open_dir_store(const std::string& dir, uint64_t max_bytes, WarnFn warn);
 std::unique_ptr<StoreBackend> open_redis_store(const std::string& url, const StoreOptions& o, WarnFn warn);
 

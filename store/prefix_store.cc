@@ -38,7 +38,7 @@ std::unique_ptr<StoreBackend> open_backend(const std::string& url, const StoreOp
   KVQ_CHECK_ARG(o.ttl_seconds >= 0, "ttl_seconds: expected >= 0, got ", o.ttl_seconds);
   // Warnings may quote a server's text or a file's bytes: one escaped line each.
   WarnFn warn = [w = o.warn ? o.warn : StderrWarn](const std::string& s) { w(escape_for_message(s)); };
-  if (url.rfind("memory:", 0) == 0) return open_memory_store(url.substr(7));
+  if (url.rfind("memory:", 0) == 0) return open_memory_store(url.substr(7), o.max_bytes);
   // A URL's scheme is case-insensitive (RFC 3986); nothing after it is
   // echoed, since it may hold a user and password.
   const size_t sep = url.find("://");

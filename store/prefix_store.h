@@ -59,7 +59,7 @@ using Key = Digest;
 
 struct StoreOptions {
   int chunk_tokens = 256;        // rounded up to a multiple of the scheme's group
-  uint64_t max_bytes = 0;        // directory: size cap, least recently used chunks first, a chain's last first (0: none)
+  uint64_t max_bytes = 0;        // directory and memory: size cap, least recently used chunks first, a chain's last first (0: none)
   int ttl_seconds = 0;           // Redis: expiry of each entry (0: none)
   std::string key_prefix = "kvq:prefix:";  // Redis: prepended to the hex key
   int timeout_ms = 1000;         // Redis: connect and per-command timeout (1..60000)

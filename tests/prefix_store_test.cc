@@ -262,6 +262,71 @@ TEST(PrefixStore, ASizeCapKeepsAChainsHeadAndStopsWritingItsTail) {
   fs::remove_all(d);
 }
 
+// memory: (kvq serve's conversations) under --prompt-cache-max-mb: the
+// directory's rules, least recently used first, a chain's head kept.
+TEST(PrefixStore, MemorySizeCapEvictsTheLeastRecentlyUsedAndKeepsAChainsHead) {
+  Warnings w;
+  const StaticRanges r = test::Ranges(3);
+  const test::Rows rows = test::MakeRows(700, 5);
+  uint64_t chunk_bytes = 0;
+  {
+    PrefixStore probe("memory:cap-probe", w.Options(64));
+    KvCache c("kvq-4.5", kL, 4096, kH, kD, &r);
+    const std::vector<int> t = Tokens(80);
+    for (int i = 0; i < 80; ++i) {
+      for (int l = 0; l < kL; ++l) c.write(l, i, rows.k[static_cast<size_t>(i)], rows.v[static_cast<size_t>(i)]);
+    }
+    probe.put(t, c, &chunk_bytes);
+  }
+  ASSERT_GT(chunk_bytes, 0u);
+  StoreOptions o = w.Options(64);
+  o.max_bytes = chunk_bytes * 5 / 2;
+  PrefixStore s("memory:cap-lru", o);
+  std::vector<std::vector<int>> prompts;
+  for (int p = 0; p < 4; ++p) prompts.push_back(Tokens(80, p + 1));
+  auto put = [&](int p) {
+    KvCache c("kvq-4.5", kL, 4096, kH, kD, &r);
+    FillAndPut(s, c, rows, prompts[static_cast<size_t>(p)], 0, 80);
+  };
+  auto has = [&](int p) {
+    KvCache c("kvq-4.5", kL, 4096, kH, kD, &r);
+    return s.longest_prefix(prompts[static_cast<size_t>(p)], c) == 80;
+  };
+  put(0), put(1);
+  EXPECT_TRUE(has(0));  // 0 is now more recent than 1
+  put(2);
+  EXPECT_FALSE(has(1));
+  EXPECT_TRUE(has(2));
+  EXPECT_TRUE(has(0));
+
+  const std::vector<int> tok = Tokens(320, 9);
+  KvCache c("q8_0", kL, 4096, kH, kD);
+  WriteRows(c, rows, 0, 320);
+  uint64_t all = 0;
+  {
+    PrefixStore probe("memory:cap-probe2", w.Options(64));
+    ASSERT_EQ(probe.put(tok, c, &all), 5);
+  }
+  StoreOptions h = w.Options(64);
+  h.max_bytes = all / 5 * 5 / 2;
+  for (int run = 0; run < 3; ++run) {
+    SCOPED_TRACE(run);
+    PrefixStore m("memory:cap-head", h);
+    KvCache warm("q8_0", kL, 4096, kH, kD);
+    EXPECT_EQ(m.longest_prefix(tok, warm), run == 0 ? 0 : 128);  // chunks 0 and 1
+    EXPECT_EQ(m.put(tok, c), run == 0 ? 2 : 0);
+    EXPECT_EQ(m.put(tok, c), 0) << "the chain is not extended again";
+  }
+  // A chunk larger than the whole cap is not kept.
+  StoreOptions tiny = w.Options(64);
+  tiny.max_bytes = 16;
+  PrefixStore t("memory:cap-tiny", tiny);
+  EXPECT_EQ(t.put(tok, c), 0);
+  KvCache none("q8_0", kL, 4096, kH, kD);
+  EXPECT_EQ(t.longest_prefix(tok, none), 0);
+  EXPECT_TRUE(w.lines.empty());
+}
+
 // A capped store does not rescan its directory on every write: 5 chunks
 // into a directory of 3,000 entries scan it once.
 TEST(PrefixStore, ASizeCapDoesNotRescanTheDirectoryPerWrite) {
