@@ -297,9 +297,12 @@ def test_kvq_eval_on_the_converted_gguf_reproduces_the_table(tmp_path):
     assert je["forward"] == "exact" and je["model_config"]["arch"] == "llama"
     batched, jb = _eval(["--model", str(gguf), "--text", text, *common], tmp_path, "c")  # auto: batched for GGUF
     assert jb["forward"] == "batched" and jb["gemm_peak_gflops"] > 0 and jb["forward_gflops"] > 0
+    # The batched pass sums in OpenBLAS's order, which its CPU kernel decides: at 2 bits a last-bit change is a
+    # code flip where a value sits on a boundary (OpenBLAS's AVX-512 kernels: kvq-2.5 1.1e-4 apart, AVX2's less).
     for a, b in zip(jl["results"], jb["results"]):
         assert a["label"] == b["label"]
-        assert abs(b["ppl"] / a["ppl"] - 1) < 1e-4, (a["label"], a["ppl"], b["ppl"])
+        tol = 3e-4 if a["label"] == "kvq-2.5" else 1e-4
+        assert abs(b["ppl"] / a["ppl"] - 1) < tol, (a["label"], a["ppl"], b["ppl"])
     # The same stream as token ids (--tokens): [BOS] + tokens per stripped story, as kvq eval builds it.
     m = kvq.Model(str(gguf))
     ids = []
