@@ -407,9 +407,11 @@ void Engine::StoreIfDue(Seq& s) {
   try {
     uint64_t b = 0;
     const int n = pstore_->put(s.ids, c, &b);
+    const std::optional<uint64_t> held = pstore_->backend().held_bytes();
     std::lock_guard lk(mu_);
     m_.prefix_chunks_stored += static_cast<uint64_t>(n);
     m_.prefix_bytes_stored += b;
+    if (held) m_.prefix_store_bytes = *held;
   } catch (const std::exception& ex) {
     std::fprintf(stderr, "kvq serve: prefix store: %s\n", ex.what());
   }

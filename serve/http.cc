@@ -402,6 +402,8 @@ std::string MetricsText(const Engine& engine) {
       m.prefix_chunks_stored);
   add("kvq_prefix_bytes_stored_total", "counter", "Bytes written to the prefix store.",
       m.prefix_bytes_stored);
+  add("kvq_prefix_store_bytes", "gauge", "Bytes a memory: prefix store holds (0 for the others).",
+      m.prefix_store_bytes);
   add("kvq_steps_total", "counter", "Scheduler steps.", m.steps);
   add("kvq_step_seconds_total", "counter", "Seconds the steps took.", m.step_seconds);
   add("kvq_step_seconds_max", "gauge", "The longest step.", m.step_seconds_max);

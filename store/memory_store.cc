@@ -81,6 +81,10 @@ class MemoryStore final : public StoreBackend {
     while (s.max_bytes > 0 && s.bytes > s.max_bytes) s.erase(s.entries.find(s.lru.back()));
     return s.entries.count(chain.back()) > 0;
   }
+  std::optional<uint64_t> held_bytes() override {
+    std::lock_guard<std::mutex> lock(s_->mu);
+    return s_->bytes;
+  }
   void touch(std::span<const Key> chain) override {
     std::lock_guard<std::mutex> lock(s_->mu);
     touch_locked(chain);

@@ -99,6 +99,8 @@ class StoreBackend {
   // The chain's chunks were just used (restored): a size-capped backend
   // marks them recently used, chunk 0 the most recent.
   virtual void touch(std::span<const Key> chain) { (void)chain; }
+  // The bytes it holds, where it knows them cheaply (memory:); else nullopt.
+  virtual std::optional<uint64_t> held_bytes() { return std::nullopt; }
 };
 
 // url: "memory:" or "memory:NAME" (a map shared by the process's stores of

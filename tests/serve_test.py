@@ -150,11 +150,12 @@ def test_chat_completions_answer_what_kvq_generate_makes_of_the_rendered_prompt(
 
 
 def test_a_conversations_next_turn_prefills_only_what_is_new():
-    """Multi-turn chat over the memory prefix store: turn 2 resends turn 1's conversation, restores the KV of
-    its full chunks (kvq_prefix_tokens_reused_total) and prefills only the rest (kvq_prefill_tokens_total); the
-    answer is the one a server without the store gives."""
+    """Multi-turn chat over the default memory: prefix store: turn 2 resends turn 1's conversation, restores
+    the KV of its full chunks (kvq_prefix_tokens_reused_total) and prefills only the rest
+    (kvq_prefill_tokens_total); the store holds what it says (kvq_prefix_store_bytes); the answer is the one a
+    server without the store (--prompt-cache off) gives."""
     args = ("--kv", "fp16", "--chat-template", "chatml", "--prompt-cache-chunk", "16")
-    with Server(KVQ, stories(*args, "--prompt-cache", "memory:")) as s:
+    with Server(KVQ, stories(*args)) as s:
         st, b1 = s.chat({"messages": CHAT, "max_tokens": 40, "temperature": 0})
         assert st == 200, b1
         turn2 = CHAT + [{"role": "assistant", "content": b1["choices"][0]["message"]["content"]},
@@ -163,14 +164,17 @@ def test_a_conversations_next_turn_prefills_only_what_is_new():
         st, b2 = s.chat({"messages": turn2, "max_tokens": 30, "temperature": 0})
         assert st == 200, b2
         m2 = s.metrics()
-    with Server(KVQ, stories(*args)) as cold:
+    with Server(KVQ, stories(*args, "--prompt-cache", "off")) as cold:
         st, c2 = cold.chat({"messages": turn2, "max_tokens": 30, "temperature": 0})
+        assert cold.metrics()["kvq_prefix_lookups_total"] == 0
     assert b2["choices"][0]["message"] == c2["choices"][0]["message"]
     p1, p2 = b1["usage"]["prompt_tokens"], b2["usage"]["prompt_tokens"]
     reused = m2["kvq_prefix_tokens_reused_total"] - m1["kvq_prefix_tokens_reused_total"]
     prefilled = m2["kvq_prefill_tokens_total"] - m1["kvq_prefill_tokens_total"]
     assert reused >= 16 * (p1 // 16) - 16 and reused > 0, (p1, p2, reused)
     assert prefilled <= p2 - reused, (p2, reused, prefilled)
+    # fp16 holds 2 bytes a value: K and V, 5 layers, 4 KV heads of 8 (stories260K) per stored token.
+    assert m2["kvq_prefix_store_bytes"] >= 2 * 2 * 5 * 4 * 8 * 16 * (p2 // 16 - 1)
 
 
 def test_chat_errors_and_tokenize_detokenize(tmp_path):
