@@ -335,9 +335,19 @@ void Checkpoint::LoadGguf(const std::string& path) {
         const std::optional<uint64_t> v = g.get_uint(key);
         return v && *v < static_cast<uint64_t>(V) ? static_cast<int>(*v) : -1;
       };
+      // A special id outside the vocabulary is a broken file, not "none".
+      std::string bad_id;
+      for (const char* k : {"tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"}) {
+        const std::optional<uint64_t> v = g.get_uint(k);
+        if (v && *v >= static_cast<uint64_t>(V) && bad_id.empty()) {
+          bad_id = std::string(k) + " " + std::to_string(*v) + " is outside the vocabulary 0.." + std::to_string(V - 1);
+        }
+      }
       if (tokens.size() != static_cast<size_t>(V)) {
         tokenizer_problem_ = "tokenizer.ggml.tokens holds " + std::to_string(tokens.size()) +
                              " tokens, the model's vocabulary is " + std::to_string(V) + ": pass --tokens FILE";
+      } else if (!bad_id.empty()) {
+        tokenizer_problem_ = bad_id + ": pass --tokens FILE";
       } else {
         try {
           auto bpe = std::make_shared<const ByteLevelBpe>(std::move(tokens), types, merges, *p, "model '" + path + "'");
