@@ -5,6 +5,7 @@
 #include <dirent.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <unistd.h>
 #include <sys/socket.h>
 
 #include <algorithm>
@@ -21,6 +22,7 @@
 #include "kvq/error.h"
 #include "model/chat_template.h"
 #include "model/tokenizer.h"
+#include "serve/connection.h"
 #include "serve/engine.h"
 
 namespace kvq::serve {
@@ -363,8 +365,11 @@ json ChatChunk(const std::string& id, time_t created, const std::string& model, 
   return c;
 }
 
-std::string MetricsText(const Engine& engine) {
-  const Metrics m = engine.metrics();
+// `refused`: the answers with an error status (a bad request, a 404, a
+// 413, the engine's 400s and 503s), counted as they are sent.
+std::string MetricsText(const Engine& engine, uint64_t refused, const GuardedServer& svr) {
+  Metrics m = engine.metrics();
+  m.requests_refused = refused;
   std::string s;
   auto add = [&](const char* name, const char* type, const char* help, auto value) {
     char line[512];
@@ -373,7 +378,8 @@ std::string MetricsText(const Engine& engine) {
     s += line;
   };
   add("kvq_requests_total", "counter", "Completion requests accepted.", m.requests);
-  add("kvq_requests_refused_total", "counter", "Requests refused (400 or 503).", m.requests_refused);
+  add("kvq_requests_refused_total", "counter", "Requests answered with an error status (400, 404, 413, 503).",
+      m.requests_refused);
   add("kvq_requests_cancelled_total", "counter", "Requests whose client went away.",
       m.requests_cancelled);
   add("kvq_requests_finished_total", "counter", "Requests run to their end.", m.requests_finished);
@@ -408,6 +414,11 @@ std::string MetricsText(const Engine& engine) {
   add("kvq_step_seconds_total", "counter", "Seconds the steps took.", m.step_seconds);
   add("kvq_step_seconds_max", "gauge", "The longest step.", m.step_seconds_max);
   add("kvq_prefill_seconds_total", "counter", "Seconds of the steps' prompt prefill.", m.prefill_seconds);
+  add("kvq_connections_open", "gauge", "Client connections open.", svr.connections_open());
+  add("kvq_connections_refused_total", "counter",
+      "Connections refused past --max-client-connections from one address (503).", svr.connections_refused());
+  add("kvq_requests_timed_out_total", "counter",
+      "Requests whose head and body did not arrive within --request-timeout.", svr.requests_timed_out());
   return s;
 }
 
@@ -440,7 +451,13 @@ void WidenBacklog(int port) {
 
 namespace {
 std::atomic<int> g_stop_signal{0};  // lock-free: set from the handler, on whichever thread it lands
-extern "C" void OnStopSignal(int sig) { g_stop_signal = sig; }
+// The first signal drains; a second SIGINT (the user pressing Ctrl-C
+// again) exits at once. A second SIGTERM changes nothing: supervisors send
+// it again while waiting, and escalate with SIGKILL themselves. _exit is
+// async-signal-safe.
+extern "C" void OnStopSignal(int sig) {
+  if (g_stop_signal.exchange(sig) != 0 && sig == SIGINT) _exit(128 + sig);
+}
 }  // namespace
 
 void install_stop_signals() {
@@ -460,15 +477,70 @@ int serve_http(Engine& engine, const HttpOptions& o, const std::function<void(in
   KVQ_CHECK_ARG(o.timeout_seconds >= 1 && o.timeout_seconds <= 3600, "--timeout: expected 1..3600 s");
   KVQ_CHECK_ARG(o.drain_seconds >= 0 && o.drain_seconds <= 86400, "--drain-seconds: expected 0..86400");
   KVQ_CHECK_ARG(o.connections >= 0 && o.connections <= 65536, "--connections: expected 0..65536");
-  httplib::Server svr;
+  KVQ_CHECK_ARG(o.request_timeout_seconds >= 1 && o.request_timeout_seconds <= 86400,
+                "--request-timeout: expected 1..86400 s, got ", o.request_timeout_seconds);
+  KVQ_CHECK_ARG(o.max_client_connections >= 0 && o.max_client_connections <= 65536,
+                "--max-client-connections: expected 0..65536, got ", o.max_client_connections);
   const size_t workers = o.connections > 0 ? static_cast<size_t>(o.connections) : 256;
+  ConnectionLimits limits;
+  limits.io_seconds = o.timeout_seconds;
+  limits.request_seconds = o.request_timeout_seconds;
+  // By default one address may hold half the connection threads: the rest
+  // stay free for every other client.
+  limits.per_client = o.max_client_connections > 0 ? o.max_client_connections
+                                                   : static_cast<int>(std::max<size_t>(1, workers / 2));
+  GuardedServer svr(limits);
   svr.new_task_queue = [workers] { return new httplib::ThreadPool(workers); };
   svr.set_payload_max_length(static_cast<size_t>(o.max_body_kb) * 1024);
-  svr.set_read_timeout(o.timeout_seconds, 0);
-  svr.set_write_timeout(o.timeout_seconds, 0);
   std::atomic<bool> draining{false};
   std::atomic<int> in_flight{0};
+  std::atomic<uint64_t> refused{0};
+  svr.set_logger([&refused](const httplib::Request&, const httplib::Response& res) {
+    if (res.status >= 400) ++refused;
+  });
   const time_t started = std::time(nullptr);
+  const size_t max_body = static_cast<size_t>(o.max_body_kb) * 1024;
+
+  // The body's framing, checked before a byte of it is read: a length
+  // that is not a number, over the limit or given twice, a transfer coding
+  // other than chunked, or both (the request-smuggling pair) are answered
+  // at once and the connection closed, not after reading (or waiting for)
+  // the bytes the header announces.
+  svr.set_pre_routing_handler([max_body](const httplib::Request& rq, httplib::Response& res) {
+    const size_t lengths = rq.get_header_value_count("Content-Length");
+    const bool chunked_te = rq.has_header("Transfer-Encoding");
+    std::string problem;
+    int status = 400;
+    if (lengths > 0 && chunked_te) {
+      problem = "Transfer-Encoding and Content-Length together";
+    } else if (lengths > 1) {
+      problem = "Content-Length given more than once";
+    } else if (chunked_te) {
+      std::string te = rq.get_header_value("Transfer-Encoding");
+      std::transform(te.begin(), te.end(), te.begin(), [](unsigned char c) { return std::tolower(c); });
+      if (te != "chunked") {
+        problem = "Transfer-Encoding '" + te + "' (only chunked)";
+        status = 501;
+      } else if (rq.version == "HTTP/1.0") {
+        problem = "Transfer-Encoding in an HTTP/1.0 request";
+      }
+    } else if (lengths == 1) {
+      const std::string v = rq.get_header_value("Content-Length");
+      const bool digits = !v.empty() && v.size() <= 18 &&
+                          std::all_of(v.begin(), v.end(), [](unsigned char c) { return c >= '0' && c <= '9'; });
+      if (!digits) {
+        problem = "Content-Length '" + v.substr(0, 32) + "' is not a length";
+      } else if (std::stoull(v) > max_body) {
+        problem = "the request body is larger than --max-body-kb (" + std::to_string(max_body / 1024) + " KiB)";
+        status = 413;
+      }
+    }
+    if (problem.empty()) return httplib::Server::HandlerResponse::Unhandled;
+    SendError(res, status, problem);
+    res.set_header("Connection", "close");
+    GuardedServer::close_after_response();
+    return httplib::Server::HandlerResponse::Handled;
+  });
 
   svr.Get("/health", [&](const httplib::Request&, httplib::Response& res) {
     if (draining) {
@@ -494,13 +566,14 @@ int serve_http(Engine& engine, const HttpOptions& o, const std::function<void(in
     res.set_content(Dump(json({{"object", "list"}, {"data", json::array({m})}})), "application/json");
   });
   svr.Get("/metrics", [&](const httplib::Request&, httplib::Response& res) {
-    res.set_content(MetricsText(engine), "text/plain; version=0.0.4");
+    res.set_content(MetricsText(engine, refused, svr), "text/plain; version=0.0.4");
   });
   // One handler for both routes: `chat` null is /v1/completions.
-  auto complete = [&](const httplib::Request& rq, httplib::Response& res, const model::ChatFormat* chat) {
+  auto complete = [&](const httplib::Request& rq, const std::string& body, httplib::Response& res,
+                      const model::ChatFormat* chat) {
     Parsed p;
     std::string err, param;
-    if (!ParseRequest(rq.body, engine, chat, p, err, param)) {
+    if (!ParseRequest(body, engine, chat, p, err, param)) {
       SendError(res, param == "model" && err.rfind("The model", 0) == 0 ? 404 : 400, err, param);
       return;
     }
@@ -537,9 +610,8 @@ int serve_http(Engine& engine, const HttpOptions& o, const std::function<void(in
     const bool usage = p.include_usage, is_chat = chat != nullptr;
     auto first = std::make_shared<bool>(true);
     res.set_header("Cache-Control", "no-cache");
-    res.set_chunked_content_provider(
-        "text/event-stream",
-        [job, id, created, model, usage, is_chat, first](size_t, httplib::DataSink& sink) {
+    httplib::ContentProviderWithoutLength events = [job, id, created, model, usage, is_chat, first](
+                                                      size_t, httplib::DataSink& sink) {
           Event e;
           if (!job->next(e, std::chrono::milliseconds(200))) return true;  // asked again
           auto piece = [&](const std::string& text, const json& finish, const Event* u) {
@@ -572,27 +644,67 @@ int serve_http(Engine& engine, const HttpOptions& o, const std::function<void(in
           }
           if (e.done) sink.done();
           return true;
-        },
-        [job, &in_flight](bool success) {
-          if (!success) job->cancel();
-          --in_flight;
-        });
+    };
+    auto release = [job, &in_flight](bool success) {
+      if (!success) job->cancel();
+      --in_flight;
+    };
+    if (rq.version == "HTTP/1.0") {
+      // HTTP/1.0 has no chunked coding: the events run to the connection's end.
+      res.set_header("Connection", "close");
+      GuardedServer::close_after_response();
+      res.set_content_provider("text/event-stream", std::move(events), std::move(release));
+    } else {
+      res.set_chunked_content_provider("text/event-stream", std::move(events), std::move(release));
+    }
   };
-  svr.Post("/v1/completions", [&](const httplib::Request& rq, httplib::Response& res) { complete(rq, res, nullptr); });
+  // Every POST reads its body through a ContentReader that stops at
+  // --max-body-kb: httplib's own limit holds for a Content-Length body but
+  // not for a chunked one (300 MB were read into memory).
+  using BodyHandler = std::function<void(const httplib::Request&, const std::string&, httplib::Response&)>;
+  auto post = [&svr, max_body, &o](const char* path, BodyHandler h) {
+    svr.Post(path, [h, max_body, &o](const httplib::Request& rq, httplib::Response& res,
+                                    const httplib::ContentReader& read) {
+      std::string body;
+      bool over = false;
+      const bool whole = read([&](const char* data, size_t n) {
+        if (body.size() + n > max_body) {
+          over = true;
+          return false;
+        }
+        body.append(data, n);
+        return true;
+      });
+      if (over || !whole) {
+        SendError(res, over ? 413 : 400,
+                  over ? "the request body is larger than --max-body-kb (" + std::to_string(max_body / 1024) + " KiB)"
+                       : "the request body did not arrive whole within --request-timeout (" +
+                             std::to_string(o.request_timeout_seconds) + " s)");
+        res.set_header("Connection", "close");
+        GuardedServer::close_after_response();
+        return;
+      }
+      h(rq, body, res);
+    });
+  };
+  post("/v1/completions",
+       [&](const httplib::Request& rq, const std::string& body, httplib::Response& res) {
+         complete(rq, body, res, nullptr);
+       });
   const model::ChatFormat no_chat{};
   const model::ChatFormat& chat = o.chat ? *o.chat : no_chat;
-  svr.Post("/v1/chat/completions", [&](const httplib::Request& rq, httplib::Response& res) {
+  post("/v1/chat/completions", [&](const httplib::Request& rq, const std::string& body, httplib::Response& res) {
     if (chat.tmpl == nullptr) {
       SendError(res, 400, chat.problem.empty() ? "this server has no chat template" : chat.problem, "messages");
       return;
     }
-    complete(rq, res, &chat);
+    complete(rq, body, res, &chat);
   });
   // llama-server's shapes: {"content", "add_special", "with_pieces"} ->
   // {"tokens"}; {"tokens"} -> {"content"}.
-  svr.Post("/tokenize", [&](const httplib::Request& rq, httplib::Response& res) {
+  post("/tokenize", [&](const httplib::Request&, const std::string& body, httplib::Response& res) {
     json j;
-    if (!ParseBody(rq.body, res, j)) return;
+    if (!ParseBody(body, res, j)) return;
     if (!j.is_object() || !j.contains("content") || !j["content"].is_string()) {
       SendError(res, 400, "content (a string) is required", "content");
       return;
@@ -627,9 +739,9 @@ int serve_http(Engine& engine, const HttpOptions& o, const std::function<void(in
     }
     res.set_content(Dump(json({{"tokens", out}})), "application/json");
   });
-  svr.Post("/detokenize", [&](const httplib::Request& rq, httplib::Response& res) {
+  post("/detokenize", [&](const httplib::Request&, const std::string& body, httplib::Response& res) {
     json j;
-    if (!ParseBody(rq.body, res, j)) return;
+    if (!ParseBody(body, res, j)) return;
     if (!j.is_object() || !j.contains("tokens") || !j["tokens"].is_array() || j.size() != 1) {
       SendError(res, 400, "tokens (an array of token ids) is required, and nothing else", "tokens");
       return;

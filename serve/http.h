@@ -46,9 +46,11 @@ struct HttpOptions {
   std::string host = "127.0.0.1";
   int port = 8080;             // 0: any free port (reported to on_listening)
   int max_body_kb = 1024;
-  int timeout_seconds = 30;    // a client's read and write timeout
+  int timeout_seconds = 30;    // a client's read and write timeout (each recv and send)
+  int request_timeout_seconds = 30;  // a request's head and body must arrive within it
+  int max_client_connections = 0;    // connections at once from one address (0: half of `connections`)
   int drain_seconds = 60;      // on SIGTERM, how long running requests may finish
-  int connections = 0;         // worker threads (0: max_seqs + max_queue + 8)
+  int connections = 0;         // connection threads (0: 256)
   // The chat route's template (null or without a template: the route
   // answers 400 with its problem). Must outlive serve_http.
   const model::ChatFormat* chat = nullptr;

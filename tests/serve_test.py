@@ -264,6 +264,15 @@ def test_chat_errors_and_tokenize_detokenize(tmp_path):
             assert st == 400 and "cannot be rendered" in b["error"]["message"] and "--chat-template" in b["error"][
                 "message"], b
             assert "/v1/chat/completions is off" in s.stderr
+    # A BOS id outside the vocabulary is a broken tokenizer, said so (it was silently ignored).
+    g = tmp_path / "bad_bos.gguf"
+    subprocess.run(["/usr/bin/python3", ROOT / "scripts" / "gguf_write.py", "synthetic", g, "--dim", "64",
+                    "--hidden", "64", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--vocab", "300",
+                    "--ctx", "256", "--rope-scaling", "none", "--type", "F32", "--tokenizer", "bpe",
+                    "--bos-id", "305"], check=True)
+    r = subprocess.run([KVQ, "generate", "--model", g, "--prompt", "hi", "--steps", "2"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode != 0 and "bos_token_id 305 is outside the vocabulary 0..299" in r.stderr, r.stderr
 
 
 def test_endpoints_and_openai_shapes():
@@ -391,10 +400,31 @@ def test_bad_requests_get_openai_errors_and_leave_the_server_serving():
         assert st == 413, d
         st, _, _ = s.request("GET", "/v1/completions")
         assert st == 404
+        # A chunked body is held to --max-body-kb too (it was read whole: 300 MB were accepted).
+        c = socket.create_connection(("127.0.0.1", s.port), timeout=30)
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                  b"Content-Type: application/json\r\n\r\n")
+        chunk = b"x" * 16384
+        try:
+            for _ in range(64):  # 1 MiB, 16x the limit
+                c.sendall(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
+            c.sendall(b"0\r\n\r\n")
+        except OSError:
+            pass  # the server stopped reading at the limit and hung up
+        got = b""
+        try:
+            while part := c.recv(65536):
+                got += part
+        except OSError:
+            pass
+        c.close()
+        assert got.startswith(b"HTTP/1.1 413"), got[:200]
         st, b = s.post({"prompt": "Once upon a time", "max_tokens": 5})
         assert st == 200 and b["usage"]["completion_tokens"] == 5
         m = s.metrics()
         assert m["kvq_requests_total"] == 1 and m["kvq_requests_finished_total"] == 1
+        # Every answer with an error status is counted: the engine's 400s, parse errors, 404 and both 413s.
+        assert wait_for(lambda: s.metrics()["kvq_requests_refused_total"] == len(BAD) + 3, 10), s.metrics()
     assert s.rc == 0
 
 
@@ -528,6 +558,25 @@ def test_sigterm_lets_running_requests_finish_then_exits_0(slow_gguf):
     assert rc == 0 and "stopped after" in s.stderr
 
 
+def test_a_second_ctrl_c_exits_at_once(slow_gguf):
+    """The first SIGINT drains (running requests finish); a second one exits now, with 128 + SIGINT."""
+    with Server(KVQ, ["--model", slow_gguf, "--kv", "fp16", "--threads", "1"]) as s:
+        started = threading.Event()
+        t = threading.Thread(target=lambda: s.stream({"prompt": [1, 2, 3], "max_tokens": 4000, "temperature": 0},
+                                                     on_event=lambda ev: started.set()))
+        t.daemon = True
+        t.start()
+        assert started.wait(60)
+        s.proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        assert s.proc.poll() is None  # still draining: 4000 tokens take far longer
+        t0 = time.time()
+        s.proc.send_signal(signal.SIGINT)
+        rc = s.proc.wait(timeout=20)
+        assert rc == 128 + signal.SIGINT and time.time() - t0 < 10, rc
+        t.join(30)
+
+
 def test_slow_clients_time_out_without_holding_up_the_others():
     with Server(KVQ, stories("--timeout", "2")) as s:
         slow = [socket.create_connection(("127.0.0.1", s.port)) for _ in range(4)]
@@ -547,6 +596,126 @@ def test_slow_clients_time_out_without_holding_up_the_others():
             c.close()
         m = s.metrics()
         assert m["kvq_requests_total"] == m["kvq_requests_finished_total"] == 4
+    assert s.rc == 0
+
+
+def raw_exchange(port, data, timeout=30, source="127.0.0.1", half_close=False):
+    """Sends `data` on one connection and reads until the server closes it (or `timeout`): (bytes, seconds)."""
+    c = socket.create_connection(("127.0.0.1", port), timeout=timeout, source_address=(source, 0))
+    t0 = time.time()
+    got = b""
+    try:
+        c.sendall(data)
+        if half_close:
+            c.shutdown(socket.SHUT_WR)
+        while part := c.recv(65536):
+            got += part
+    except OSError:
+        pass
+    c.close()
+    return got, time.time() - t0
+
+
+def test_http_framing_pipelining_and_http10():
+    """Pipelined requests each answered, in order (the bytes past the first were dropped); a Content-Length over
+    the limit, negative or not a number, a transfer coding other than chunked, Transfer-Encoding with
+    Content-Length (request smuggling's pair) and chunked in HTTP/1.0 answered at once and the connection closed;
+    a stream to an HTTP/1.0 client is not chunked (it runs to the connection's end)."""
+    with Server(KVQ, stories("--kv", "fp16", "--max-body-kb", "64")) as s:
+        body = json.dumps({"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}).encode()
+        one = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n" % len(body)) + body
+        last = one.replace(b"Host: x\r\n", b"Host: x\r\nConnection: close\r\n")
+        got, _ = raw_exchange(s.port, one + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" + last)
+        assert got.count(b"HTTP/1.1 200 OK") == 3, got
+        parts = got.split(b"HTTP/1.1 200 OK")
+        assert b'"text_completion"' in parts[1] and b'"status":"ok"' in parts[2] and b'"text_completion"' in parts[3]
+
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        cases = [
+            (b"Content-Length: 999999999\r\n", b"413"),
+            (b"Content-Length: -5\r\n", b"400"),
+            (b"Content-Length: 12abc\r\n", b"400"),
+            (b"Content-Length: 5\r\nContent-Length: 5\r\n", b"400"),
+            (b"Transfer-Encoding: gzip\r\n", b"501"),
+            (b"Transfer-Encoding: chunked\r\nContent-Length: 5\r\n", b"400"),
+        ]
+        for hdr, status in cases:
+            got, secs = raw_exchange(s.port, head + hdr + b"\r\n{")  # the body never comes
+            assert got.startswith(b"HTTP/1.1 " + status), (hdr, got[:300])
+            assert b"Connection: close" in got and secs < 5, (hdr, secs)
+            assert json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]["message"], got
+        got, _ = raw_exchange(s.port, head.replace(b"HTTP/1.1", b"HTTP/1.0") +
+                              b"Transfer-Encoding: chunked\r\n\r\n1\r\n{\r\n0\r\n\r\n")
+        assert got.startswith(b"HTTP/1.1 400"), got[:300]
+
+        stream = json.dumps({"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0,
+                             "stream": True}).encode()
+        got, _ = raw_exchange(s.port, b"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+                              b"Content-Length: %d\r\n\r\n" % len(stream) + stream)
+        headers, sse = got.split(b"\r\n\r\n", 1)
+        assert b" 200 " in headers.split(b"\r\n")[0] and b"chunked" not in headers.lower(), headers
+        assert sse.startswith(b"data: {") and sse.endswith(b"data: [DONE]\n\n"), sse[:200]
+        text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in sse.decode().split("\n\n")
+                       if line.startswith("data: {"))
+        assert text == s.post({"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0})[1]["choices"][0][
+            "text"]
+        st, b = s.post({"prompt": "Once upon a time", "max_tokens": 3})
+        assert st == 200, b
+    assert s.rc == 0
+
+
+def test_trickling_connections_neither_starve_others_nor_stay(slow_gguf):
+    """300 connections from one address sending a byte of their request head a second: at most
+    --max-client-connections of them are held (the rest get 503 at once), none past --request-timeout, and a
+    client at another address is served meanwhile as fast as on an idle server."""
+    with Server(KVQ, stories("--kv", "fp16", "--request-timeout", "4", "--connections", "64")) as s:
+        t0 = time.time()
+        assert s.post({"prompt": "Once upon a time", "max_tokens": 8})[0] == 200
+        idle_s = time.time() - t0
+        socks = []
+        for _ in range(300):
+            c = socket.socket()
+            c.settimeout(30)
+            c.bind(("127.0.0.2", 0))
+            c.connect(("127.0.0.1", s.port))
+            socks.append(c)
+        stop = threading.Event()
+        refused = []
+
+        def trickle():
+            msg = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n"
+            for i in range(len(msg)):
+                for c in list(socks):
+                    try:
+                        c.send(msg[i:i + 1])
+                    except OSError:
+                        socks.remove(c)
+                        refused.append(c)
+                if stop.wait(1.0):
+                    return
+
+        th = threading.Thread(target=trickle, daemon=True)
+        th.start()
+        time.sleep(1.5)
+        served = []
+        for _ in range(5):  # from 127.0.0.1: the trickling address's cap leaves it threads
+            t0 = time.time()
+            st, b = s.post({"prompt": "Once upon a time", "max_tokens": 8}, timeout=30)
+            served.append(time.time() - t0)
+            assert st == 200, b
+        assert max(served) < idle_s + 2, (served, idle_s)
+        m = s.metrics()
+        assert m["kvq_connections_refused_total"] >= 300 - 32, m  # half of --connections 64 held, the rest 503
+        assert m["kvq_connections_open"] <= 32 + 1, m
+        # The held ones are cut off at the deadline (4 s from their first byte), not when the head completes.
+        assert wait_for(lambda: s.metrics()["kvq_requests_timed_out_total"] >= 32, 15), s.metrics()
+        assert wait_for(lambda: s.metrics()["kvq_connections_open"] <= 1, 15), s.metrics()
+        stop.set()
+        th.join(10)
+        for c in socks + refused:
+            c.close()
+        assert s.post({"prompt": "Once upon a time", "max_tokens": 8})[0] == 200
     assert s.rc == 0
 
 

@@ -92,7 +92,8 @@ struct ServeCliOptions : PromptCacheCliOptions {
   bool calib_batched = false;
   std::string admit = "guaranteed";
   std::string host = "127.0.0.1";
-  int port = 8080, max_body_kb = 1024, timeout = 30, drain_seconds = 60, connections = 0;
+  int port = 8080, max_body_kb = 1024, timeout = 30, request_timeout = 30, drain_seconds = 60, connections = 0;
+  int max_client_connections = 0;
   std::string chat_template;  // --chat-template: a built-in's name or a file ("" : the GGUF's)
 };
 void AddServeCommand(CLI::App& app, ServeCliOptions& opts);

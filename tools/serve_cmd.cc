@@ -49,6 +49,14 @@ void AddServeCommand(CLI::App& app, ServeCliOptions& o) {
       ->check(CLI::Range(1, 1 << 20));
   c->add_option("--timeout", o.timeout, "a client's read and write timeout, seconds (default 30)")
       ->check(CLI::Range(1, 3600));
+  c->add_option("--request-timeout", o.request_timeout,
+                "seconds a request's head and body may take to arrive, from its first byte (default 30; past it "
+                "400 and the connection closed)")
+      ->check(CLI::Range(1, 86400));
+  c->add_option("--max-client-connections", o.max_client_connections,
+                "connections at once from one client address; past it 503 with Retry-After (default 0: half of "
+                "--connections)")
+      ->check(CLI::Range(0, 65536));
   c->add_option("--drain-seconds", o.drain_seconds,
                 "on SIGTERM, seconds running requests may finish before they are cancelled (default 60)")
       ->check(CLI::Range(0, 86400));
@@ -113,6 +121,8 @@ int RunServe(const ServeCliOptions& o) {
   h.port = o.port;
   h.max_body_kb = o.max_body_kb;
   h.timeout_seconds = o.timeout;
+  h.request_timeout_seconds = o.request_timeout;
+  h.max_client_connections = o.max_client_connections;
   h.drain_seconds = o.drain_seconds;
   h.connections = o.connections;
   const int rc = serve::serve_http(engine, h, [&](int port) {
