@@ -126,6 +126,7 @@ Engine::Engine(const EngineOptions& o) : o_(o), scheme_(std::make_unique<SchemeH
     so.model = model::model_fingerprint(o.model, o.tokenizer.empty() ? o.model : o.tokenizer);
     so.secret = o.prompt_cache_secret;
     pstore_ = std::make_unique<store::PrefixStore>(*o.prompt_cache, so);
+    m_.prefix_store_up = pstore_->backend().alive() ? 1 : 0;
   }
   driver_ = std::make_unique<model::Transformer>(*ckpt_, model::CacheScheme("fp32"), 1);
   model_id_ = std::filesystem::path(o.model).stem().string();
@@ -330,6 +331,7 @@ void Engine::Admit() {
           store::LookupReport rep;
           const int64_t n = pstore_->longest_prefix(s->ids, c, static_cast<int64_t>(s->ids.size()) - 1, &rep);
           std::lock_guard lk(mu_);
+          m_.prefix_store_up = pstore_->backend().alive() ? 1 : 0;
           ++m_.prefix_lookups;
           if (n > 0) {
             ++m_.prefix_hits;
@@ -409,6 +411,7 @@ void Engine::StoreIfDue(Seq& s) {
     const int n = pstore_->put(s.ids, c, &b);
     const std::optional<uint64_t> held = pstore_->backend().held_bytes();
     std::lock_guard lk(mu_);
+    m_.prefix_store_up = pstore_->backend().alive() ? 1 : 0;
     m_.prefix_chunks_stored += static_cast<uint64_t>(n);
     m_.prefix_bytes_stored += b;
     if (held) m_.prefix_store_bytes = *held;

@@ -134,6 +134,7 @@ struct Metrics {
   uint64_t prefix_lookups = 0, prefix_hits = 0, prefix_tokens_reused = 0, prefix_bytes_reused = 0;
   uint64_t prefix_chunks_stored = 0, prefix_bytes_stored = 0;
   uint64_t prefix_store_bytes = 0;  // what a memory: store holds now (after its cap's evictions)
+  int prefix_store_up = 0;           // 1: the prefix store answers (after its last use); 0: none, or down until a retry
   uint64_t steps = 0;
   double step_seconds = 0, step_seconds_max = 0;
   double prefill_seconds = 0;

@@ -410,6 +410,9 @@ std::string MetricsText(const Engine& engine, uint64_t refused, const GuardedSer
       m.prefix_bytes_stored);
   add("kvq_prefix_store_bytes", "gauge", "Bytes a memory: prefix store holds (0 for the others).",
       m.prefix_store_bytes);
+  add("kvq_prefix_store_up", "gauge",
+      "1 while the prefix store answers; 0 without one, or while it is down (Redis away: retried after 2-60 s).",
+      m.prefix_store_up);
   add("kvq_steps_total", "counter", "Scheduler steps.", m.steps);
   add("kvq_step_seconds_total", "counter", "Seconds the steps took.", m.step_seconds);
   add("kvq_step_seconds_max", "gauge", "The longest step.", m.step_seconds_max);

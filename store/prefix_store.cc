@@ -240,6 +240,10 @@ int PrefixStore::put(std::span<const int> tokens, const KvCache& cache, uint64_t
   }
   const std::vector<Key> want(keys.begin() + static_cast<std::ptrdiff_t>(first), keys.end());
   int written = 0;
+  if (b_->epoch() != epoch_) {  // the backend came back: it may have lost what was written
+    good_.clear();
+    epoch_ = b_->epoch();
+  }
   for (size_t j = 0; j < want.size(); ++j) {
     if (good_.count(want[j])) continue;
     const size_t i = first + j;

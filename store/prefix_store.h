@@ -79,8 +79,13 @@ class StoreBackend {
   virtual ~StoreBackend() = default;
   // What to print: the path or the URL with any password as ***.
   virtual std::string describe() const = 0;
-  // False once the backend gave up (an unreachable or dying server).
+  // False while the backend is down (an unreachable or dying server,
+  // retried later).
   virtual bool alive() const { return true; }
+  // Changes when the backend came back after being down: what it held
+  // before may be gone (a restarted Redis), so what this store remembers
+  // having written is forgotten.
+  virtual uint64_t epoch() const { return 0; }
   // False once writing stopped for this store (a read-only or full
   // directory: warned once): put is not worth serialising a chunk for.
   virtual bool writable() const { return alive(); }
@@ -180,6 +185,7 @@ class PrefixStore {
   StoreOptions o_;
   std::unique_ptr<StoreBackend> b_;
   std::set<Key> good_;  // restored or written by this store: put skips them
+  uint64_t epoch_ = 0;  // the backend's epoch() good_ holds for
   std::optional<Key> full_chain_;  // chunk 0's key of a chain the size cap could not hold: not extended
 };
 

@@ -24,6 +24,7 @@
 #include <sys/socket.h>
 #include <sys/time.h>
 
+#include <algorithm>
 #include <cctype>
 #include <chrono>
 #include <cerrno>
@@ -139,7 +140,10 @@ class RedisStore final : public StoreBackend {
   }
   ~RedisStore() override { Close(); }
   std::string describe() const override { return describe_; }
-  bool alive() const override { return !dead_; }
+  // Down after a failure until its retry time; then the next operation
+  // reconnects.
+  bool alive() const override { return !dead_ || std::chrono::steady_clock::now() >= retry_at_; }
+  uint64_t epoch() const override { return epoch_; }
 
   // STRLEN: 0 for an absent key (a stored chunk is never empty), an error
   // (WRONGTYPE) for a key of another type.
@@ -170,7 +174,7 @@ class RedisStore final : public StoreBackend {
 
   // SET replaces a key of any type.
   bool put(std::span<const Key> chain, std::span<const uint8_t> value) override {
-    if (dead_) return false;
+    if (Down()) return false;
     Command set = {"SET", prefix_ + key_hex(chain.back()), std::string(value.begin(), value.end())};
     if (ttl_ > 0) set.insert(set.end(), {"EX", std::to_string(ttl_)});
     const std::string key = set[1];
@@ -188,7 +192,7 @@ class RedisStore final : public StoreBackend {
 
   // Connects nodes_[i] (AUTH too); false: the store gave up.
   bool Connect(size_t i) {
-    if (dead_) return false;
+    if (Down()) return false;
     Node& n = nodes_[i];
     if (n.c) return true;
     const struct timeval tv = {timeout_ms_ / 1000, (timeout_ms_ % 1000) * 1000};
@@ -205,6 +209,12 @@ class RedisStore final : public StoreBackend {
     if (u_.has_password) {
       const Command auth = u_.user.empty() ? Command{"AUTH", u_.password} : Command{"AUTH", u_.user, u_.password};
       if (!Ok(Run(i, {auth}), "AUTH")) return false;
+    }
+    if (retrying_) {  // back after a failure: say so once
+      retrying_ = false;
+      ++epoch_;
+      backoff_ = kFirstRetry;
+      warn_(describe_ + ": reconnected; the store is back");
     }
     return true;
   }
@@ -292,7 +302,7 @@ class RedisStore final : public StoreBackend {
   // server refused that key alone (WRONGTYPE: another type is stored there).
   // Fewer replies than keys: the store gave up.
   std::vector<Reply> PerKey(const char* cmd, std::span<const Key> keys) {
-    if (dead_) return {};
+    if (Down()) return {};
     std::vector<std::string> ks;
     for (const Key& k : keys) ks.push_back(prefix_ + key_hex(k));
     std::vector<Reply> out(keys.size());
@@ -408,15 +418,35 @@ class RedisStore final : public StoreBackend {
   void Timeout(const std::string& cmd) { GiveUp(cmd + ": no reply within the timeout"); }
   void Lost(const std::string& cmd, const std::string& why) { GiveUp(cmd + ": connection lost (" + why + ")"); }
 
+  // A failure turns the store off (every operation a miss) until a retry
+  // time, 2 s after the first failure and doubling to 60 s while retries
+  // fail; then the next operation reconnects. Warned once when it goes
+  // down and once when it is back, not on each failed retry.
   void GiveUp(const std::string& why) {
     if (dead_) return;
-    std::string msg = describe_ + ": " + why + "; continuing without the store";
-    if (u_.has_password && !u_.password.empty()) {
-      for (size_t at; (at = msg.find(u_.password)) != std::string::npos;) msg.replace(at, u_.password.size(), "***");
+    if (!retrying_) {
+      std::string msg = describe_ + ": " + why + "; continuing without the store (retrying from " +
+                        std::to_string(std::chrono::duration_cast<std::chrono::seconds>(backoff_).count()) +
+                        " s on)";
+      if (u_.has_password && !u_.password.empty()) {
+        for (size_t at; (at = msg.find(u_.password)) != std::string::npos;) msg.replace(at, u_.password.size(), "***");
+      }
+      warn_(msg);
     }
-    warn_(msg);
     Close();
     dead_ = true;
+    retry_at_ = std::chrono::steady_clock::now() + backoff_;
+    backoff_ = std::min(backoff_ * 2, kLastRetry);
+  }
+
+  // True while the store is off; past the retry time it is on again, to be
+  // tried by the caller (a failure turns it off with a longer wait).
+  bool Down() {
+    if (!dead_) return false;
+    if (std::chrono::steady_clock::now() < retry_at_) return true;
+    dead_ = false;
+    retrying_ = true;
+    return false;
   }
 
   void Close() {
@@ -431,7 +461,11 @@ class RedisStore final : public StoreBackend {
   int ttl_, timeout_ms_;
   WarnFn warn_;
   std::vector<Node> nodes_;       // [0]: the URL's server
-  bool cluster_ = false, dead_ = false;
+  bool cluster_ = false, dead_ = false, retrying_ = false;
+  static constexpr std::chrono::milliseconds kFirstRetry{2000}, kLastRetry{60000};
+  std::chrono::milliseconds backoff_ = kFirstRetry;
+  uint64_t epoch_ = 0;
+  std::chrono::steady_clock::time_point retry_at_{};
   std::vector<size_t> slot_node_;  // cluster: slot -> node
 };
 

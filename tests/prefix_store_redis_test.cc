@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <thread>
 
 #include "store/backends.h"
@@ -429,6 +430,42 @@ TEST(PrefixStoreRedis, AServerKilledMidRunIsAWarningAndTheRunGoesOn) {
   KvCache d("q8_0", kL, 4096, kH, kD);
   EXPECT_EQ(s.longest_prefix(tok, d), 0);
   EXPECT_EQ(w.lines.size(), 1u);
+}
+
+// A Redis that goes away and comes back (a restart, a stall past the
+// timeout) turns the store off for a while, not for the process's life:
+// after the retry time (2 s after the first failure) the next operation
+// reconnects, says so once, and the store serves again.
+TEST(PrefixStoreRedis, AServerThatComesBackIsUsedAgain) {
+  KVQ_NEED_REDIS();
+  auto srv = std::make_unique<RedisServer>();
+  ASSERT_TRUE(srv->up());
+  const int port = srv->port();
+  Warnings w;
+  PrefixStore s(srv->url(), w.Options(64));
+  const test::Rows rows = test::MakeRows(200, 1);
+  const std::vector<int> tok = Tokens(200);
+  KvCache c("q8_0", kL, 4096, kH, kD);
+  FillAndPut(s, c, rows, tok, 0, 100);
+  srv.reset();  // killed
+  KvCache d("q8_0", kL, 4096, kH, kD);
+  EXPECT_EQ(s.longest_prefix(tok, d), 0);
+  EXPECT_FALSE(s.backend().alive());
+  ASSERT_EQ(w.lines.size(), 1u);
+  EXPECT_NE(w.lines[0].find("retrying"), std::string::npos) << w.lines[0];
+  srv = std::make_unique<RedisServer>(std::vector<std::string>{}, port);  // back, empty
+  ASSERT_TRUE(srv->up());
+  KvCache e("q8_0", kL, 4096, kH, kD);
+  EXPECT_EQ(s.longest_prefix(tok, e), 0);  // still within the retry time: a miss, no traffic
+  std::this_thread::sleep_for(std::chrono::milliseconds(2300));
+  EXPECT_TRUE(s.backend().alive());
+  KvCache f("q8_0", kL, 4096, kH, kD);
+  FillAndPut(s, f, rows, tok, 0, 200);  // reconnects and stores
+  ASSERT_EQ(w.lines.size(), 2u);
+  EXPECT_NE(w.lines[1].find("reconnected"), std::string::npos) << w.lines[1];
+  KvCache g("q8_0", kL, 4096, kH, kD);
+  EXPECT_EQ(s.longest_prefix(tok, g), 192);
+  EXPECT_TRUE(s.backend().alive());
 }
 
 TEST(PrefixStoreRedis, PasswordsAreSentAndNeverPrinted) {

@@ -525,10 +525,35 @@ def test_two_servers_share_prefixes_through_redis(redis_url):
         assert mb["kvq_prefix_hits_total"] == 1 and mb["kvq_prefix_tokens_reused_total"] == 32 * ((P - 1) // 32)
         assert mb["kvq_prefix_bytes_reused_total"] > 0
         assert mb["kvq_prefill_tokens_total"] == P - 1 - mb["kvq_prefix_tokens_reused_total"]
+        assert ma["kvq_prefix_store_up"] == 1
         redis.kill()  # a store fault stays harmless
         redis.wait()
         sc, rc = a.post({**body, "prompt": prompt + " Then they"})
         assert sc == 200 and rc["usage"]["completion_tokens"] == 40
+        assert a.metrics()["kvq_prefix_store_up"] == 0  # said, not silent
+        # Redis back on its port: after the retry time (2 s) the store is used again, not off for good.
+        port = int(url.rsplit(":", 1)[1])
+        back = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                 "--appendonly", "no", "--logfile", "/dev/null"])
+        try:
+            def answers():
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                    return True
+                except OSError:
+                    return False
+
+            assert wait_for(answers, 10)
+            time.sleep(2.5)
+            stored = a.metrics()["kvq_prefix_chunks_stored_total"]
+            sc, _ = a.post(body)
+            assert sc == 200
+            m = a.metrics()
+            assert m["kvq_prefix_store_up"] == 1 and m["kvq_prefix_chunks_stored_total"] > stored, m
+            assert "reconnected" in "".join(a._err)
+        finally:
+            back.kill()
+            back.wait()
     assert a.rc == 0 and b.rc == 0
 
 
