@@ -296,7 +296,7 @@ def synthetic(cfg, seed=0, keep_reference=True, stream=False):
     elif tok == "bpe":  # a small real byte-level BPE (llama-bpe): GPT-2's 256 byte characters, then merges
         tokens, kinds, merges = tiny_bpe_vocab(V)
         add_bpe_tokenizer(g, tokens, kinds, merges, "llama-bpe", bos=cfg.get("bos_id", V - 1), eos=V - 2,
-                          add_bos=True)
+                          add_bos=cfg.get("add_bos", True))
     elif tok == "llama":  # sentencepiece layout: <unk>, <s>, </s>, 256 byte pieces, then words
         letters = "abcdefghijklmnopqrstuvwxyz"
         words = ["\u2581" + a for a in letters] + [a + b for a in letters for b in letters]
@@ -509,6 +509,7 @@ def main():
     s.add_argument("--alias", action="store_true", help="every tensor at data offset 0 (a crafted file)")
     s.add_argument("--chat-template", metavar="FILE", help="tokenizer.chat_template: the text of FILE")
     s.add_argument("--bos-id", type=int, help="tokenizer bpe: this tokenizer.ggml.bos_token_id (default vocab - 1)")
+    s.add_argument("--no-add-bos", action="store_true", help="tokenizer bpe: tokenizer.ggml.add_bos_token false")
     s.add_argument("--stream", action="store_true",
                    help="make each matrix as it is written (from its own generator): an 8B model in little memory")
     args = ap.parse_args()
@@ -521,6 +522,8 @@ def main():
                    type=args.type, tokenizer=args.tokenizer)
         if args.bos_id is not None:
             cfg["bos_id"] = args.bos_id
+        if args.no_add_bos:
+            cfg["add_bos"] = False
         g, _ = synthetic(cfg, args.seed, keep_reference=False, stream=args.stream)
         if args.chat_template:
             with open(args.chat_template, encoding="utf-8") as f:

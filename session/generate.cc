@@ -208,6 +208,9 @@ GenerateReport generate(const GenerateOptions& o, const std::function<void(const
     store_if_due();
   }
   r.prefill_seconds = Since(t0) - store_s;
+  // The first token is text too unless it is BOS (a tokenizer that adds
+  // none, add_bos_token = false as Qwen's: its first token was lost).
+  if (tok_ptr && P > 0 && !(tok_ptr->has_bos() && prompt[0] == tok_ptr->bos_id())) text(tok_ptr->bos_id(), prompt[0]);
   for (int i = 0; i < pos; ++i) text(prompt[static_cast<size_t>(i)], prompt[static_cast<size_t>(i) + 1]);
   int token = prompt[static_cast<size_t>(pos)];
   for (; pos < o.steps; ++pos) {

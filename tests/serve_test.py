@@ -273,6 +273,16 @@ def test_chat_errors_and_tokenize_detokenize(tmp_path):
     r = subprocess.run([KVQ, "generate", "--model", g, "--prompt", "hi", "--steps", "2"], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode != 0 and "bos_token_id 305 is outside the vocabulary 0..299" in r.stderr, r.stderr
+    # add_bos_token = false (Qwen's): the prompt's first token is text, echoed whole (it was dropped).
+    g = tmp_path / "no_bos.gguf"
+    subprocess.run(["/usr/bin/python3", ROOT / "scripts" / "gguf_write.py", "synthetic", g, "--dim", "64",
+                    "--hidden", "64", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--vocab", "300",
+                    "--ctx", "256", "--rope-scaling", "none", "--type", "F32", "--tokenizer", "bpe",
+                    "--no-add-bos"], check=True)
+    for prompt in ["hello world", "Zebra, then"]:
+        r = subprocess.run([KVQ, "generate", "--model", g, "--prompt", prompt, "--steps", "24", "--temperature", "0"],
+                           capture_output=True, timeout=120)  # bytes: a random model's text need not be UTF-8
+        assert r.returncode == 0 and r.stdout.startswith(prompt.encode()), (r.stdout, r.stderr)
 
 
 def test_endpoints_and_openai_shapes():
