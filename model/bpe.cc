@@ -127,13 +127,24 @@ ByteLevelBpe::ByteLevelBpe(std::vector<std::string> tokens, const std::vector<in
     ids_.emplace(tokens_[i], static_cast<int>(i));  // the first id of a duplicate wins, as in llama.cpp
     const int64_t t = types.empty() ? 1 : types[i];
     if ((t == 3 || t == 4) && !tokens_[i].empty()) {
-      added_.emplace_back(tokens_[i], static_cast<int>(i));
+      int node = 0;
+      for (const char ch : tokens_[i]) {
+        const auto c = static_cast<unsigned char>(ch);
+        auto& next = added_[static_cast<size_t>(node)].next;
+        auto it = std::lower_bound(next.begin(), next.end(), c, [](const auto& e, unsigned char v) { return e.first < v; });
+        if (it == next.end() || it->first != c) {
+          it = next.insert(it, {c, static_cast<int>(added_.size())});
+          const int child = it->second;
+          added_.emplace_back();  // invalidates `next`, not `child`
+          node = child;
+        } else {
+          node = it->second;
+        }
+      }
+      if (added_[static_cast<size_t>(node)].id < 0) added_[static_cast<size_t>(node)].id = static_cast<int>(i);
       control_[i] = t == 3;
     }
   }
-  std::stable_sort(added_.begin(), added_.end(),
-                   [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
-  for (const auto& [s, id] : added_) added_first_[static_cast<unsigned char>(s[0])] = true;
   for (int b = 0; b < 256; ++b) {
     const int cp = ByteChar(b);
     char_byte_[cp] = static_cast<int16_t>(b);
@@ -260,18 +271,7 @@ std::vector<int> ByteLevelBpe::encode(std::string_view text) const {
   };
   size_t start = 0;
   for (size_t p = 0; p < text.size();) {
-    int hit = -1;
-    size_t len = 0;
-    if (!added_first_[static_cast<unsigned char>(text[p])]) {
-      ++p;
-      continue;
-    }
-    for (const auto& [s, id] : added_) {  // longest first: the first that matches
-      if (static_cast<unsigned char>(s[0]) == static_cast<unsigned char>(text[p]) && text.compare(p, s.size(), s) == 0) {
-        hit = id, len = s.size();
-        break;
-      }
-    }
+    const auto [hit, len] = MatchAdded(text, p);
     if (hit < 0) {
       ++p;
       continue;
@@ -283,6 +283,21 @@ std::vector<int> ByteLevelBpe::encode(std::string_view text) const {
   }
   plain(text.substr(start));
   return out;
+}
+
+std::pair<int, size_t> ByteLevelBpe::MatchAdded(std::string_view text, size_t p) const {
+  std::pair<int, size_t> best{-1, 0};
+  int node = 0;
+  for (size_t q = p; q < text.size(); ++q) {
+    const auto c = static_cast<unsigned char>(text[q]);
+    const auto& next = added_[static_cast<size_t>(node)].next;
+    const auto it =
+        std::lower_bound(next.begin(), next.end(), c, [](const auto& e, unsigned char v) { return e.first < v; });
+    if (it == next.end() || it->first != c) break;
+    node = it->second;
+    if (added_[static_cast<size_t>(node)].id >= 0) best = {added_[static_cast<size_t>(node)].id, q + 1 - p};
+  }
+  return best;
 }
 
 std::string ByteLevelBpe::decode(int id) const {

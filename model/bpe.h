@@ -72,8 +72,17 @@ class ByteLevelBpe {
   int byte_id_[256] = {};
   int16_t char_byte_[324];        // GPT-2 byte character code point (< 324) -> byte, -1: none
   std::string byte_chars_[256];   // byte -> its character, UTF-8
-  std::vector<std::pair<std::string, int>> added_;  // added tokens, longest first
-  bool added_first_[256] = {};                       // bytes an added token starts with
+  // The added tokens as a byte trie: node 0 is the root; a node's id is the
+  // token ending there (-1: none; of duplicates, the first id). Matching at
+  // a position walks at most the longest added token's bytes, whatever
+  // their number (a list tried in turn cost text x tokens).
+  struct AddedNode {
+    std::vector<std::pair<unsigned char, int>> next;  // sorted by byte
+    int id = -1;
+  };
+  std::vector<AddedNode> added_{AddedNode{}};
+  // The longest added token at text[p..] (its id and length), or id -1.
+  std::pair<int, size_t> MatchAdded(std::string_view text, size_t p) const;
   Pre pre_;
   std::unique_ptr<Regexes> re_;
 };
