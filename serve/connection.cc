@@ -184,8 +184,7 @@ bool GuardedServer::process_and_close_socket(socket_t sock) {
   }
   if (over) {
     ++refused_;
-    static const std::string body =
-        R"({"error":{"message":"too many connections from this address at once","type":"server_busy","param":null,"code":null}})";
+    const std::string& body = limits_.refusal_json;
     SendAll(sock,
             "HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nConnection: close\r\nContent-Type: "
             "application/json\r\nContent-Length: " +

@@ -32,6 +32,7 @@ struct ConnectionLimits {
   int request_seconds = 30;     // a request's head and body, from its first byte
   int keep_alive_seconds = 5;   // idle between two requests of a connection
   int per_client = 0;           // connections at once from one address (0: no cap)
+  std::string refusal_json;     // the 503's body past per_client (the caller's error shape)
 };
 
 class GuardedServer : public httplib::Server {

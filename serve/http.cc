@@ -492,6 +492,9 @@ int serve_http(Engine& engine, const HttpOptions& o, const std::function<void(in
   // stay free for every other client.
   limits.per_client = o.max_client_connections > 0 ? o.max_client_connections
                                                    : static_cast<int>(std::max<size_t>(1, workers / 2));
+  limits.refusal_json = Dump(ErrorBody("too many connections from this address at once (--max-client-connections " +
+                                           std::to_string(limits.per_client) + ")",
+                                       "server_busy"));
   GuardedServer svr(limits);
   svr.new_task_queue = [workers] { return new httplib::ThreadPool(workers); };
   svr.set_payload_max_length(static_cast<size_t>(o.max_body_kb) * 1024);

@@ -754,6 +754,21 @@ def test_trickling_connections_neither_starve_others_nor_stay(slow_gguf):
     assert s.rc == 0
 
 
+def test_a_connection_past_the_per_address_cap_gets_an_openai_503():
+    with Server(KVQ, stories("--kv", "fp16", "--max-client-connections", "1")) as s:
+        held = socket.create_connection(("127.0.0.1", s.port), timeout=30)  # the address's one connection
+        held.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert held.recv(65536).startswith(b"HTTP/1.1 200")  # served, and kept alive
+        got, _ = raw_exchange(s.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", half_close=True)
+        assert got.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in got, got[:300]
+        e = json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]
+        assert e["type"] == "server_busy" and "--max-client-connections 1" in e["message"], e
+        held.close()
+        assert wait_for(lambda: raw_exchange(s.port, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close"
+                                                     b"\r\n\r\n")[0].startswith(b"HTTP/1.1 200"), 10)
+    assert s.rc == 0
+
+
 def test_many_connections_at_once_each_answered_once_and_memory_returns_to_idle():
     """3 x 48 requests at once, each answered once, 48 sequences running at once (their fp32 caches ~30 MiB
     together); afterwards the process's RSS is back within 12 MiB of what it was idle after a first small
