@@ -742,7 +742,9 @@ def test_trickling_connections_neither_starve_others_nor_stay(slow_gguf):
         assert max(served) < idle_s + 2, (served, idle_s)
         m = s.metrics()
         assert m["kvq_connections_refused_total"] >= 300 - 32, m  # half of --connections 64 held, the rest 503
-        assert m["kvq_connections_open"] <= 32 + 1, m
+        # the held 32, plus this client's own: the metrics request and any of the five posts' connections whose
+        # close the server has not yet seen (one flaky run of the whole file in five)
+        assert m["kvq_connections_open"] <= 32 + 6, m
         # The held ones are cut off at the deadline (4 s from their first byte), not when the head completes.
         assert wait_for(lambda: s.metrics()["kvq_requests_timed_out_total"] >= 32, 15), s.metrics()
         assert wait_for(lambda: s.metrics()["kvq_connections_open"] <= 1, 15), s.metrics()
