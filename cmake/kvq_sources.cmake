@@ -16,6 +16,7 @@ set(KVQ_CORE_SOURCES
   src/base/ggml_quants.cc
   src/base/ggml_weights.cc
   src/base/ggml_dot.cc
+  src/base/ggml_int_dot.cc
   src/base/rope.cc
   src/base/stats.cc
   src/base/targets.cc

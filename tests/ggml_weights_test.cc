@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -108,6 +109,91 @@ TEST(GgmlWeights, FusedAndSequentialDotsAreWithinGammaNOfTheExactSum) {
       worst = std::max(worst, std::fabs(fused[i] - exact) / mag);
     }
     EXPECT_GT(worst, 0.0);  // the check saw rounding, not identical sums by construction
+  }
+}
+
+// The integer path (ggml's 8-bit activations, integer block sums): every
+// compiled target equals the scalar reference bit for bit, on activations
+// with outliers, a block of zeros and tiny values.
+std::vector<float> Activation(size_t cols, test::Rng& rng) {
+  std::vector<float> x(cols);
+  for (size_t j = 0; j < cols; ++j) x[j] = static_cast<float>(rng.Gaussian()) * (j % 97 == 5 ? 40.0f : 1.0f);
+  for (size_t j = 0; j < std::min<size_t>(cols, 256); ++j) x[j] = j < 32 ? 0.0f : x[j] * 1e-6f;
+  return x;
+}
+
+TEST(GgmlWeights, IntDotEqualsItsReferenceBitForBitOnEveryTarget) {
+  test::Rng rng(21);
+  test::ForEachTarget([&](const char*) {
+    for (const WeightType type : BlockTypes()) {
+      const uint32_t t = static_cast<uint32_t>(type);
+      SCOPED_TRACE(static_cast<int>(type));
+      ASSERT_NE(ggml::activation_type(t), 0u);
+      for (size_t cols : {size_t{256}, size_t{1024}, size_t{96}}) {
+        if (cols % static_cast<size_t>(ggml::weight_block(t)) != 0) continue;
+        const size_t rows = 9;
+        const std::vector<uint8_t> m = RandomMatrix(type, rows, cols, rng);
+        const ggml::WeightMatrix w = View(type, m, rows, cols);
+        const std::vector<float> x = Activation(cols, rng);
+        std::vector<uint8_t> xq(ggml::activation_bytes(t, cols));
+        ggml::quantize_activation(t, x.data(), cols, xq.data());
+        std::vector<float> got(rows), part(rows - 3);
+        ggml::matvec_int(w, xq.data(), 0, rows, got.data());
+        ggml::matvec_int(w, xq.data(), 3, rows, part.data());
+        for (size_t i = 0; i < rows; ++i) {
+          const float want = ggml::dot_row_int_ref(w, i, xq.data());
+          ASSERT_TRUE(std::isfinite(want));
+          uint32_t a, b;
+          std::memcpy(&a, &got[i], 4), std::memcpy(&b, &want, 4);
+          ASSERT_EQ(a, b) << "row " << i << " cols " << cols << ": " << got[i] << " vs " << want;
+          if (i >= 3) {
+            ASSERT_EQ(part[i - 3], got[i]);
+          }
+        }
+      }
+    }
+  });
+}
+
+// The integer path's result is the float dot product of the weights with the
+// activation as rounded: within sum_j |w_j| |x_j - x^_j| plus float rounding
+// of the exact sum. Each 8-bit code is within half a step of x_j / d (d =
+// amax / 127 of its block), and the step is stored as fp16 for Q8_0 / Q8_1
+// (relative 2^-11, times a code of at most 127). A code paired with the
+// wrong activation, a wrong scale or a dropped min breaks it by orders of
+// magnitude.
+TEST(GgmlWeights, IntDotIsTheFloatDotUpToTheActivationsRounding) {
+  test::Rng rng(22);
+  for (const WeightType type : BlockTypes()) {
+    const uint32_t t = static_cast<uint32_t>(type);
+    const size_t rows = 16, cols = 2048, ab = ggml::activation_type(t) == 15 ? 256 : 32;
+    const std::vector<uint8_t> m = RandomMatrix(type, rows, cols, rng);
+    const ggml::WeightMatrix w = View(type, m, rows, cols);
+    const std::vector<float> x = Activation(cols, rng);
+    std::vector<uint8_t> xq(ggml::activation_bytes(t, cols));
+    ggml::quantize_activation(t, x.data(), cols, xq.data());
+    std::vector<float> got(rows), deq(cols);
+    ggml::matvec_int(w, xq.data(), 0, rows, got.data());
+    std::vector<double> step(cols / ab);
+    for (size_t b = 0; b < step.size(); ++b) {
+      double amax = 0;
+      for (size_t j = b * ab; j < (b + 1) * ab; ++j) amax = std::max(amax, std::fabs(static_cast<double>(x[j])));
+      step[b] = amax / 127.0;
+    }
+    double worst = 0;
+    for (size_t i = 0; i < rows; ++i) {
+      ggml::dequantize_rows(w, i, i + 1, deq.data());
+      double exact = 0, mag = 0, quant = 0;
+      for (size_t j = 0; j < cols; ++j) {
+        exact += static_cast<double>(deq[j]) * x[j];
+        mag += std::fabs(static_cast<double>(deq[j]) * x[j]);
+        quant += std::fabs(static_cast<double>(deq[j])) * step[j / ab] * (0.5 + 127.0 * std::ldexp(1.0, -11));
+      }
+      const double tol = quant + 1e-5 * mag;
+      ASSERT_LE(std::fabs(got[i] - exact), tol) << static_cast<int>(type) << " row " << i;
+      worst = std::max(worst, std::fabs(got[i] - exact) / tol);
+    }
+    EXPECT_GT(worst, 1e-3) << static_cast<int>(type);  // the activation's rounding is seen, not a float path
   }
 }
 

@@ -78,4 +78,35 @@ bool fused_type(uint32_t type);
 void matvec_fused(const WeightMatrix& w, const float* x, size_t r0, size_t r1, float* out);
 float dot_row_fused_ref(const WeightMatrix& w, size_t i, const float* x);
 
+// ---- The integer path (llama.cpp's quantized dot products) ----------------
+// src/base/ggml_int_dot.cc. The activation row is rounded once to the 8-bit
+// block format ggml pairs with the weight type (its vec_dot_type) and each
+// block's products are summed in integers; float enters only at the block
+// scales. Not the exact path's numbers: the activation carries ggml's 8-bit
+// rounding, as llama.cpp's own matmuls do.
+//
+// The format: 8 (Q8_0: fp16 d | 32 int8) for Q4_0, Q5_0, Q8_0, IQ4_NL;
+// 9 (Q8_1: fp16 d | fp16 d sum(q) | 32 int8) for Q4_1, Q5_1; 15 (Q8_K:
+// float32 d | 256 int8 | 16 int16 sums of 16) for Q2_K..Q6_K and IQ4_XS;
+// 0 for a type without an integer path (F32, F16, BF16).
+uint32_t activation_type(uint32_t weight_type);
+// Bytes of n activations in that format (n a multiple of the weight's block).
+size_t activation_bytes(uint32_t weight_type, size_t n);
+// x[0, n) rounded as ggml's quantize_row_q8_0_ref / q8_1_ref / q8_K_ref
+// round it, byte for byte (for finite x; a Q8_K block of zeros also has
+// zero sums, which ggml leaves unwritten; non-finite values give zero or
+// clamped codes, never a trap). Never throws.
+void quantize_activation(uint32_t weight_type, const float* x, size_t n, uint8_t* out);
+// out[i - r0] = row i . xq for rows [r0, r1): each block's integer dot
+// product exactly, then per block the float scaling ggml's generic
+// ggml_vec_dot_<type>_q8_<fmt> does, blocks added in order (the K-quants
+// Q3_K..Q6_K scale each block's integer total once where ggml keeps 8 float
+// lanes). The same bits on every SIMD target as dot_row_int_ref. Against
+// ggml's own vec_dot on the same activation bytes (any of its SIMD
+// variants): both are sums of the same per-block integers times the same
+// float scales in another order, so they differ by at most
+// 2 gamma_(nb + 4) sum_b |scaled block terms| (nb = blocks per row, u = 2^-24).
+void matvec_int(const WeightMatrix& w, const uint8_t* xq, size_t r0, size_t r1, float* out);
+float dot_row_int_ref(const WeightMatrix& w, size_t i, const uint8_t* xq);
+
 }  // namespace kvq::ggml

@@ -87,6 +87,37 @@ void BindModel(py::module_& m) {
     ggml::dequantize(type, reinterpret_cast<const uint8_t*>(b.data()), static_cast<size_t>(n), out.mutable_data());
     return out;
   }, py::arg("ggml_type"), py::arg("data"), py::arg("n"));
+  // The integer path (kvq/ggml_weights.h): a float32 row rounded to the
+  // activation format of a weight type, and rows of that type dotted with it.
+  m.def("quantize_activation", [](uint32_t type, const py::array_t<float, py::array::c_style | py::array::forcecast>& x) {
+    KVQ_CHECK_ARG(ggml::activation_type(type) != 0, "ggml_type: expected a block type with an integer path, got ",
+                  model::ggml_type_name(type));
+    const int64_t block = ggml::weight_block(type), n = x.size();
+    KVQ_CHECK_ARG(x.ndim() == 1 && n >= 1 && n % block == 0, "x: expected one row of a positive multiple of ", block,
+                  " values, got ", n);
+    std::string out(ggml::activation_bytes(type, static_cast<size_t>(n)), '\0');
+    ggml::quantize_activation(type, x.data(), static_cast<size_t>(n), reinterpret_cast<uint8_t*>(out.data()));
+    return py::bytes(out);
+  }, py::arg("ggml_type"), py::arg("x"));
+  m.def("dot_ggml_int", [](uint32_t type, const py::bytes& weights, const py::bytes& activation, int64_t cols) {
+    KVQ_CHECK_ARG(ggml::activation_type(type) != 0, "ggml_type: expected a block type with an integer path, got ",
+                  model::ggml_type_name(type));
+    const int64_t block = ggml::weight_block(type), bytes = ggml::weight_block_bytes(type);
+    KVQ_CHECK_ARG(cols >= 1 && cols % block == 0, "cols: expected a positive multiple of ", block, ", got ", cols);
+    const std::string_view w = weights, a = activation;
+    const int64_t row_bytes = cols / block * bytes;
+    KVQ_CHECK_ARG(!w.empty() && static_cast<int64_t>(w.size()) % row_bytes == 0, "weights: expected whole rows of ",
+                  row_bytes, " bytes, got ", w.size());
+    KVQ_CHECK_ARG(a.size() == ggml::activation_bytes(type, static_cast<size_t>(cols)), "activation: expected ",
+                  ggml::activation_bytes(type, static_cast<size_t>(cols)), " bytes, got ", a.size());
+    ggml::WeightMatrix m;
+    m.type = type, m.data = reinterpret_cast<const uint8_t*>(w.data());
+    m.rows = w.size() / static_cast<size_t>(row_bytes), m.cols = static_cast<size_t>(cols);
+    m.row_bytes = static_cast<size_t>(row_bytes);
+    py::array_t<float> out(static_cast<py::ssize_t>(m.rows));
+    ggml::matvec_int(m, reinterpret_cast<const uint8_t*>(a.data()), 0, m.rows, out.mutable_data());
+    return out;
+  }, py::arg("ggml_type"), py::arg("weights"), py::arg("activation"), py::arg("cols"));
   // A generation session (session/generate.h): the library half of kvq generate.
   m.def("generate", [](const std::string& model, const std::string& tokenizer, const std::string& prompt,
                        const std::string& kv, int steps, double temperature, uint64_t seed, const std::string& save_cache,

@@ -26,6 +26,8 @@ The KV cache and fused decode attention (kvq's C++ cache, not the note's)
 Models and generation
     Model(path).logits(tokens, kv="fp32", forward="window") -> (T, vocab)
     dequantize_ggml(ggml_type, data, n) -> (n,) float32   a GGUF tensor's bytes (F32 ... Q6_K, IQ4_XS)
+    quantize_activation(ggml_type, x) -> bytes; dot_ggml_int(ggml_type, weights, activation, cols)
+        -> (rows,) float32   the integer path for quantized weights (llama.cpp's arithmetic)
     generate(model, prompt="", *, kv="", steps=256, save_cache=None, load_cache=None,
              prompt_cache=None, ...) -> {"text", "tokens", "bits", "status", ...}   kvq generate, in process
 
@@ -55,7 +57,7 @@ from .sorted_profile import DEFAULT_KS_MAX, SortedProfileEncoding, fit_sorted_pr
 from .cache import (KvCache, all_kv_scheme_names, decode_attention, grouped_kv_presets, kv_scheme_info, kv_schemes,
                     static_ranges_from_samples)
 from .prefix_store import PrefixStore
-from .model import Model, dequantize_ggml, read_token_file
+from .model import Model, dequantize_ggml, dot_ggml_int, quantize_activation, read_token_file
 from .session import generate
 from .clusters import (ClusterBank, QuantizedClusterOutliers, dequantize_cluster_outliers, quantize_cluster_outliers,
                        spearman)
@@ -63,7 +65,7 @@ from .clusters import (ClusterBank, QuantizedClusterOutliers, dequantize_cluster
 __all__ = [
     "AffineQuantized", "ClusterBank", "DEFAULT_KS_MAX", "Error", "Estimator", "GaussianEstimator",
     "KvCache", "LaplaceEstimator", "Model", "PrefixStore", "QuantizedClusterOutliers", "SortedProfileEncoding", "all_kv_scheme_names",
-    "decode_attention", "dequantize_ggml", "generate", "read_token_file",
+    "decode_attention", "dequantize_ggml", "dot_ggml_int", "generate", "quantize_activation", "read_token_file",
     "dequantize_cluster_outliers", "dequantize_kv_cache", "fit_sorted_profile", "grouped_kv_presets", "kv_scheme_info",
     "kv_schemes",
     "quantization_error_per_token", "static_ranges_from_samples", "quantize_cluster_outliers", "quantize_kv_cache", "spearman",

@@ -1,7 +1,7 @@
 """A model kvq can run (GGUF or llama2.c) and token-id files."""
 
 from . import _kvq
-from ._util import _numpy, _int, _str
+from ._util import _input, _numpy, _int, _str
 
 
 class Model:
@@ -53,6 +53,19 @@ def dequantize_ggml(ggml_type, data, n):
     if not isinstance(data, (bytes, bytearray, memoryview)):
         data = _numpy(data).tobytes()
     return _kvq.dequantize_ggml(_int(ggml_type, "ggml_type", 0, 2 ** 32 - 1), bytes(data), _int(n, "n"))
+
+
+def quantize_activation(ggml_type, x):
+    """One float32 row rounded to the 8-bit block format ggml pairs with weight type ggml_type (Q8_0, Q8_1 or
+    Q8_K), byte for byte as ggml's quantize_row_q8_*_ref writes it: kvq's integer path's activation."""
+    return _kvq.quantize_activation(_int(ggml_type, "ggml_type", 0, 2 ** 32 - 1), _input(x, "x")[0].astype("float32"))
+
+
+def dot_ggml_int(ggml_type, weights, activation, cols):
+    """Rows of cols values in ggml type ggml_type (bytes) dotted with an activation from quantize_activation
+    through kvq's integer path (llama.cpp's arithmetic): (rows,) float32."""
+    return _kvq.dot_ggml_int(_int(ggml_type, "ggml_type", 0, 2 ** 32 - 1), bytes(weights), bytes(activation),
+                             _int(cols, "cols"))
 
 
 def read_token_file(path, vocab_size):

@@ -1,0 +1,566 @@
+// The integer path over ggml's block types (kvq/ggml_weights.h: matvec_int):
+// the activation rounded once per row to the 8-bit block format ggml pairs
+// with the weight type (Q8_0, Q8_1 or Q8_K, as quantize_row_q8_*_ref rounds
+// it), integer products summed exactly inside each block, float only at the
+// block scales. The float steps of a block are scalar and in one order on
+// every target, and integer sums are exact in any order, so every target and
+// the scalar reference give the same bits.
+//
+// Highway kernels (fixed-width targets: x86, NEON) for Q4_0, Q8_0, Q4_K,
+// Q5_K and Q6_K: codes and activations widened to int16 lanes and multiplied
+// in pairs into int32 (pmaddwd on x86; the K-quants' sub-block scales are
+// folded into the int16 codes first, which they fit); the other types, and
+// the scalar and scalable targets, run the reference.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "kvq/error.h"
+#include "kvq/ggml_weights.h"
+#include "kvq/half.h"
+#include "src/base/ggml_weight_blocks.h"
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "src/base/ggml_int_dot.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/highway.h"
+
+#ifndef KVQ_BASE_GGML_INT_DOT_ONCE
+#define KVQ_BASE_GGML_INT_DOT_ONCE
+namespace kvq::ggml::idot {
+
+using blocks::Half;
+using blocks::kIq4Levels;
+using blocks::ScaleMinK4;
+
+constexpr int kQK = 32;
+constexpr int kQKK = 256;
+// The activation blocks: Q8_0 = d (fp16) | qs[32]; Q8_1 = d (fp16) | s (fp16,
+// d times the sum of qs) | qs[32]; Q8_K = d (float32) | qs[256] | bsums[16]
+// (int16: sums of 16 qs).
+constexpr size_t kQ8_0Bytes = 34, kQ8_1Bytes = 36, kQ8_KBytes = 292;
+
+inline float F32(const uint8_t* p) {
+  float f;
+  std::memcpy(&f, p, 4);
+  return f;
+}
+inline int16_t I16(const uint8_t* p) {
+  int16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+inline const int8_t* S8(const uint8_t* p) { return reinterpret_cast<const int8_t*>(p); }
+
+// ---- the scalar reference, one function per weight type -------------------
+// Each returns the row's dot product over `nb` blocks at w (weight) and y
+// (activation). The float expression of a block is ggml's generic one where
+// that sums per block (the 32-value types, Q2_K, IQ4_XS); for Q3_K..Q6_K,
+// whose generic code keeps 8 float lanes, the block's integer total is
+// scaled once (kvq's order; within the bound kvq/ggml_weights.h states).
+
+float RefQ4_0(const uint8_t* w, const uint8_t* y, size_t nb) {
+  float sumf = 0;
+  for (size_t b = 0; b < nb; ++b, w += 18, y += kQ8_0Bytes) {
+    const int8_t* q8 = S8(y + 2);
+    int sumi = 0;
+    for (int j = 0; j < kQK / 2; ++j) {
+      sumi += ((w[2 + j] & 0x0F) - 8) * q8[j] + ((w[2 + j] >> 4) - 8) * q8[j + kQK / 2];
+    }
+    sumf += static_cast<float>(sumi) * Half(w) * Half(y);
+  }
+  return sumf;
+}
+
+float RefQ4_1(const uint8_t* w, const uint8_t* y, size_t nb) {
+  float sumf = 0;
+  for (size_t b = 0; b < nb; ++b, w += 20, y += kQ8_1Bytes) {
+    const int8_t* q8 = S8(y + 4);
+    int sumi = 0;
+    for (int j = 0; j < kQK / 2; ++j) sumi += (w[4 + j] & 0x0F) * q8[j] + (w[4 + j] >> 4) * q8[j + kQK / 2];
+    sumf += (Half(w) * Half(y)) * static_cast<float>(sumi) + Half(w + 2) * Half(y + 2);
+  }
+  return sumf;
+}
+
+// Q5_0 / Q5_1's codes (0..31) of one block: qh at qh_at, nibbles at qs.
+inline void Codes5(const uint8_t* qh_at, const uint8_t* qs, int* c) {
+  uint32_t qh;
+  std::memcpy(&qh, qh_at, 4);
+  for (int j = 0; j < kQK / 2; ++j) {
+    c[j] = (qs[j] & 0x0F) | static_cast<int>(((qh >> j) << 4) & 0x10);
+    c[j + kQK / 2] = (qs[j] >> 4) | static_cast<int>((qh >> (j + 12)) & 0x10);
+  }
+}
+
+float RefQ5_0(const uint8_t* w, const uint8_t* y, size_t nb) {
+  float sumf = 0;
+  for (size_t b = 0; b < nb; ++b, w += 22, y += kQ8_0Bytes) {
+    int c[kQK];
+    Codes5(w + 2, w + 6, c);
+    const int8_t* q8 = S8(y + 2);
+    int sumi = 0;
+    for (int j = 0; j < kQK; ++j) sumi += (c[j] - 16) * q8[j];
+    sumf += (Half(w) * Half(y)) * static_cast<float>(sumi);
+  }
+  return sumf;
+}
+
+float RefQ5_1(const uint8_t* w, const uint8_t* y, size_t nb) {
+  float sumf = 0;
+  for (size_t b = 0; b < nb; ++b, w += 24, y += kQ8_1Bytes) {
+    int c[kQK];
+    Codes5(w + 4, w + 8, c);
+    const int8_t* q8 = S8(y + 4);
+    int sumi = 0;
+    for (int j = 0; j < kQK; ++j) sumi += c[j] * q8[j];
+    sumf += (Half(w) * Half(y)) * static_cast<float>(sumi) + Half(w + 2) * Half(y + 2);
+  }
+  return sumf;
+}
+
+float RefQ8_0(const uint8_t* w, const uint8_t* y, size_t nb) {
+  float sumf = 0;
+  for (size_t b = 0; b < nb; ++b, w += 34, y += kQ8_0Bytes) {
+    const int8_t* qw = S8(w + 2);
+    const int8_t* q8 = S8(y + 2);
+    int sumi = 0;
+    for (int j = 0; j < kQK; ++j) sumi += qw[j] * q8[j];
+    sumf += static_cast<float>(sumi) * (Half(w) * Half(y));
+  }
+  return sumf;
+}
+
+float RefIQ4_NL(const uint8_t* w, const uint8_t* y, size_t nb) {
+  float sumf = 0;
+  for (size_t b = 0; b < nb; ++b, w += 18, y += kQ8_0Bytes) {
+    const int8_t* q8 = S8(y + 2);
+    int s1 = 0, s2 = 0;
+    for (int j = 0; j < kQK / 2; ++j) {
+      s1 += q8[j] * kIq4Levels[w[2 + j] & 0x0F];
+      s2 += q8[j + kQK / 2] * kIq4Levels[w[2 + j] >> 4];
+    }
+    sumf += (Half(w) * Half(y)) * static_cast<float>(s1 + s2);
+  }
+  return sumf;
+}
+
+float RefQ2_K(const uint8_t* w, const uint8_t* y, size_t nb) {
+  float sumf = 0;
+  for (size_t b = 0; b < nb; ++b, w += 84, y += kQ8_KBytes) {
+    const uint8_t* sc = w;
+    const uint8_t* q2 = w + 16;
+    const int8_t* q8 = S8(y + 4);
+    int summs = 0;
+    for (int j = 0; j < 16; ++j) summs += I16(y + 260 + 2 * j) * (sc[j] >> 4);
+    const float dall = F32(y) * Half(w + 80), dmin = F32(y) * Half(w + 82);
+    int isum = 0, is = 0;
+    for (int k = 0; k < kQKK / 128; ++k, q2 += 32) {
+      for (int shift = 0; shift < 8; shift += 2, q8 += 32) {
+        for (int half = 0; half < 2; ++half) {
+          const int d = sc[is++] & 0x0F;
+          int isuml = 0;
+          for (int l = 16 * half; l < 16 * half + 16; ++l) isuml += q8[l] * ((q2[l] >> shift) & 3);
+          isum += d * isuml;
+        }
+      }
+    }
+    sumf += dall * static_cast<float>(isum) - dmin * static_cast<float>(summs);
+  }
+  return sumf;
+}
+
+float RefQ3_K(const uint8_t* w, const uint8_t* y, size_t nb) {
+  float sumf = 0;
+  for (size_t b = 0; b < nb; ++b, w += 110, y += kQ8_KBytes) {
+    const uint8_t* hm = w;
+    const uint8_t* q = w + 32;
+    uint32_t aux[4];
+    std::memcpy(aux, w + 96, 12);
+    const uint32_t kmask1 = 0x03030303, kmask2 = 0x0f0f0f0f, tmp = aux[2];
+    aux[2] = ((aux[0] >> 4) & kmask2) | (((tmp >> 4) & kmask1) << 4);
+    aux[3] = ((aux[1] >> 4) & kmask2) | (((tmp >> 6) & kmask1) << 4);
+    aux[0] = (aux[0] & kmask2) | (((tmp >> 0) & kmask1) << 4);
+    aux[1] = (aux[1] & kmask2) | (((tmp >> 2) & kmask1) << 4);
+    int8_t scales[16];
+    std::memcpy(scales, aux, 16);
+    const int8_t* q8 = S8(y + 4);
+    int isum = 0, is = 0;
+    uint8_t m = 1;
+    for (int n = 0; n < kQKK; n += 128, q += 32) {
+      for (int shift = 0; shift < 8; shift += 2, m = static_cast<uint8_t>(m << 1)) {
+        for (int half = 0; half < 2; ++half, q8 += 16) {
+          int s = 0;
+          for (int l = 0; l < 16; ++l) {
+            s += q8[l] * (((q[16 * half + l] >> shift) & 3) - ((hm[16 * half + l] & m) ? 0 : 4));
+          }
+          isum += (scales[is++] - 32) * s;
+        }
+      }
+    }
+    sumf += (Half(w + 108) * F32(y)) * static_cast<float>(isum);
+  }
+  return sumf;
+}
+
+// Q4_K and Q5_K (the fifth bit from qh).
+template <bool kQ5>
+float RefQ45_K(const uint8_t* w, const uint8_t* y, size_t nb) {
+  float sumf = 0;
+  const size_t bytes = kQ5 ? 176 : 144;
+  for (size_t b = 0; b < nb; ++b, w += bytes, y += kQ8_KBytes) {
+    const uint8_t* scales = w + 4;
+    const uint8_t* qh = w + 16;
+    const uint8_t* q = kQ5 ? w + 48 : w + 16;
+    const int8_t* q8 = S8(y + 4);
+    int isum = 0, summ = 0;
+    for (int is = 0; is < 8; ++is) {
+      uint8_t sc, mn;
+      ScaleMinK4(is, scales, &sc, &mn);
+      const uint8_t* qq = q + 32 * (is / 2);
+      int s = 0;
+      for (int l = 0; l < 32; ++l) {
+        int c = (is & 1) ? (qq[l] >> 4) : (qq[l] & 0x0F);
+        if (kQ5) c |= ((qh[l] >> is) & 1) << 4;
+        s += c * q8[32 * is + l];
+      }
+      isum += sc * s;
+      summ += mn * (I16(y + 260 + 4 * is) + I16(y + 262 + 4 * is));
+    }
+    const float d = Half(w) * F32(y), dmin = Half(w + 2) * F32(y);
+    sumf += d * static_cast<float>(isum) - dmin * static_cast<float>(summ);
+  }
+  return sumf;
+}
+
+float RefQ6_K(const uint8_t* w, const uint8_t* y, size_t nb) {
+  float sumf = 0;
+  for (size_t b = 0; b < nb; ++b, w += 210, y += kQ8_KBytes) {
+    const uint8_t* ql = w;
+    const uint8_t* qh = w + 128;
+    const int8_t* sc = S8(w + 192);
+    const int8_t* q8 = S8(y + 4);
+    int isum = 0;
+    for (int n = 0; n < 2; ++n, ql += 64, qh += 32, sc += 8, q8 += 128) {
+      for (int s = 0; s < 4; ++s) {
+        for (int g = 0; g < 2; ++g) {
+          int acc = 0;
+          for (int l = 16 * g; l < 16 * g + 16; ++l) {
+            const int low = s < 2 ? (ql[32 * (s & 1) + l] & 0x0F) : (ql[32 * (s & 1) + l] >> 4);
+            const int c = (low | (((qh[l] >> (2 * s)) & 3) << 4)) - 32;
+            acc += c * q8[32 * s + l];
+          }
+          isum += sc[2 * s + g] * acc;
+        }
+      }
+    }
+    sumf += (Half(w + 208) * F32(y)) * static_cast<float>(isum);
+  }
+  return sumf;
+}
+
+float RefIQ4_XS(const uint8_t* w, const uint8_t* y, size_t nb) {
+  float sumf = 0;
+  for (size_t b = 0; b < nb; ++b, w += 136, y += kQ8_KBytes) {
+    const float d4d8 = Half(w) * F32(y);
+    uint16_t h;
+    std::memcpy(&h, w + 2, 2);
+    const uint8_t* sl = w + 4;
+    const uint8_t* qs = w + 8;
+    const int8_t* q8 = S8(y + 4);
+    for (int ib = 0; ib < kQKK / 32; ib += 2) {
+      const int ls1 = (sl[ib / 2] & 0x0F) | ((h << 4) & 0x30), ls2 = (sl[ib / 2] >> 4) | ((h << 2) & 0x30);
+      h = static_cast<uint16_t>(h >> 4);
+      const float d1 = d4d8 * static_cast<float>(ls1 - 32), d2 = d4d8 * static_cast<float>(ls2 - 32);
+      for (const float dl : {d1, d2}) {
+        int s1 = 0, s2 = 0;
+        for (int j = 0; j < 16; ++j) {
+          s1 += q8[j] * kIq4Levels[qs[j] & 0x0F];
+          s2 += q8[j + 16] * kIq4Levels[qs[j] >> 4];
+        }
+        sumf += dl * static_cast<float>(s1 + s2);
+        qs += 16;
+        q8 += 32;
+      }
+    }
+  }
+  return sumf;
+}
+
+using RefFn = float (*)(const uint8_t*, const uint8_t*, size_t);
+inline RefFn Ref(uint32_t type) {
+  switch (static_cast<WeightType>(type)) {
+    case WeightType::kQ4_0: return RefQ4_0;
+    case WeightType::kQ4_1: return RefQ4_1;
+    case WeightType::kQ5_0: return RefQ5_0;
+    case WeightType::kQ5_1: return RefQ5_1;
+    case WeightType::kQ8_0: return RefQ8_0;
+    case WeightType::kIQ4_NL: return RefIQ4_NL;
+    case WeightType::kQ2_K: return RefQ2_K;
+    case WeightType::kQ3_K: return RefQ3_K;
+    case WeightType::kQ4_K: return RefQ45_K<false>;
+    case WeightType::kQ5_K: return RefQ45_K<true>;
+    case WeightType::kQ6_K: return RefQ6_K;
+    case WeightType::kIQ4_XS: return RefIQ4_XS;
+    default: return nullptr;
+  }
+}
+
+inline float DotRef(const WeightMatrix& w, size_t i, const uint8_t* xq) {
+  return Ref(w.type)(w.row(i), xq, w.cols / static_cast<size_t>(weight_block(w.type)));
+}
+
+}  // namespace kvq::ggml::idot
+#endif
+
+HWY_BEFORE_NAMESPACE();
+namespace kvq::ggml {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+#if HWY_HAVE_SCALABLE || HWY_TARGET == HWY_SCALAR
+
+void MatVecInt(const WeightMatrix& w, const uint8_t* xq, size_t r0, size_t r1, float* out) {
+  for (size_t i = r0; i < r1; ++i) out[i - r0] = idot::DotRef(w, i, xq);
+}
+
+#else
+
+using D16 = hn::CappedTag<int16_t, 16>;  // 16 lanes on AVX2 / AVX-512, 8 on SSE4 / NEON
+using D32 = hn::Repartition<int32_t, D16>;
+using V16 = hn::Vec<D16>;
+using V32 = hn::Vec<D32>;
+constexpr size_t kN = hn::MaxLanes(D16());
+static_assert(kN == 8 || kN == 16, "a chunk of codes lies in one 16-value group");
+
+HWY_INLINE V16 Signed(const uint8_t* p) { return hn::PromoteTo(D16(), hn::LoadU(hn::Rebind<int8_t, D16>(), idot::S8(p))); }
+HWY_INLINE V16 Unsigned(const uint8_t* p) { return hn::PromoteTo(D16(), hn::LoadU(hn::Rebind<uint8_t, D16>(), p)); }
+
+// An exact int32 sum of products of int16 lanes.
+struct IAcc {
+  V32 a, b;
+  HWY_INLINE IAcc() : a(hn::Zero(D32())), b(hn::Zero(D32())) {}
+  HWY_INLINE void Add(V16 w, V16 x) { a = hn::ReorderWidenMulAccumulate(D32(), w, x, a, b); }
+  HWY_INLINE int32_t Sum() { return hn::GetLane(hn::SumOfLanes(D32(), hn::Add(a, b))); }
+};
+
+float DotQ4_0(const uint8_t* w, const uint8_t* y, size_t nb) {
+  const V16 k15 = hn::Set(D16(), 15), k8 = hn::Set(D16(), 8);
+  float sumf = 0;
+  for (size_t b = 0; b < nb; ++b, w += 18, y += idot::kQ8_0Bytes) {
+    IAcc acc;
+    for (size_t m = 0; m < 16; m += kN) {
+      const V16 q = Unsigned(w + 2 + m);
+      acc.Add(hn::Sub(hn::And(q, k15), k8), Signed(y + 2 + m));
+      acc.Add(hn::Sub(hn::ShiftRight<4>(q), k8), Signed(y + 18 + m));
+    }
+    sumf += static_cast<float>(acc.Sum()) * idot::Half(w) * idot::Half(y);
+  }
+  return sumf;
+}
+
+float DotQ8_0(const uint8_t* w, const uint8_t* y, size_t nb) {
+  float sumf = 0;
+  for (size_t b = 0; b < nb; ++b, w += 34, y += idot::kQ8_0Bytes) {
+    IAcc acc;
+    for (size_t m = 0; m < 32; m += kN) acc.Add(Signed(w + 2 + m), Signed(y + 2 + m));
+    sumf += static_cast<float>(acc.Sum()) * (idot::Half(w) * idot::Half(y));
+  }
+  return sumf;
+}
+
+template <bool kQ5>
+float DotQ45_K(const uint8_t* w, const uint8_t* y, size_t nb) {
+  const V16 k15 = hn::Set(D16(), 15), k1 = hn::Set(D16(), 1);
+  const size_t bytes = kQ5 ? 176 : 144;
+  float sumf = 0;
+  for (size_t b = 0; b < nb; ++b, w += bytes, y += idot::kQ8_KBytes) {
+    const uint8_t* scales = w + 4;
+    const uint8_t* qh = w + 16;
+    const uint8_t* q = kQ5 ? w + 48 : w + 16;
+    const uint8_t* q8 = y + 4;
+    IAcc acc;
+    int summ = 0;
+    for (int is = 0; is < 8; is += 2, q += 32, q8 += 64) {
+      uint8_t sc1, mn1, sc2, mn2;
+      idot::ScaleMinK4(is, scales, &sc1, &mn1);
+      idot::ScaleMinK4(is + 1, scales, &sc2, &mn2);
+      const V16 s1 = hn::Set(D16(), static_cast<int16_t>(sc1)), s2 = hn::Set(D16(), static_cast<int16_t>(sc2));
+      for (size_t m = 0; m < 32; m += kN) {
+        const V16 c = Unsigned(q + m);
+        V16 lo = hn::And(c, k15), hi = hn::ShiftRight<4>(c);
+        if (kQ5) {
+          const V16 h = Unsigned(qh + m);
+          lo = hn::Or(lo, hn::ShiftLeft<4>(hn::And(hn::ShiftRightSame(h, is), k1)));
+          hi = hn::Or(hi, hn::ShiftLeft<4>(hn::And(hn::ShiftRightSame(h, is + 1), k1)));
+        }
+        acc.Add(hn::Mul(lo, s1), Signed(q8 + m));
+        acc.Add(hn::Mul(hi, s2), Signed(q8 + 32 + m));
+      }
+      const uint8_t* bs = y + 260 + 4 * static_cast<size_t>(is);
+      summ += mn1 * (idot::I16(bs) + idot::I16(bs + 2)) + mn2 * (idot::I16(bs + 4) + idot::I16(bs + 6));
+    }
+    const float d = idot::Half(w) * idot::F32(y), dmin = idot::Half(w + 2) * idot::F32(y);
+    sumf += d * static_cast<float>(acc.Sum()) - dmin * static_cast<float>(summ);
+  }
+  return sumf;
+}
+
+float DotQ6_K(const uint8_t* w, const uint8_t* y, size_t nb) {
+  const V16 k15 = hn::Set(D16(), 15), k3 = hn::Set(D16(), 3), k32 = hn::Set(D16(), 32);
+  float sumf = 0;
+  for (size_t b = 0; b < nb; ++b, w += 210, y += idot::kQ8_KBytes) {
+    const uint8_t* ql = w;
+    const uint8_t* qh = w + 128;
+    const int8_t* sc = idot::S8(w + 192);
+    const uint8_t* q8 = y + 4;
+    IAcc acc;
+    for (int n = 0; n < 2; ++n, ql += 64, qh += 32, sc += 8, q8 += 128) {
+      for (int s = 0; s < 4; ++s) {
+        const uint8_t* lo = ql + 32 * (s & 1);
+        for (size_t m = 0; m < 32; m += kN) {
+          const V16 l = Unsigned(lo + m);
+          const V16 low = s < 2 ? hn::And(l, k15) : hn::ShiftRight<4>(l);
+          const V16 high = hn::And(hn::ShiftRightSame(Unsigned(qh + m), 2 * s), k3);
+          const V16 c = hn::Sub(hn::Or(low, hn::ShiftLeft<4>(high)), k32);
+          const V16 scale = hn::Set(D16(), static_cast<int16_t>(sc[2 * s + static_cast<int>(m / 16)]));
+          acc.Add(hn::Mul(c, scale), Signed(q8 + 32 * static_cast<size_t>(s) + m));
+        }
+      }
+    }
+    sumf += (idot::Half(w + 208) * idot::F32(y)) * static_cast<float>(acc.Sum());
+  }
+  return sumf;
+}
+
+void MatVecInt(const WeightMatrix& w, const uint8_t* xq, size_t r0, size_t r1, float* out) {
+  idot::RefFn fn;
+  switch (static_cast<WeightType>(w.type)) {
+    case WeightType::kQ4_0: fn = DotQ4_0; break;
+    case WeightType::kQ8_0: fn = DotQ8_0; break;
+    case WeightType::kQ4_K: fn = DotQ45_K<false>; break;
+    case WeightType::kQ5_K: fn = DotQ45_K<true>; break;
+    case WeightType::kQ6_K: fn = DotQ6_K; break;
+    default: fn = idot::Ref(w.type);
+  }
+  const size_t nb = w.cols / static_cast<size_t>(weight_block(w.type));
+  for (size_t i = r0; i < r1; ++i) out[i - r0] = fn(w.row(i), xq, nb);
+}
+
+#endif
+
+}  // namespace HWY_NAMESPACE
+}  // namespace kvq::ggml
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace kvq::ggml {
+
+HWY_EXPORT(MatVecInt);
+
+namespace {
+
+// ggml's nearest_int: round to nearest, ties to even, for |f| <= 2^22.
+int NearestInt(float f) {
+  const float v = f + 12582912.0f;
+  int32_t i;
+  std::memcpy(&i, &v, 4);
+  return (i & 0x007fffff) - 0x00400000;
+}
+
+// roundf to an int8 code; a NaN (a non-finite activation) becomes 0.
+int8_t Round8(float v) {
+  if (!(std::fabs(v) <= 127.0f)) return v != v ? 0 : (v > 0 ? 127 : -127);
+  return static_cast<int8_t>(std::round(v));
+}
+
+void QuantizeQ8_0(const float* x, size_t n, uint8_t* y, bool with_sum) {
+  const size_t bytes = with_sum ? idot::kQ8_1Bytes : idot::kQ8_0Bytes;
+  for (size_t b = 0; b < n / 32; ++b, x += 32, y += bytes) {
+    float amax = 0.0f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[j]));
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    const uint16_t hd = f32_to_f16_ref(d);
+    std::memcpy(y, &hd, 2);
+    int8_t* qs = reinterpret_cast<int8_t*>(y + (with_sum ? 4 : 2));
+    int sum = 0;
+    for (int j = 0; j < 32; ++j) {
+      qs[j] = Round8(x[j] * id);
+      sum += qs[j];
+    }
+    if (with_sum) {
+      const uint16_t hs = f32_to_f16_ref(static_cast<float>(sum) * d);
+      std::memcpy(y + 2, &hs, 2);
+    }
+  }
+}
+
+void QuantizeQ8_K(const float* x, size_t n, uint8_t* y) {
+  for (size_t b = 0; b < n / 256; ++b, x += 256, y += idot::kQ8_KBytes) {
+    float max = 0.0f, amax = 0.0f;
+    for (int j = 0; j < 256; ++j) {
+      const float ax = std::fabs(x[j]);
+      if (ax > amax) amax = ax, max = x[j];
+    }
+    int8_t* qs = reinterpret_cast<int8_t*>(y + 4);
+    float d = 0.0f;
+    if (amax == 0.0f || !std::isfinite(amax)) {
+      std::memset(qs, 0, 256);
+    } else {
+      const float iscale = -127.0f / max;
+      for (int j = 0; j < 256; ++j) qs[j] = static_cast<int8_t>(std::min(127, NearestInt(iscale * x[j])));
+      d = 1.0f / iscale;
+    }
+    for (int g = 0; g < 16; ++g) {
+      int sum = 0;
+      for (int j = 0; j < 16; ++j) sum += qs[16 * g + j];
+      const int16_t s = static_cast<int16_t>(sum);
+      std::memcpy(y + 260 + 2 * g, &s, 2);
+    }
+    std::memcpy(y, &d, 4);
+  }
+}
+
+}  // namespace
+
+uint32_t activation_type(uint32_t type) {
+  switch (static_cast<WeightType>(type)) {
+    case WeightType::kQ4_0: case WeightType::kQ5_0: case WeightType::kQ8_0: case WeightType::kIQ4_NL: return 8;
+    case WeightType::kQ4_1: case WeightType::kQ5_1: return 9;
+    case WeightType::kQ2_K: case WeightType::kQ3_K: case WeightType::kQ4_K: case WeightType::kQ5_K:
+    case WeightType::kQ6_K: case WeightType::kIQ4_XS: return 15;
+    default: return 0;
+  }
+}
+
+size_t activation_bytes(uint32_t type, size_t n) {
+  switch (activation_type(type)) {
+    case 8: return n / 32 * idot::kQ8_0Bytes;
+    case 9: return n / 32 * idot::kQ8_1Bytes;
+    case 15: return n / 256 * idot::kQ8_KBytes;
+    default: return 0;
+  }
+}
+
+void quantize_activation(uint32_t type, const float* x, size_t n, uint8_t* out) {
+  const uint32_t a = activation_type(type);
+  KVQ_ASSERT(a != 0 && n % static_cast<size_t>(weight_block(type)) == 0);
+  if (a == 15) {
+    QuantizeQ8_K(x, n, out);
+  } else {
+    QuantizeQ8_0(x, n, out, a == 9);
+  }
+}
+
+void matvec_int(const WeightMatrix& w, const uint8_t* xq, size_t r0, size_t r1, float* out) {
+  KVQ_ASSERT(activation_type(w.type) != 0 && r0 <= r1 && r1 <= w.rows);
+  HWY_DYNAMIC_DISPATCH(MatVecInt)(w, xq, r0, r1, out);
+}
+
+float dot_row_int_ref(const WeightMatrix& w, size_t i, const uint8_t* xq) {
+  KVQ_ASSERT(activation_type(w.type) != 0 && i < w.rows);
+  return idot::DotRef(w, i, xq);
+}
+
+}  // namespace kvq::ggml
+#endif
