@@ -115,3 +115,70 @@ class Llama:
         p.nthread, p.ftype, p.pure, p.allow_requantize = 2, ftype, pure, requantize
         rc = self.llama.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(p))
         assert rc == 0, f"llama_model_quantize({src} -> {dst}, ftype {ftype}) returned {rc}"
+
+
+# The activation format ggml pairs with each weight type (ggml-cpu.c's type_traits_cpu vec_dot_type).
+ACTIVATION = {"Q4_0": "q8_0", "Q4_1": "q8_1", "Q5_0": "q8_0", "Q5_1": "q8_1", "Q8_0": "q8_0", "IQ4_NL": "q8_0",
+              "Q2_K": "q8_K", "Q3_K": "q8_K", "Q4_K": "q8_K", "Q5_K": "q8_K", "Q6_K": "q8_K", "IQ4_XS": "q8_K"}
+ACTIVATION_BYTES = {"q8_0": (32, 34), "q8_1": (32, 36), "q8_K": (256, 292)}
+# The CPU flags each of ggml's x86 CPU variants needs (ggml-cpu/arch/x86/cpu-feats.cpp's scores).
+_VARIANT_FLAGS = {
+    "x64": set(), "haswell": {"avx2", "fma", "f16c", "bmi2"},
+    "skylakex": {"avx2", "fma", "f16c", "bmi2", "avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"},
+    "icelake": {"avx2", "fma", "f16c", "bmi2", "avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw",
+                "avx512vbmi", "avx512_vnni"},
+}
+
+
+def cpu_flags():
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+class GgmlCpu:
+    """One of libggml-cpu's x86 variants (node-llama-cpp's linux-x64 build): its activation quantizers and
+    quantized dot products, ggml_vec_dot_<type>_<fmt> (the variant's SIMD code) and ..._generic (ggml's
+    plain C). Variant "x64" is built for baseline x86-64 (no FMA): its generic code's float operations are
+    those written in the source."""
+
+    def __init__(self, variant):
+        Llama()  # libggml-base loaded (the variant links against it), or skip / fail with the reason
+        bins = ORACLES / "node_modules" / "@node-llama-cpp" / "linux-x64" / "bins" / "linux-x64"
+        if not _VARIANT_FLAGS[variant] <= cpu_flags():
+            pytest.skip(f"this CPU cannot run ggml's {variant} variant")
+        ctypes.CDLL(str(bins / "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
+        try:
+            self.lib = ctypes.CDLL(str(bins / f"libggml-cpu-{variant}.so"))
+        except OSError as e:
+            _unavailable(f"libggml-cpu-{variant}.so: {e}")
+        self.base = ctypes.CDLL(str(bins / "libggml-base.so"))
+        self.lib.ggml_cpu_init()
+        self.variant = variant
+
+    def quantize_activation(self, weight_type, x):
+        """x (float32, one row) as ggml's quantize_row_<fmt>_ref writes it (libggml-base)."""
+        fmt = ACTIVATION[weight_type]
+        block, nbytes = ACTIVATION_BYTES[fmt]
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        out = ctypes.create_string_buffer(len(x) // block * nbytes)  # zeroed: q8_K leaves a zero block's sums unwritten
+        fn = getattr(self.base, f"quantize_row_{fmt}_ref")
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        fn(x.ctypes.data, out, len(x))
+        return out.raw
+
+    def vec_dot(self, weight_type, row, activation, n, generic=False):
+        """ggml_vec_dot_<type>_<fmt>(_generic) of one weight row with an activation (bytes)."""
+        name = f"ggml_vec_dot_{weight_type.lower().replace('_k', '_K')}_{ACTIVATION[weight_type]}"
+        fn = getattr(self.lib, name + ("_generic" if generic else ""))
+        fn.restype = None
+        fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t,
+                       ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int]
+        s = ctypes.c_float()
+        fn(n, ctypes.byref(s), 0, bytes(row), 0, bytes(activation), 0, 1)
+        return s.value
