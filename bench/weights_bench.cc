@@ -1,5 +1,5 @@
 // The token pass's weight read: the fused dequantise-and-dot
-// (kvq/ggml_weights.h: matvec_fused) over matrices of an 8B model's FFN
+// (kvq/ggml_weights.h: matvec_fused) and the integer path (matvec_int) over matrices of an 8B model's FFN
 // geometry (14336 x 4096, Llama-3-8B's gate/up), four of them so that the
 // bytes come from DRAM (64-470 MB depending on the type), rows split over
 // `threads` OpenMP threads as the forward pass splits them. The bounding
@@ -80,6 +80,32 @@ void BM_weight_matvec(benchmark::State& state, kvq::ggml::WeightType type) {
                                                    benchmark::Counter::kIsRate);
 }
 
+// The integer path (kvq/ggml_weights.h: matvec_int, llama.cpp's arithmetic):
+// the activation rounded to the type's 8-bit blocks once per matrix (inside
+// the timing, as the forward pass does it), then the same rows and threads.
+void BM_weight_matvec_int8(benchmark::State& state, kvq::ggml::WeightType type) {
+  const int threads = static_cast<int>(state.range(0));
+  const uint32_t t = static_cast<uint32_t>(type);
+  const Matrices& mats = Make(t);
+  std::vector<float> x(kCols), out(kRows);
+  for (size_t j = 0; j < kCols; ++j) x[j] = static_cast<float>(j % 13) * 0.1f - 0.6f;
+  std::vector<uint8_t> xq(kvq::ggml::activation_bytes(t, kCols));
+  for (auto _ : state) {
+    for (const kvq::ggml::WeightMatrix& w : mats.m) {
+      kvq::ggml::quantize_activation(t, x.data(), kCols, xq.data());
+#pragma omp parallel for num_threads(threads) schedule(static)
+      for (int64_t a = 0; a < static_cast<int64_t>(kRows); a += 64) {
+        const size_t b = std::min(kRows, static_cast<size_t>(a) + 64);
+        kvq::ggml::matvec_int(w, xq.data(), static_cast<size_t>(a), b, out.data() + a);
+      }
+      benchmark::DoNotOptimize(out.data());
+    }
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * mats.bytes.size()));
+  state.counters["weights/s"] = benchmark::Counter(static_cast<double>(kMats * kRows * kCols) * state.iterations(),
+                                                   benchmark::Counter::kIsRate);
+}
+
 // The same bytes' count read by memchr for a byte that is not there.
 void BM_weight_read(benchmark::State& state, kvq::ggml::WeightType type) {
   const int threads = static_cast<int>(state.range(0));
@@ -101,6 +127,8 @@ void BM_weight_read(benchmark::State& state, kvq::ggml::WeightType type) {
 
 #define KVQ_WEIGHT_BENCH(T)                                                                                      \
   BENCHMARK_CAPTURE(BM_weight_matvec, T, kvq::ggml::WeightType::k##T)                                            \
+      ->ArgName("threads")->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();                       \
+  BENCHMARK_CAPTURE(BM_weight_matvec_int8, T, kvq::ggml::WeightType::k##T)                                       \
       ->ArgName("threads")->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();                       \
   BENCHMARK_CAPTURE(BM_weight_read, T, kvq::ggml::WeightType::k##T)                                              \
       ->ArgName("threads")->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime()

@@ -252,6 +252,7 @@ EvalReport run_eval(const EvalOptions& o) {
   rep.config = cfg;
   rep.weights = ckpt.weights().describe();
   rep.forward = o.forward;
+  rep.weight_dot = o.weight_dot;
   const bool batched = o.forward == ForwardPass::kBatched;
   // Windows run in parallel, one per thread: the BLAS runs on the calling
   // thread only.
@@ -297,7 +298,11 @@ EvalReport run_eval(const EvalOptions& o) {
       std::vector<int> ref_top;
       errors.run([&] {
         ref.emplace(ckpt, KvScheme::Fp32, ctx, WindowPolicy{});
-        for (size_t i = 0; i < nv; ++i) tf[i].emplace(ckpt, vars[i].scheme, ctx, vars[i].policy);
+        ref->set_weight_dot(o.weight_dot);
+        for (size_t i = 0; i < nv; ++i) {
+          tf[i].emplace(ckpt, vars[i].scheme, ctx, vars[i].policy);
+          tf[i]->set_weight_dot(o.weight_dot);
+        }
         ref_logp.resize(static_cast<size_t>(ctx) * static_cast<size_t>(V));
         ref_top.resize(static_cast<size_t>(ctx));
         logp.resize(static_cast<size_t>(V));
@@ -534,10 +539,10 @@ std::string format_report(const EvalReport& r) {
   const Config& c = r.config;
   const bool llama = r.protocol == EvalProtocol::kLlamaPerplexity;
   std::snprintf(buf, sizeof buf,
-                "model: %s (dim %d, layers %d, heads %d, kv_heads %d, head_size %d, vocab %d; weights %s)\n"
+                "model: %s (dim %d, layers %d, heads %d, kv_heads %d, head_size %d, vocab %d; weights %s, %s dot)\n"
                 "text: %s: %lld predicted tokens, %d %s of ctx %d%s, %d threads\n",
                 r.model_path.c_str(), c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.head_size(), c.vocab_size,
-                r.weights.c_str(), r.text_path.c_str(), static_cast<long long>(r.tokens), r.windows, llama ? "chunks" : "windows", r.ctx,
+                r.weights.c_str(), weight_dot_name(r.weight_dot), r.text_path.c_str(), static_cast<long long>(r.tokens), r.windows, llama ? "chunks" : "windows", r.ctx,
                 llama ? " (llama-perplexity's protocol: the whole file tokenized, BOS first in each chunk, its "
                         "second half scored)"
                       : " (+1)",

@@ -78,6 +78,7 @@ struct EvalOptions {
   std::string model_path, tokenizer_path, text_path;
   std::string tokens_path;  // pre-tokenized ids instead of text (tokens.h)
   ForwardPass forward = ForwardPass::kExact;
+  WeightDot weight_dot = WeightDot::kExact;  // quantized weights (transformer.h)
   std::string story_sep = kDefaultStorySep;  // empty: the whole text is one story
   EvalProtocol protocol = EvalProtocol::kKvq;
   std::vector<CacheScheme> schemes;  // fp32 is always computed as the reference
@@ -131,6 +132,7 @@ struct EvalReport {
   Config config;
   std::string weights;  // the matrices' types and bytes (Weights::describe)
   ForwardPass forward = ForwardPass::kExact;
+  WeightDot weight_dot = WeightDot::kExact;
   // The forward pass's arithmetic: FLOPs per predicted token (matrix
   // products and attention at the mean length), the fp32 row's rate, and
   // the BLAS's own sgemm rate on the model's largest projection with the

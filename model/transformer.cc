@@ -48,6 +48,22 @@ void MatVec(float* out, const float* x, const ggml::WeightMatrix& w) {
   for (size_t i = 0; i < w.rows; ++i) out[i] = ggml::dot_row(w, i, x);
 }
 
+// out = w x through the integer path (kvq/ggml_weights.h: matvec_int): x
+// rounded once to the matrix's 8-bit block format in xq, the rows shared by
+// the threads as MatVec shares them.
+void MatVecInt8(float* out, const float* x, const ggml::WeightMatrix& w, std::vector<uint8_t>& xq) {
+  const size_t bytes = ggml::activation_bytes(w.type, w.cols);
+  if (xq.size() < bytes) xq.resize(bytes);
+  ggml::quantize_activation(w.type, x, w.cols, xq.data());
+  const int64_t rows = static_cast<int64_t>(w.rows), per = 64;
+  const uint8_t* q = xq.data();
+#pragma omp parallel for schedule(static) if (!omp_in_parallel() && w.rows * w.cols >= (size_t{1} << 20))
+  for (int64_t a = 0; a < rows; a += per) {
+    const size_t b = static_cast<size_t>(std::min(rows, a + per));
+    ggml::matvec_int(w, q, static_cast<size_t>(a), b, out + a);
+  }
+}
+
 // Calls fn(r0, r1, rows) for blocks of w's rows as float32: an F32 matrix
 // in one block from where it lies; any other type dequantised into buf, at
 // most kBlockFloats values a block (threads share the work unless the
@@ -380,7 +396,11 @@ std::span<const float> Transformer::Run(std::span<const Row> rows, Pass pass, bo
   // loop below.
   const bool prefill = single && pass == Pass::kBlas && one.policy_.window == 0 && one.cache_.any_length();
   auto mm = [&](float* out, const float* in, const ggml::WeightMatrix& w) {
-    if (pass == Pass::kBlas) {
+    if (dot_ == WeightDot::kInt8 && ggml::fused_type(w.type) && (pass != Pass::kBlas || T <= kInt8BatchRows)) {
+      for (int t = 0; t < T; ++t) {
+        MatVecInt8(out + static_cast<size_t>(t) * w.rows, in + static_cast<size_t>(t) * w.cols, w, xq_);
+      }
+    } else if (pass == Pass::kBlas) {
       Gemm(out, in, w, T, wbuf_);
     } else if (pass == Pass::kWindow) {
       MatMul(out, in, w, T, wbuf_);
@@ -448,12 +468,24 @@ std::span<const float> Transformer::Run(std::span<const Row> rows, Pass pass, bo
   }
   if (last_logits) {  // a prompt's prefill: only its last token's logits
     RmsNorm(xb_.data(), row(x_, T - 1, dim), w_.rms_final, dim, eps);
-    MatVec(logits_.data(), xb_.data(), w_.wcls);
+    if (dot_ == WeightDot::kInt8 && ggml::fused_type(w_.wcls.type)) {
+      MatVecInt8(logits_.data(), xb_.data(), w_.wcls, xq_);
+    } else {
+      MatVec(logits_.data(), xb_.data(), w_.wcls);
+    }
     return {logits_.data(), static_cast<size_t>(vocab)};
   }
   for (int t = 0; t < T; ++t) RmsNorm(row(xb_, t, dim), row(x_, t, dim), w_.rms_final, dim, eps);
   mm(logits_.data(), xb_.data(), w_.wcls);
   return {logits_.data(), uT * static_cast<size_t>(vocab)};
+}
+
+const char* weight_dot_name(WeightDot d) { return d == WeightDot::kInt8 ? "int8" : "exact"; }
+
+WeightDot parse_weight_dot(const std::string& name, const char* what) {
+  if (name == "int8") return WeightDot::kInt8;
+  KVQ_CHECK_ARG(name == "exact", what, ": expected exact or int8, got '", name, "'");
+  return WeightDot::kExact;
 }
 
 void set_blas_threads(int n) { openblas_set_num_threads(n); }

@@ -54,6 +54,18 @@ struct CacheScheme {
   bool operator==(const CacheScheme& o) const { return info().name == o.info().name; }
 };
 
+// How the passes multiply by a quantized (block-type) weight matrix.
+// kExact: float32 activations against ggml's dequantised values (the fused
+// kernel; the batched pass dequantises and calls sgemm): the numbers of an
+// F32 copy of the file up to summation order. kInt8: llama.cpp's arithmetic
+// (kvq/ggml_weights.h, matvec_int): each activation row rounded once per
+// matrix to 8-bit blocks (Q8_0 / Q8_1 / Q8_K), integer block sums, faster and
+// not the float numbers. F32 / F16 / BF16 matrices are float in both.
+enum class WeightDot { kExact, kInt8 };
+// "exact" / "int8", and back (kvq::Error naming `what` for another name).
+const char* weight_dot_name(WeightDot d);
+WeightDot parse_weight_dot(const std::string& name, const char* what);
+
 // Scratch state for one sequence: activations and a KV cache in `scheme`.
 class Transformer {
  public:
@@ -112,6 +124,12 @@ class Transformer {
   // Threads of each attention call (default 1: the callers that run
   // sequences on threads of their own, as `kvq eval` does, keep it).
   void set_attention_threads(int n);
+  // How this object's passes multiply by quantized weights (default kExact).
+  // The batched pass (rows of several sequences, a prompt) keeps sgemm on
+  // dequantised rows past kInt8BatchRows rows, where that is faster.
+  void set_weight_dot(WeightDot d) { dot_ = d; }
+  WeightDot weight_dot() const { return dot_; }
+  static constexpr int kInt8BatchRows = 4;
   // One decoding step of several sequences at the same position: seqs[b]
   // (each a Transformer of this checkpoint without a window, at length pos)
   // takes tokens[b]; the projections run as one sgemm over the rows, each
@@ -159,6 +177,7 @@ class Transformer {
   WindowPolicy policy_;
   int tokens_ = 0;  // tokens of the current sequence
   int attention_threads_ = 1;
+  WeightDot dot_ = WeightDot::kExact;
   struct LayerBank {
     std::unique_ptr<ClusterBank> bank;
     int banked_end = 0;                  // tokens [sinks, banked_end) went to the bank
@@ -167,6 +186,7 @@ class Transformer {
   std::vector<LayerBank> banks_;
   std::vector<float> x_, xb_, xb2_, hb_, hb2_, q_, k_, v_, logits_;  // (T, width)
   std::vector<float> wbuf_;  // the batched and window passes: a block of a quantized matrix's rows in float32
+  std::vector<uint8_t> xq_;  // kInt8: an activation row in the matrix's 8-bit block format
 };
 
 // The BLAS's threads for its own calls (the forward pass runs windows on

@@ -129,6 +129,7 @@ Engine::Engine(const EngineOptions& o) : o_(o), scheme_(std::make_unique<SchemeH
     m_.prefix_store_up = pstore_->backend().alive() ? 1 : 0;
   }
   driver_ = std::make_unique<model::Transformer>(*ckpt_, model::CacheScheme("fp32"), 1);
+  driver_->set_weight_dot(model::parse_weight_dot(o.weight_dot, "--weight-dot"));
   model_id_ = std::filesystem::path(o.model).stem().string();
   m_.kv_budget_bytes = budget_;
   thread_ = std::thread([this] { Loop(); });

@@ -62,6 +62,7 @@ struct EngineOptions {
   double prompt_cache_max_mb = 0;
   std::string prompt_cache_secret;
   int threads = 0;             // OpenMP, BLAS and attention threads (0: as the process has them)
+  std::string weight_dot = "int8";  // quantized weights: int8 or exact (model/transformer.h: WeightDot)
   bool calib_batched = false;  // calibrated schemes: calibration sequences side by side
   int calib_tokens = 512;      // calibrated schemes: tokens per calibration sequence (at most the context)
   // Admission (TensorRT-LLM's two capacity policies): "guaranteed" reserves

@@ -69,6 +69,7 @@ GenerateReport generate(const GenerateOptions& o, const std::function<void(const
   KVQ_CHECK_ARG(!o.model.empty(), "--model: expected a checkpoint path");
   KVQ_CHECK_ARG(o.threads >= 0 && o.threads <= 1024, "--threads: expected 0..1024 (0: default), got ", o.threads);
   KVQ_CHECK_ARG(o.batch >= 1 && o.batch <= 65536, "--batch: expected 1..65536, got ", o.batch);
+  const model::WeightDot dot = model::parse_weight_dot(o.weight_dot, "--weight-dot");
   KVQ_CHECK_ARG(o.tokens.empty() || o.prompt.empty(), "--tokens: not with --prompt (one prompt, as text or as ids)");
   check_output_path("--save-cache", o.save_cache, {o.model, o.tokenizer, o.load_cache});
   const ThreadsFor threads(o.threads);
@@ -157,7 +158,9 @@ GenerateReport generate(const GenerateOptions& o, const std::function<void(const
     }
   }
   if (o.threads > 0) tf->set_attention_threads(o.threads);
+  tf->set_weight_dot(dot);
   GenerateReport r;
+  r.weight_dot = model::weight_dot_name(dot);
   r.restored = start;
   r.has_text = tok_ptr != nullptr;
   r.ids = prompt;

@@ -43,6 +43,7 @@ struct GenerateOptions {
   int threads = 0;                 // OpenMP and BLAS threads for the session (0: as the process has them)
   int batch = 512;                 // prompt tokens per batched pass (sgemm + KvCache::prefill)
   bool calib_batched = false;      // calibrated schemes: the sequences side by side (model/calibrate.h)
+  std::string weight_dot = "int8";  // quantized weights: int8 (llama.cpp's arithmetic) or exact (model/transformer.h)
 };
 
 struct GenerateReport {
@@ -56,6 +57,7 @@ struct GenerateReport {
   int evaluated = 0;         // forward passes run
   double seconds = 0;        // of those passes (stores included)
   std::string kv;            // "label" or "preset = scheme"
+  std::string weight_dot;    // how quantized weights were multiplied ("int8", "exact")
   double bits = 0;           // bits per element the cache holds at its length
   uint64_t bytes = 0;        // bytes it holds
   int64_t cache_tokens = 0;  // its length

@@ -25,6 +25,9 @@ void AddDemoCommand(CLI::App& app, DemoOptions& opts);
 int RunDemo(const DemoOptions& opts);
 
 // Options of the commands that run the model over the evaluation text.
+// --weight-dot: how the passes multiply by quantized weights (model/transformer.h: WeightDot).
+void AddWeightDotOption(CLI::App* c, std::string& weight_dot);
+
 struct ModelTextOptions {
   std::string model, tokenizer, text, json;  // empty paths: the $KVQ_SHARED defaults
   std::string story_sep = "<|endoftext|>";
@@ -45,6 +48,7 @@ struct EvalCliOptions : ModelTextOptions {
   int group = 64, recent = 0, keep_first = 0;
   bool kv_given = false;  // --kv on the command line
   model::CalibrationOptions calibration;
+  std::string weight_dot = "exact";
 };
 void AddEvalCommand(CLI::App& app, EvalCliOptions& opts);
 int RunEval(const EvalCliOptions& opts);
@@ -80,6 +84,7 @@ struct GenerateOptions : PromptCacheCliOptions {
   int threads = 0;
   int batch = 512;
   bool calib_batched = false;
+  std::string weight_dot = "int8";
 };
 void AddGenerateCommand(CLI::App& app, GenerateOptions& opts);
 int RunGenerate(const GenerateOptions& opts);
@@ -95,6 +100,7 @@ struct ServeCliOptions : PromptCacheCliOptions {
   int port = 8080, max_body_kb = 1024, timeout = 30, request_timeout = 30, drain_seconds = 60, connections = 0;
   int max_client_connections = 0;
   std::string chat_template;  // --chat-template: a built-in's name or a file ("" : the GGUF's)
+  std::string weight_dot = "int8";
 };
 void AddServeCommand(CLI::App& app, ServeCliOptions& opts);
 int RunServe(const ServeCliOptions& opts);

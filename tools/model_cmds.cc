@@ -133,6 +133,7 @@ void AddEvalCommand(CLI::App& app, EvalCliOptions& o) {
                 "(the same up to summation order, much faster on large models); auto: batched for GGUF models")
       ->check(CLI::IsMember({"auto", "exact", "batched"}))
       ->capture_default_str();
+  AddWeightDotOption(c, o.weight_dot);
   c->add_option("--kv", o.kv,
                 "comma-separated KV schemes or 'all': row schemes, grouped k<B>[a]v<B>g<G>[p8][m][o<N>[x<X>][w<W>]][r<R>][s<S>], calibrated "
                 "k<B>v<B>c[r<R>][s<S>] and presets")
@@ -210,6 +211,7 @@ nlohmann::json EvalJson(const EvalCliOptions& o, const model::EvalReport& r) {
   j["tokens"] = r.tokens;
   j["protocol"] = name_of(kProtocols, r.protocol);
   j["weights"] = r.weights;
+  j["weight_dot"] = model::weight_dot_name(r.weight_dot);
   j["forward"] = r.forward == model::ForwardPass::kBatched ? "batched" : "exact";
   if (r.gemm_peak_gflops > 0) {
     j["flops_per_token"] = r.flops_per_token;
@@ -289,6 +291,7 @@ int RunEval(const EvalCliOptions& o) {
   e.forward = o.forward == "batched" || (o.forward == "auto" && model::is_gguf_file(e.model_path))
                   ? model::ForwardPass::kBatched
                   : model::ForwardPass::kExact;
+  e.weight_dot = model::parse_weight_dot(o.weight_dot, "--weight-dot");
   check_output_path("--json", o.json, {e.model_path, e.tokenizer_path, e.text_path, e.tokens_path});
   e.per_token = o.per_token;
   KVQ_CHECK_ARG(!o.per_token || !o.json.empty(), "--per-token: expected --json FILE to write them to");
@@ -360,6 +363,15 @@ int RunReceipts(const ReceiptsCliOptions& o) {
   return 0;
 }
 
+void AddWeightDotOption(CLI::App* c, std::string& weight_dot) {
+  c->add_option("--weight-dot", weight_dot,
+                "quantized weights (Q4_0 ... Q6_K, IQ4): int8 = llama.cpp's arithmetic (each activation row rounded "
+                "to 8-bit blocks, integer dot products; faster), exact = float32 activations against the "
+                "dequantised weights (an F32 copy's numbers)")
+      ->check(CLI::IsMember({"int8", "exact"}))
+      ->capture_default_str();
+}
+
 void AddPromptCacheOptions(CLI::App* c, PromptCacheCliOptions& o) {
   c->add_option("--prompt-cache", o.prompt_cache,
                 "a prefix store (a directory, redis://[user:password@]host:port[/db] or memory:; alone: "
@@ -403,6 +415,7 @@ void AddGenerateCommand(CLI::App& app, GenerateOptions& o) {
                 "stdout is the prompt's and the generated token ids");
   c->add_option("--threads", o.threads, "threads, 0..1024 (0: OpenMP default)")->check(CLI::Range(0, 1024));
   c->add_option("--batch", o.batch, "prompt tokens per batched pass (sgemm; default 512)")->check(CLI::Range(1, 65536));
+  AddWeightDotOption(c, o.weight_dot);
   c->add_flag("--calib-batched", o.calib_batched,
               "calibrated schemes: generate the calibration sequences side by side (one sgemm per step: faster on "
               "large models, other samples)");
@@ -457,6 +470,7 @@ int RunGenerate(const GenerateOptions& o) {
   g.threads = o.threads;
   g.batch = o.batch;
   g.calib_batched = o.calib_batched;
+  g.weight_dot = o.weight_dot;
   if (!o.tokens.empty()) g.tokens = model::read_token_file(o.tokens, std::numeric_limits<int>::max());
   const session::GenerateReport r = session::generate(
       g, [](const std::string& piece) { std::fputs(piece.c_str(), stdout); },
@@ -468,10 +482,10 @@ int RunGenerate(const GenerateOptions& o) {
   std::fflush(stdout);
   const int decoded = r.evaluated - r.prefilled;
   std::fprintf(stderr, "kvq generate: %d tokens (%d restored, %d prefilled in %.3f s: %.1f tok/s), kv %s (%.3f "
-               "bits/element at %lld tokens, %llu bytes), %.1f tok/s\n",
+               "bits/element at %lld tokens, %llu bytes), weights %s, %.1f tok/s\n",
                r.tokens, r.restored, r.prefilled, r.prefill_seconds,
                r.prefill_seconds > 0 ? r.prefilled / r.prefill_seconds : 0.0, r.kv.c_str(), r.bits,
-               static_cast<long long>(r.cache_tokens), static_cast<unsigned long long>(r.bytes),
+               static_cast<long long>(r.cache_tokens), static_cast<unsigned long long>(r.bytes), r.weight_dot.c_str(),
                r.seconds > r.prefill_seconds ? decoded / (r.seconds - r.prefill_seconds) : 0.0);
   return 0;
 }

@@ -39,6 +39,7 @@ void AddServeCommand(CLI::App& app, ServeCliOptions& o) {
   c->add_option("--threads", o.threads, "OpenMP, BLAS and attention threads (0: OpenMP default)")
       ->check(CLI::Range(0, 1024));
   c->add_flag("--calib-batched", o.calib_batched, "calibrated schemes: calibration sequences side by side");
+  AddWeightDotOption(c, o.weight_dot);
   c->add_option("--calib-tokens", o.calib_tokens,
                 "calibrated schemes: tokens per calibration sequence the model generates (default 512, at most its "
                 "context)")
@@ -86,6 +87,7 @@ int RunServe(const ServeCliOptions& o) {
   e.step_tokens = o.step_tokens;
   e.threads = o.threads;
   e.calib_batched = o.calib_batched;
+  e.weight_dot = o.weight_dot;
   e.calib_tokens = o.calib_tokens;
   e.admit = o.admit;
   // The conversations' KV stays in RAM by default (a memory: store, least
@@ -128,9 +130,10 @@ int RunServe(const ServeCliOptions& o) {
   const int rc = serve::serve_http(engine, h, [&](int port) {
     std::fprintf(stderr,
                  "kvq serve: listening on http://%s:%d (model %s, kv %s, budget %.1f MiB: %llu bytes, max %d "
-                 "sequences, queue %d)\n",
+                 "sequences, queue %d, weights %s)\n",
                  o.host.c_str(), port, engine.model_id().c_str(), engine.kv_label().c_str(), o.kv_budget_mb,
-                 static_cast<unsigned long long>(engine.metrics().kv_budget_bytes), o.max_seqs, o.max_queue);
+                 static_cast<unsigned long long>(engine.metrics().kv_budget_bytes), o.max_seqs, o.max_queue,
+                 o.weight_dot.c_str());
     std::fflush(stderr);
   });
   const serve::Metrics m = engine.metrics();

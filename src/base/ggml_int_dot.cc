@@ -433,19 +433,186 @@ float DotQ6_K(const uint8_t* w, const uint8_t* y, size_t nb) {
   return sumf;
 }
 
+#if HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+// ---- x86 (256-bit): bytes multiplied in pairs by pmaddubsw (unsigned code x
+// signed activation -> int16, which no product here overflows), then pmaddwd
+// by the sub-block scale (or by ones) into int32: two instructions for 32
+// products where the portable kernels above take eight. Integer sums are
+// exact, the float steps are the reference's, so the bits are the same.
+
+HWY_INLINE __m256i Load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+HWY_INLINE int32_t Hsum(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// The sums of four vectors' lanes, lane k of the result for vector k.
+HWY_INLINE __m128i Hsum4(__m256i a, __m256i b, __m256i c, __m256i d) {
+  const __m256i abcd = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
+  return _mm_add_epi32(_mm256_castsi256_si128(abcd), _mm256_extracti128_si256(abcd, 1));
+}
+
+// An fp16 field (F16C: the same value as the reference conversion).
+HWY_INLINE float Half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+// The fp16 fields at p, p + stride, p + 2 stride, p + 3 stride.
+HWY_INLINE __m128 Halves4(const uint8_t* p, size_t stride) {
+  uint16_t h[4];
+  for (int k = 0; k < 4; ++k) std::memcpy(h + k, p + k * stride, 2);
+  uint64_t bits;
+  std::memcpy(&bits, h, 8);
+  return _mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<int64_t>(bits)));
+}
+
+// Signed int8 codes w times the activation x (32 each), summed in 8 int32 lanes.
+HWY_INLINE __m256i DotSigned(__m256i w, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1));
+}
+
+// The 32-value types with a Q8_0 activation, four blocks at a time: Q8_0's
+// codes, Q4_0's (nibble - 8) as int8. Float per block in the reference's order.
+template <bool kQ4>
+float Avx2Q4_0Q8_0(const uint8_t* w, const uint8_t* y, size_t nb) {
+  constexpr size_t kW = kQ4 ? 18 : 34;
+  const __m256i m4 = _mm256_set1_epi8(0x0F), k8 = _mm256_set1_epi8(8);
+  auto codes = [&](const uint8_t* b) {
+    if (!kQ4) return Load32(b + 2);
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
+    const __m256i c = _mm256_set_m128i(_mm_srli_epi16(q, 4), q);
+    return _mm256_sub_epi8(_mm256_and_si256(c, m4), k8);
+  };
+  float sumf = 0;
+  size_t b = 0;
+  for (; b + 4 <= nb; b += 4, w += 4 * kW, y += 4 * idot::kQ8_0Bytes) {
+    __m256i v[4];
+    for (int k = 0; k < 4; ++k) v[k] = DotSigned(codes(w + k * kW), Load32(y + k * idot::kQ8_0Bytes + 2));
+    const __m128 s = _mm_cvtepi32_ps(Hsum4(v[0], v[1], v[2], v[3]));
+    const __m128 dw = Halves4(w, kW), dy = Halves4(y, idot::kQ8_0Bytes);
+    alignas(16) float t[4];
+    _mm_store_ps(t, kQ4 ? _mm_mul_ps(_mm_mul_ps(s, dw), dy) : _mm_mul_ps(s, _mm_mul_ps(dw, dy)));
+    for (int k = 0; k < 4; ++k) sumf += t[k];
+  }
+  for (; b < nb; ++b, w += kW, y += idot::kQ8_0Bytes) {
+    const float s = static_cast<float>(Hsum(DotSigned(codes(w), Load32(y + 2))));
+    sumf += kQ4 ? s * Half(w) * Half(y) : s * (Half(w) * Half(y));
+  }
+  return sumf;
+}
+
+// The K-quants' packed 6-bit (scale, min) pairs as 8 scales and 8 mins.
+HWY_INLINE void ScalesMinsK4(const uint8_t* q, uint8_t* sc, uint8_t* mn) {
+  uint32_t u[4];
+  std::memcpy(u, q, 12);
+  const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
+  u[3] = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4);
+  const uint32_t mins_lo = u[1] & m6;
+  u[1] = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);
+  u[0] &= m6;
+  u[2] = mins_lo;
+  std::memcpy(sc, u, 8);
+  std::memcpy(mn, u + 2, 8);
+}
+
+template <bool kQ5>
+float Avx2Q45_K(const uint8_t* w, const uint8_t* y, size_t nb) {
+  const size_t bytes = kQ5 ? 176 : 144;
+  const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+  float sumf = 0;
+  for (size_t b = 0; b < nb; ++b, w += bytes, y += idot::kQ8_KBytes) {
+    alignas(16) uint8_t sc[8], mn[8];
+    ScalesMinsK4(w + 4, sc, mn);
+    const uint8_t* q = kQ5 ? w + 48 : w + 16;
+    const uint8_t* x = y + 4;
+    const __m256i qh = kQ5 ? Load32(w + 16) : _mm256_setzero_si256();
+    __m256i acc = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      const __m256i c = Load32(q + 32 * j);
+      __m256i lo = _mm256_and_si256(c, m4), hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), m4);
+      if (kQ5) {
+        const __m256i h = _mm256_srli_epi16(qh, 2 * j);
+        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(h, one), 4));
+        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
+      }
+      const __m256i plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, Load32(x + 64 * j)), _mm256_set1_epi16(sc[2 * j]));
+      const __m256i phi =
+          _mm256_madd_epi16(_mm256_maddubs_epi16(hi, Load32(x + 64 * j + 32)), _mm256_set1_epi16(sc[2 * j + 1]));
+      acc = _mm256_add_epi32(acc, _mm256_add_epi32(plo, phi));
+    }
+    const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn));
+    const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));  // min of each 16 values
+    const __m256i summ = _mm256_madd_epi16(Load32(y + 260), mins);
+    const __m256i zero = _mm256_setzero_si256();
+    alignas(16) int32_t s[4];
+    _mm_store_si128(reinterpret_cast<__m128i*>(s), Hsum4(acc, summ, zero, zero));
+    const float d = Half(w) * idot::F32(y), dmin = Half(w + 2) * idot::F32(y);
+    sumf += d * static_cast<float>(s[0]) - dmin * static_cast<float>(s[1]);
+  }
+  return sumf;
+}
+
+float Avx2Q6_K(const uint8_t* w, const uint8_t* y, size_t nb) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
+  float sumf = 0;
+  for (size_t b = 0; b < nb; ++b, w += 210, y += idot::kQ8_KBytes) {
+    const uint8_t* ql = w;
+    const uint8_t* qhp = w + 128;
+    const int8_t* sc = idot::S8(w + 192);
+    const uint8_t* x = y + 4;
+    __m256i acc = _mm256_setzero_si256();
+    for (int n = 0; n < 2; ++n, ql += 64, qhp += 32, sc += 8, x += 128) {
+      const __m256i l0 = Load32(ql), l1 = Load32(ql + 32), qh = Load32(qhp);
+      __m256i c[4];
+      c[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4));
+      c[1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4));
+      c[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4));
+      c[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4));
+      for (int s = 0; s < 4; ++s) {
+        const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(sc[2 * s + 1]), _mm_set1_epi16(sc[2 * s]));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(c[s], Load32(x + 32 * s)), scale));
+      }
+    }
+    // The codes were q + 32: subtract 32 sum_g scale_g bsum_g.
+    const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192)));
+    const __m256i corr = _mm256_madd_epi16(Load32(y + 260), scales);
+    const int32_t isum = Hsum(_mm256_sub_epi32(acc, _mm256_slli_epi32(corr, 5)));
+    sumf += (Half(w + 208) * idot::F32(y)) * static_cast<float>(isum);
+  }
+  return sumf;
+}
+#define KVQ_INT_DOT_X86 1
+#endif
+
 void MatVecInt(const WeightMatrix& w, const uint8_t* xq, size_t r0, size_t r1, float* out) {
   idot::RefFn fn;
   switch (static_cast<WeightType>(w.type)) {
+#ifdef KVQ_INT_DOT_X86
+    case WeightType::kQ4_0: fn = Avx2Q4_0Q8_0<true>; break;
+    case WeightType::kQ8_0: fn = Avx2Q4_0Q8_0<false>; break;
+    case WeightType::kQ4_K: fn = Avx2Q45_K<false>; break;
+    case WeightType::kQ5_K: fn = Avx2Q45_K<true>; break;
+    case WeightType::kQ6_K: fn = Avx2Q6_K; break;
+#else
     case WeightType::kQ4_0: fn = DotQ4_0; break;
     case WeightType::kQ8_0: fn = DotQ8_0; break;
     case WeightType::kQ4_K: fn = DotQ45_K<false>; break;
     case WeightType::kQ5_K: fn = DotQ45_K<true>; break;
     case WeightType::kQ6_K: fn = DotQ6_K; break;
+#endif
     default: fn = idot::Ref(w.type);
   }
   const size_t nb = w.cols / static_cast<size_t>(weight_block(w.type));
   for (size_t i = r0; i < r1; ++i) out[i - r0] = fn(w.row(i), xq, nb);
 }
+#undef KVQ_INT_DOT_X86
 
 #endif
 
