@@ -196,6 +196,12 @@ std::string Weights::describe() const {
   return out + buf;
 }
 
+uint64_t Weights::token_bytes() const {
+  uint64_t n = matrix_bytes();
+  if (wcls.data != token_embedding.data) n -= (token_embedding.rows - 1) * token_embedding.row_bytes;
+  return n;
+}
+
 uint64_t Weights::matrix_bytes() const {
   uint64_t n = token_embedding.rows * token_embedding.row_bytes;
   for (const std::vector<ggml::WeightMatrix>* k : {&wq, &wk, &wv, &wo, &w1, &w2, &w3}) {

@@ -52,6 +52,9 @@ struct Weights {
   const float* bv = nullptr;     // (L, kv_dim)
   // Bytes the matrices hold (what the model keeps in RAM or maps).
   uint64_t matrix_bytes() const;
+  // Bytes one token's pass reads: every matrix but the embedding table, of
+  // which one row (the whole table when the classifier shares it).
+  uint64_t token_bytes() const;
   // How many matrices are of each ggml type (the classifier once when tied).
   std::map<uint32_t, int> matrix_types() const;
   // "Q4_K x 193, Q6_K x 33: 4.58 GiB".

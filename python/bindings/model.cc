@@ -28,6 +28,7 @@ void BindModel(py::module_& m) {
              py::dict types;
              for (const auto& [t, n] : c.weights().matrix_types()) types[py::str(model::ggml_type_name(t))] = n;
              d["weight_types"] = types, d["weight_bytes"] = c.weights().matrix_bytes();
+             d["weight_bytes_per_token"] = c.weights().token_bytes();
              d["tokenizer"] = c.tokenizer() != nullptr ? c.tokenizer()->kind() : c.tokenizer_problem();
              return d;
            })

@@ -203,60 +203,74 @@ float RefQ3_K(const uint8_t* w, const uint8_t* y, size_t nb) {
   return sumf;
 }
 
-// Q4_K and Q5_K (the fifth bit from qh).
+// Q4_K, Q5_K and Q6_K sum in 8 lanes, as the x86 kernels' int32 lanes do:
+// lane k of a super-block holds its values e with (e mod 32) / 4 == k (the
+// 4 products pmaddubsw + pmaddwd add into one int32), exactly; each block
+// adds d times its lane total (minus dmin times the lane's min term) into a
+// float lane, and the 8 lanes are added at the row's end in a fixed tree.
+inline float Reduce8(const float* a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
+
+// Q4_K and Q5_K (the fifth bit from qh). The min term of lane k: min of
+// sub-block k times the sum of its 32 activations.
 template <bool kQ5>
 float RefQ45_K(const uint8_t* w, const uint8_t* y, size_t nb) {
-  float sumf = 0;
+  float acc[8] = {};
   const size_t bytes = kQ5 ? 176 : 144;
   for (size_t b = 0; b < nb; ++b, w += bytes, y += kQ8_KBytes) {
-    const uint8_t* scales = w + 4;
     const uint8_t* qh = w + 16;
     const uint8_t* q = kQ5 ? w + 48 : w + 16;
     const int8_t* q8 = S8(y + 4);
-    int isum = 0, summ = 0;
-    for (int is = 0; is < 8; ++is) {
-      uint8_t sc, mn;
-      ScaleMinK4(is, scales, &sc, &mn);
-      const uint8_t* qq = q + 32 * (is / 2);
-      int s = 0;
-      for (int l = 0; l < 32; ++l) {
-        int c = (is & 1) ? (qq[l] >> 4) : (qq[l] & 0x0F);
-        if (kQ5) c |= ((qh[l] >> is) & 1) << 4;
-        s += c * q8[32 * is + l];
-      }
-      isum += sc * s;
-      summ += mn * (I16(y + 260 + 4 * is) + I16(y + 262 + 4 * is));
-    }
+    uint8_t sc[8], mn[8];
+    for (int c = 0; c < 8; ++c) ScaleMinK4(c, w + 4, &sc[c], &mn[c]);
     const float d = Half(w) * F32(y), dmin = Half(w + 2) * F32(y);
-    sumf += d * static_cast<float>(isum) - dmin * static_cast<float>(summ);
+    for (int k = 0; k < 8; ++k) {
+      int a = 0;
+      for (int c = 0; c < 8; ++c) {
+        int t = 0;
+        for (int r = 0; r < 4; ++r) {
+          const int l = 4 * k + r;
+          int code = (c & 1) ? (q[32 * (c / 2) + l] >> 4) : (q[32 * (c / 2) + l] & 0x0F);
+          if (kQ5) code |= ((qh[l] >> c) & 1) << 4;
+          t += code * q8[32 * c + l];
+        }
+        a += sc[c] * t;
+      }
+      const int m = mn[k] * (I16(y + 260 + 4 * k) + I16(y + 262 + 4 * k));
+      acc[k] += d * static_cast<float>(a) - dmin * static_cast<float>(m);
+    }
   }
-  return sumf;
+  return Reduce8(acc);
 }
 
+// Q6_K: codes summed as unsigned (q + 32), then 32 times each 16-value
+// group's scale times its activation sum taken off (groups 2k and 2k + 1
+// in lane k).
 float RefQ6_K(const uint8_t* w, const uint8_t* y, size_t nb) {
-  float sumf = 0;
+  float acc[8] = {};
   for (size_t b = 0; b < nb; ++b, w += 210, y += kQ8_KBytes) {
     const uint8_t* ql = w;
     const uint8_t* qh = w + 128;
     const int8_t* sc = S8(w + 192);
     const int8_t* q8 = S8(y + 4);
-    int isum = 0;
-    for (int n = 0; n < 2; ++n, ql += 64, qh += 32, sc += 8, q8 += 128) {
-      for (int s = 0; s < 4; ++s) {
-        for (int g = 0; g < 2; ++g) {
-          int acc = 0;
-          for (int l = 16 * g; l < 16 * g + 16; ++l) {
-            const int low = s < 2 ? (ql[32 * (s & 1) + l] & 0x0F) : (ql[32 * (s & 1) + l] >> 4);
-            const int c = (low | (((qh[l] >> (2 * s)) & 3) << 4)) - 32;
-            acc += c * q8[32 * s + l];
-          }
-          isum += sc[2 * s + g] * acc;
+    const float d = Half(w + 208) * F32(y);
+    for (int k = 0; k < 8; ++k) {
+      int a = 0;
+      for (int c = 0; c < 8; ++c) {
+        const int n = c / 4, s = c % 4;
+        int t = 0;
+        for (int r = 0; r < 4; ++r) {
+          const int l = 4 * k + r;
+          const uint8_t lb = ql[64 * n + 32 * (s & 1) + l];
+          const int u = (s < 2 ? (lb & 0x0F) : (lb >> 4)) | (((qh[32 * n + l] >> (2 * s)) & 3) << 4);
+          t += u * q8[32 * c + l];
         }
+        a += sc[8 * n + 2 * s + (k >= 4 ? 1 : 0)] * t;
       }
+      const int corr = sc[2 * k] * I16(y + 260 + 4 * k) + sc[2 * k + 1] * I16(y + 262 + 4 * k);
+      acc[k] += d * static_cast<float>(a - 32 * corr);
     }
-    sumf += (Half(w + 208) * F32(y)) * static_cast<float>(isum);
   }
-  return sumf;
+  return Reduce8(acc);
 }
 
 float RefIQ4_XS(const uint8_t* w, const uint8_t* y, size_t nb) {
@@ -369,70 +383,6 @@ float DotQ8_0(const uint8_t* w, const uint8_t* y, size_t nb) {
   return sumf;
 }
 
-template <bool kQ5>
-float DotQ45_K(const uint8_t* w, const uint8_t* y, size_t nb) {
-  const V16 k15 = hn::Set(D16(), 15), k1 = hn::Set(D16(), 1);
-  const size_t bytes = kQ5 ? 176 : 144;
-  float sumf = 0;
-  for (size_t b = 0; b < nb; ++b, w += bytes, y += idot::kQ8_KBytes) {
-    const uint8_t* scales = w + 4;
-    const uint8_t* qh = w + 16;
-    const uint8_t* q = kQ5 ? w + 48 : w + 16;
-    const uint8_t* q8 = y + 4;
-    IAcc acc;
-    int summ = 0;
-    for (int is = 0; is < 8; is += 2, q += 32, q8 += 64) {
-      uint8_t sc1, mn1, sc2, mn2;
-      idot::ScaleMinK4(is, scales, &sc1, &mn1);
-      idot::ScaleMinK4(is + 1, scales, &sc2, &mn2);
-      const V16 s1 = hn::Set(D16(), static_cast<int16_t>(sc1)), s2 = hn::Set(D16(), static_cast<int16_t>(sc2));
-      for (size_t m = 0; m < 32; m += kN) {
-        const V16 c = Unsigned(q + m);
-        V16 lo = hn::And(c, k15), hi = hn::ShiftRight<4>(c);
-        if (kQ5) {
-          const V16 h = Unsigned(qh + m);
-          lo = hn::Or(lo, hn::ShiftLeft<4>(hn::And(hn::ShiftRightSame(h, is), k1)));
-          hi = hn::Or(hi, hn::ShiftLeft<4>(hn::And(hn::ShiftRightSame(h, is + 1), k1)));
-        }
-        acc.Add(hn::Mul(lo, s1), Signed(q8 + m));
-        acc.Add(hn::Mul(hi, s2), Signed(q8 + 32 + m));
-      }
-      const uint8_t* bs = y + 260 + 4 * static_cast<size_t>(is);
-      summ += mn1 * (idot::I16(bs) + idot::I16(bs + 2)) + mn2 * (idot::I16(bs + 4) + idot::I16(bs + 6));
-    }
-    const float d = idot::Half(w) * idot::F32(y), dmin = idot::Half(w + 2) * idot::F32(y);
-    sumf += d * static_cast<float>(acc.Sum()) - dmin * static_cast<float>(summ);
-  }
-  return sumf;
-}
-
-float DotQ6_K(const uint8_t* w, const uint8_t* y, size_t nb) {
-  const V16 k15 = hn::Set(D16(), 15), k3 = hn::Set(D16(), 3), k32 = hn::Set(D16(), 32);
-  float sumf = 0;
-  for (size_t b = 0; b < nb; ++b, w += 210, y += idot::kQ8_KBytes) {
-    const uint8_t* ql = w;
-    const uint8_t* qh = w + 128;
-    const int8_t* sc = idot::S8(w + 192);
-    const uint8_t* q8 = y + 4;
-    IAcc acc;
-    for (int n = 0; n < 2; ++n, ql += 64, qh += 32, sc += 8, q8 += 128) {
-      for (int s = 0; s < 4; ++s) {
-        const uint8_t* lo = ql + 32 * (s & 1);
-        for (size_t m = 0; m < 32; m += kN) {
-          const V16 l = Unsigned(lo + m);
-          const V16 low = s < 2 ? hn::And(l, k15) : hn::ShiftRight<4>(l);
-          const V16 high = hn::And(hn::ShiftRightSame(Unsigned(qh + m), 2 * s), k3);
-          const V16 c = hn::Sub(hn::Or(low, hn::ShiftLeft<4>(high)), k32);
-          const V16 scale = hn::Set(D16(), static_cast<int16_t>(sc[2 * s + static_cast<int>(m / 16)]));
-          acc.Add(hn::Mul(c, scale), Signed(q8 + 32 * static_cast<size_t>(s) + m));
-        }
-      }
-    }
-    sumf += (idot::Half(w + 208) * idot::F32(y)) * static_cast<float>(acc.Sum());
-  }
-  return sumf;
-}
-
 #if HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
 // ---- x86 (256-bit): bytes multiplied in pairs by pmaddubsw (unsigned code x
 // signed activation -> int16, which no product here overflows), then pmaddwd
@@ -519,14 +469,41 @@ HWY_INLINE void ScalesMinsK4(const uint8_t* q, uint8_t* sc, uint8_t* mn) {
   std::memcpy(mn, u + 2, 8);
 }
 
+// pshufb masks: mask c repeats int16 lane c of a 128-bit half (its two
+// bytes), in both halves; Q6_K's mask s takes lane 2s in the low half and
+// 2s + 1 in the high half.
+struct ScaleMasks {
+  alignas(32) uint8_t k4[8][32];
+  alignas(32) uint8_t k6[4][32];
+  ScaleMasks() {
+    for (int c = 0; c < 8; ++c) {
+      for (int i = 0; i < 32; ++i) k4[c][i] = static_cast<uint8_t>(2 * c + (i & 1));
+    }
+    for (int s = 0; s < 4; ++s) {
+      for (int i = 0; i < 32; ++i) k6[s][i] = static_cast<uint8_t>(2 * (2 * s + (i >= 16 ? 1 : 0)) + (i & 1));
+    }
+  }
+};
+const ScaleMasks kMasks;
+
+HWY_INLINE __m256i Mask(const uint8_t* m) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(m)); }
+
+// The 8 float lanes added in the reference's tree (Reduce8).
+HWY_INLINE float Reduce8(__m256 a) {
+  const __m128 v = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 t = _mm_add_ps(v, _mm_movehl_ps(v, v));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
 template <bool kQ5>
 float Avx2Q45_K(const uint8_t* w, const uint8_t* y, size_t nb) {
   const size_t bytes = kQ5 ? 176 : 144;
   const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-  float sumf = 0;
+  __m256 accf = _mm256_setzero_ps();
   for (size_t b = 0; b < nb; ++b, w += bytes, y += idot::kQ8_KBytes) {
     alignas(16) uint8_t sc[8], mn[8];
     ScalesMinsK4(w + 4, sc, mn);
+    const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
     const uint8_t* q = kQ5 ? w + 48 : w + 16;
     const uint8_t* x = y + 4;
     const __m256i qh = kQ5 ? Load32(w + 16) : _mm256_setzero_si256();
@@ -539,33 +516,33 @@ float Avx2Q45_K(const uint8_t* w, const uint8_t* y, size_t nb) {
         lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(h, one), 4));
         hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
       }
-      const __m256i plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, Load32(x + 64 * j)), _mm256_set1_epi16(sc[2 * j]));
-      const __m256i phi =
-          _mm256_madd_epi16(_mm256_maddubs_epi16(hi, Load32(x + 64 * j + 32)), _mm256_set1_epi16(sc[2 * j + 1]));
+      const __m256i plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, Load32(x + 64 * j)),
+                                            _mm256_shuffle_epi8(scales, Mask(kMasks.k4[2 * j])));
+      const __m256i phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, Load32(x + 64 * j + 32)),
+                                            _mm256_shuffle_epi8(scales, Mask(kMasks.k4[2 * j + 1])));
       acc = _mm256_add_epi32(acc, _mm256_add_epi32(plo, phi));
     }
     const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn));
     const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));  // min of each 16 values
     const __m256i summ = _mm256_madd_epi16(Load32(y + 260), mins);
-    const __m256i zero = _mm256_setzero_si256();
-    alignas(16) int32_t s[4];
-    _mm_store_si128(reinterpret_cast<__m128i*>(s), Hsum4(acc, summ, zero, zero));
-    const float d = Half(w) * idot::F32(y), dmin = Half(w + 2) * idot::F32(y);
-    sumf += d * static_cast<float>(s[0]) - dmin * static_cast<float>(s[1]);
+    const __m256 d = _mm256_set1_ps(Half(w) * idot::F32(y)), dmin = _mm256_set1_ps(Half(w + 2) * idot::F32(y));
+    accf = _mm256_add_ps(accf, _mm256_sub_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(acc)),
+                                             _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(summ))));
   }
-  return sumf;
+  return Reduce8(accf);
 }
 
 float Avx2Q6_K(const uint8_t* w, const uint8_t* y, size_t nb) {
   const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
-  float sumf = 0;
+  __m256 accf = _mm256_setzero_ps();
   for (size_t b = 0; b < nb; ++b, w += 210, y += idot::kQ8_KBytes) {
     const uint8_t* ql = w;
     const uint8_t* qhp = w + 128;
-    const int8_t* sc = idot::S8(w + 192);
     const uint8_t* x = y + 4;
     __m256i acc = _mm256_setzero_si256();
-    for (int n = 0; n < 2; ++n, ql += 64, qhp += 32, sc += 8, x += 128) {
+    for (int n = 0; n < 2; ++n, ql += 64, qhp += 32, x += 128) {
+      const __m256i scales =
+          _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 192 + 8 * n))));
       const __m256i l0 = Load32(ql), l1 = Load32(ql + 32), qh = Load32(qhp);
       __m256i c[4];
       c[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4));
@@ -576,17 +553,17 @@ float Avx2Q6_K(const uint8_t* w, const uint8_t* y, size_t nb) {
       c[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4));
       for (int s = 0; s < 4; ++s) {
-        const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(sc[2 * s + 1]), _mm_set1_epi16(sc[2 * s]));
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(c[s], Load32(x + 32 * s)), scale));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(c[s], Load32(x + 32 * s)),
+                                                      _mm256_shuffle_epi8(scales, Mask(kMasks.k6[s]))));
       }
     }
-    // The codes were q + 32: subtract 32 sum_g scale_g bsum_g.
-    const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192)));
-    const __m256i corr = _mm256_madd_epi16(Load32(y + 260), scales);
-    const int32_t isum = Hsum(_mm256_sub_epi32(acc, _mm256_slli_epi32(corr, 5)));
-    sumf += (Half(w + 208) * idot::F32(y)) * static_cast<float>(isum);
+    // The codes were q + 32: take off 32 sum_g scale_g bsum_g.
+    const __m256i all = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192)));
+    const __m256i corr = _mm256_madd_epi16(Load32(y + 260), all);
+    const __m256i isum = _mm256_sub_epi32(acc, _mm256_slli_epi32(corr, 5));
+    accf = _mm256_add_ps(accf, _mm256_mul_ps(_mm256_set1_ps(Half(w + 208) * idot::F32(y)), _mm256_cvtepi32_ps(isum)));
   }
-  return sumf;
+  return Reduce8(accf);
 }
 #define KVQ_INT_DOT_X86 1
 #endif
@@ -603,9 +580,6 @@ void MatVecInt(const WeightMatrix& w, const uint8_t* xq, size_t r0, size_t r1, f
 #else
     case WeightType::kQ4_0: fn = DotQ4_0; break;
     case WeightType::kQ8_0: fn = DotQ8_0; break;
-    case WeightType::kQ4_K: fn = DotQ45_K<false>; break;
-    case WeightType::kQ5_K: fn = DotQ45_K<true>; break;
-    case WeightType::kQ6_K: fn = DotQ6_K; break;
 #endif
     default: fn = idot::Ref(w.type);
   }
