@@ -48,19 +48,20 @@ void MatVec(float* out, const float* x, const ggml::WeightMatrix& w) {
   for (size_t i = 0; i < w.rows; ++i) out[i] = ggml::dot_row(w, i, x);
 }
 
-// out = w x through the integer path (kvq/ggml_weights.h: matvec_int): x
-// rounded once to the matrix's 8-bit block format in xq, the rows shared by
-// the threads as MatVec shares them.
-void MatVecInt8(float* out, const float* x, const ggml::WeightMatrix& w, std::vector<uint8_t>& xq) {
-  const size_t bytes = ggml::activation_bytes(w.type, w.cols);
-  if (xq.size() < bytes) xq.resize(bytes);
-  ggml::quantize_activation(w.type, x, w.cols, xq.data());
+// out[t] = w x[t] for T rows through the integer path (kvq/ggml_weights.h:
+// matmul_int): each row rounded once to the matrix's 8-bit block format in
+// xq, the weight rows shared by the threads as MatVec shares them; each
+// row's numbers are the same whatever T.
+void MatMulInt8(float* out, const float* x, const ggml::WeightMatrix& w, int T, std::vector<uint8_t>& xq) {
+  const size_t bytes = ggml::activation_bytes(w.type, w.cols), uT = static_cast<size_t>(T);
+  if (xq.size() < uT * bytes) xq.resize(uT * bytes);
+  for (size_t t = 0; t < uT; ++t) ggml::quantize_activation(w.type, x + t * w.cols, w.cols, xq.data() + t * bytes);
   const int64_t rows = static_cast<int64_t>(w.rows), per = 64;
   const uint8_t* q = xq.data();
-#pragma omp parallel for schedule(static) if (!omp_in_parallel() && w.rows * w.cols >= (size_t{1} << 20))
+#pragma omp parallel for schedule(static) if (!omp_in_parallel() && uT * w.rows * w.cols >= (size_t{1} << 20))
   for (int64_t a = 0; a < rows; a += per) {
     const size_t b = static_cast<size_t>(std::min(rows, a + per));
-    ggml::matvec_int(w, q, static_cast<size_t>(a), b, out + a);
+    ggml::matmul_int(w, q, uT, static_cast<size_t>(a), b, out + a, w.rows);
   }
 }
 
@@ -396,10 +397,8 @@ std::span<const float> Transformer::Run(std::span<const Row> rows, Pass pass, bo
   // loop below.
   const bool prefill = single && pass == Pass::kBlas && one.policy_.window == 0 && one.cache_.any_length();
   auto mm = [&](float* out, const float* in, const ggml::WeightMatrix& w) {
-    if (dot_ == WeightDot::kInt8 && ggml::fused_type(w.type) && (pass != Pass::kBlas || T <= kInt8BatchRows)) {
-      for (int t = 0; t < T; ++t) {
-        MatVecInt8(out + static_cast<size_t>(t) * w.rows, in + static_cast<size_t>(t) * w.cols, w, xq_);
-      }
+    if (dot_ == WeightDot::kInt8 && ggml::fused_type(w.type)) {
+      MatMulInt8(out, in, w, T, xq_);
     } else if (pass == Pass::kBlas) {
       Gemm(out, in, w, T, wbuf_);
     } else if (pass == Pass::kWindow) {
@@ -469,7 +468,7 @@ std::span<const float> Transformer::Run(std::span<const Row> rows, Pass pass, bo
   if (last_logits) {  // a prompt's prefill: only its last token's logits
     RmsNorm(xb_.data(), row(x_, T - 1, dim), w_.rms_final, dim, eps);
     if (dot_ == WeightDot::kInt8 && ggml::fused_type(w_.wcls.type)) {
-      MatVecInt8(logits_.data(), xb_.data(), w_.wcls, xq_);
+      MatMulInt8(logits_.data(), xb_.data(), w_.wcls, 1, xq_);
     } else {
       MatVec(logits_.data(), xb_.data(), w_.wcls);
     }

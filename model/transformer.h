@@ -125,11 +125,12 @@ class Transformer {
   // sequences on threads of their own, as `kvq eval` does, keep it).
   void set_attention_threads(int n);
   // How this object's passes multiply by quantized weights (default kExact).
-  // The batched pass (rows of several sequences, a prompt) keeps sgemm on
-  // dequantised rows past kInt8BatchRows rows, where that is faster.
+  // kInt8 runs every pass's quantized matrices through the integer path
+  // (the batched pass too: it reads each weight row once for every 4 rows,
+  // faster than dequantising for sgemm at 1-2 threads); a row's numbers are
+  // then the same in every pass.
   void set_weight_dot(WeightDot d) { dot_ = d; }
   WeightDot weight_dot() const { return dot_; }
-  static constexpr int kInt8BatchRows = 4;
   // One decoding step of several sequences at the same position: seqs[b]
   // (each a Transformer of this checkpoint without a window, at length pos)
   // takes tokens[b]; the projections run as one sgemm over the rows, each

@@ -155,6 +155,41 @@ TEST(GgmlWeights, IntDotEqualsItsReferenceBitForBitOnEveryTarget) {
   });
 }
 
+// Several activation rows at once (each weight row decoded once for up to
+// 4 of them): the same bits as each row through matvec_int, on every target,
+// for 1..9 rows (blocks of 4 and the remainders) and a sub-range of rows.
+TEST(GgmlWeights, IntMatMulEqualsItsRowsBitForBitOnEveryTarget) {
+  test::Rng rng(23);
+  test::ForEachTarget([&](const char*) {
+    for (const WeightType type : BlockTypes()) {
+      const uint32_t t = static_cast<uint32_t>(type);
+      SCOPED_TRACE(static_cast<int>(type));
+      const size_t rows = 37, cols = 512, ab = ggml::activation_bytes(t, cols);
+      const std::vector<uint8_t> m = RandomMatrix(type, rows, cols, rng);
+      const ggml::WeightMatrix w = View(type, m, rows, cols);
+      for (size_t T : {size_t{1}, size_t{3}, size_t{4}, size_t{9}}) {
+        std::vector<uint8_t> xq(T * ab);
+        for (size_t r = 0; r < T; ++r) {
+          const std::vector<float> x = Activation(cols, rng);
+          ggml::quantize_activation(t, x.data(), cols, xq.data() + r * ab);
+        }
+        const size_t r0 = 5, r1 = rows, ldo = rows + 3;
+        std::vector<float> got(T * ldo, -1.0f), one(r1 - r0);
+        ggml::matmul_int(w, xq.data(), T, r0, r1, got.data(), ldo);
+        for (size_t r = 0; r < T; ++r) {
+          ggml::matvec_int(w, xq.data() + r * ab, r0, r1, one.data());
+          for (size_t i = 0; i < r1 - r0; ++i) {
+            uint32_t a, b;
+            std::memcpy(&a, &got[r * ldo + i], 4), std::memcpy(&b, &one[i], 4);
+            ASSERT_EQ(a, b) << "T " << T << " row " << r << " i " << i;
+          }
+          for (size_t i = r1 - r0; i < ldo; ++i) ASSERT_EQ(got[r * ldo + i], -1.0f);  // nothing past the rows
+        }
+      }
+    }
+  });
+}
+
 // The integer path's result is the float dot product of the weights with the
 // activation as rounded: within sum_j |w_j| |x_j - x^_j| plus float rounding
 // of the exact sum. Each 8-bit code is within half a step of x_j / d (d =

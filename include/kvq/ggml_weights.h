@@ -107,6 +107,11 @@ void quantize_activation(uint32_t weight_type, const float* x, size_t n, uint8_t
 // float scales in another order, so they differ by at most
 // 2 gamma_(nb + 4) sum_b |scaled block terms| (nb = blocks per row, u = 2^-24).
 void matvec_int(const WeightMatrix& w, const uint8_t* xq, size_t r0, size_t r1, float* out);
+// T activation rows at once (row t at xq + t * activation_bytes(type, cols)):
+// out[t * ldo + i - r0] = row i . activation t, the same bits as matvec_int
+// of each row alone; each weight row is decoded once for up to 4 activation
+// rows (a batched pass, a prompt's prefill).
+void matmul_int(const WeightMatrix& w, const uint8_t* xq, size_t T, size_t r0, size_t r1, float* out, size_t ldo);
 float dot_row_int_ref(const WeightMatrix& w, size_t i, const uint8_t* xq);
 
 }  // namespace kvq::ggml

@@ -334,8 +334,11 @@ namespace hn = hwy::HWY_NAMESPACE;
 
 #if HWY_HAVE_SCALABLE || HWY_TARGET == HWY_SCALAR
 
-void MatVecInt(const WeightMatrix& w, const uint8_t* xq, size_t r0, size_t r1, float* out) {
-  for (size_t i = r0; i < r1; ++i) out[i - r0] = idot::DotRef(w, i, xq);
+void MatMulInt(const WeightMatrix& w, const uint8_t* xq, size_t stride, size_t T, size_t r0, size_t r1, float* out,
+               size_t ldo) {
+  for (size_t t = 0; t < T; ++t) {
+    for (size_t i = r0; i < r1; ++i) out[t * ldo + i - r0] = idot::DotRef(w, i, xq + t * stride);
+  }
 }
 
 #else
@@ -426,33 +429,48 @@ HWY_INLINE __m256i DotSigned(__m256i w, __m256i x) {
 }
 
 // The 32-value types with a Q8_0 activation, four blocks at a time: Q8_0's
-// codes, Q4_0's (nibble - 8) as int8. Float per block in the reference's order.
-template <bool kQ4>
-float Avx2Q4_0Q8_0(const uint8_t* w, const uint8_t* y, size_t nb) {
-  constexpr size_t kW = kQ4 ? 18 : 34;
-  const __m256i m4 = _mm256_set1_epi8(0x0F), k8 = _mm256_set1_epi8(8);
+// codes, Q4_0's (nibble - 8) as int8. Float per block in the reference's
+// order. R activation rows at ys share each weight block's decoding; row r's
+// result goes to out[r], the same bits as a call with that row alone.
+template <bool kQ4, int R>
+void Avx2Q4_0Q8_0(const uint8_t* w, const uint8_t* const* ys, size_t nb, float* out) {
+  constexpr size_t kW = kQ4 ? 18 : 34, kY = idot::kQ8_0Bytes;
+  const __m256i m4 = _mm256_set1_epi8(0x0F), k8 = _mm256_set1_epi8(8), ones = _mm256_set1_epi16(1);
   auto codes = [&](const uint8_t* b) {
     if (!kQ4) return Load32(b + 2);
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
     const __m256i c = _mm256_set_m128i(_mm_srli_epi16(q, 4), q);
     return _mm256_sub_epi8(_mm256_and_si256(c, m4), k8);
   };
-  float sumf = 0;
+  // |w| and w (for the activation's sign) of one block; the row's int32 lanes.
+  auto dot = [&](__m256i aw, __m256i wv, const uint8_t* x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(Load32(x), wv)), ones);
+  };
+  float sumf[R] = {};
   size_t b = 0;
-  for (; b + 4 <= nb; b += 4, w += 4 * kW, y += 4 * idot::kQ8_0Bytes) {
-    __m256i v[4];
-    for (int k = 0; k < 4; ++k) v[k] = DotSigned(codes(w + k * kW), Load32(y + k * idot::kQ8_0Bytes + 2));
-    const __m128 s = _mm_cvtepi32_ps(Hsum4(v[0], v[1], v[2], v[3]));
-    const __m128 dw = Halves4(w, kW), dy = Halves4(y, idot::kQ8_0Bytes);
-    alignas(16) float t[4];
-    _mm_store_ps(t, kQ4 ? _mm_mul_ps(_mm_mul_ps(s, dw), dy) : _mm_mul_ps(s, _mm_mul_ps(dw, dy)));
-    for (int k = 0; k < 4; ++k) sumf += t[k];
+  for (; b + 4 <= nb; b += 4, w += 4 * kW) {
+    __m256i wv[4], aw[4];
+    for (int k = 0; k < 4; ++k) wv[k] = codes(w + k * kW), aw[k] = _mm256_sign_epi8(wv[k], wv[k]);
+    const __m128 dw = Halves4(w, kW);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* y = ys[r] + b * kY;
+      const __m128 s = _mm_cvtepi32_ps(Hsum4(dot(aw[0], wv[0], y + 2), dot(aw[1], wv[1], y + kY + 2),
+                                             dot(aw[2], wv[2], y + 2 * kY + 2), dot(aw[3], wv[3], y + 3 * kY + 2)));
+      const __m128 dy = Halves4(y, kY);
+      alignas(16) float t[4];
+      _mm_store_ps(t, kQ4 ? _mm_mul_ps(_mm_mul_ps(s, dw), dy) : _mm_mul_ps(s, _mm_mul_ps(dw, dy)));
+      for (int k = 0; k < 4; ++k) sumf[r] += t[k];
+    }
   }
-  for (; b < nb; ++b, w += kW, y += idot::kQ8_0Bytes) {
-    const float s = static_cast<float>(Hsum(DotSigned(codes(w), Load32(y + 2))));
-    sumf += kQ4 ? s * Half(w) * Half(y) : s * (Half(w) * Half(y));
+  for (; b < nb; ++b, w += kW) {
+    const __m256i wv = codes(w), aw = _mm256_sign_epi8(wv, wv);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* y = ys[r] + b * kY;
+      const float s = static_cast<float>(Hsum(dot(aw, wv, y + 2)));
+      sumf[r] += kQ4 ? s * Half(w) * Half(y) : s * (Half(w) * Half(y));
+    }
   }
-  return sumf;
+  for (int r = 0; r < R; ++r) out[r] = sumf[r];
 }
 
 // The K-quants' packed 6-bit (scale, min) pairs as 8 scales and 8 mins.
@@ -495,19 +513,20 @@ HWY_INLINE float Reduce8(__m256 a) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
-template <bool kQ5>
-float Avx2Q45_K(const uint8_t* w, const uint8_t* y, size_t nb) {
+template <bool kQ5, int R>
+void Avx2Q45_K(const uint8_t* w, const uint8_t* const* ys, size_t nb, float* out) {
   const size_t bytes = kQ5 ? 176 : 144;
   const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-  __m256 accf = _mm256_setzero_ps();
-  for (size_t b = 0; b < nb; ++b, w += bytes, y += idot::kQ8_KBytes) {
+  __m256 accf[R];
+  for (int r = 0; r < R; ++r) accf[r] = _mm256_setzero_ps();
+  for (size_t b = 0; b < nb; ++b, w += bytes) {
     alignas(16) uint8_t sc[8], mn[8];
     ScalesMinsK4(w + 4, sc, mn);
     const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
     const uint8_t* q = kQ5 ? w + 48 : w + 16;
-    const uint8_t* x = y + 4;
     const __m256i qh = kQ5 ? Load32(w + 16) : _mm256_setzero_si256();
-    __m256i acc = _mm256_setzero_si256();
+    __m256i acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
     for (int j = 0; j < 4; ++j) {
       const __m256i c = Load32(q + 32 * j);
       __m256i lo = _mm256_and_si256(c, m4), hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), m4);
@@ -516,34 +535,42 @@ float Avx2Q45_K(const uint8_t* w, const uint8_t* y, size_t nb) {
         lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(h, one), 4));
         hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
       }
-      const __m256i plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, Load32(x + 64 * j)),
-                                            _mm256_shuffle_epi8(scales, Mask(kMasks.k4[2 * j])));
-      const __m256i phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, Load32(x + 64 * j + 32)),
-                                            _mm256_shuffle_epi8(scales, Mask(kMasks.k4[2 * j + 1])));
-      acc = _mm256_add_epi32(acc, _mm256_add_epi32(plo, phi));
+      const __m256i slo = _mm256_shuffle_epi8(scales, Mask(kMasks.k4[2 * j]));
+      const __m256i shi = _mm256_shuffle_epi8(scales, Mask(kMasks.k4[2 * j + 1]));
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* x = ys[r] + b * idot::kQ8_KBytes + 4;
+        const __m256i plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, Load32(x + 64 * j)), slo);
+        const __m256i phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, Load32(x + 64 * j + 32)), shi);
+        acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(plo, phi));
+      }
     }
     const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn));
     const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));  // min of each 16 values
-    const __m256i summ = _mm256_madd_epi16(Load32(y + 260), mins);
-    const __m256 d = _mm256_set1_ps(Half(w) * idot::F32(y)), dmin = _mm256_set1_ps(Half(w + 2) * idot::F32(y));
-    accf = _mm256_add_ps(accf, _mm256_sub_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(acc)),
-                                             _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(summ))));
+    const float hd = Half(w), hdmin = Half(w + 2);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* y = ys[r] + b * idot::kQ8_KBytes;
+      const __m256i summ = _mm256_madd_epi16(Load32(y + 260), mins);
+      const __m256 d = _mm256_set1_ps(hd * idot::F32(y)), dmin = _mm256_set1_ps(hdmin * idot::F32(y));
+      accf[r] = _mm256_add_ps(accf[r], _mm256_sub_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(acc[r])),
+                                                     _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(summ))));
+    }
   }
-  return Reduce8(accf);
+  for (int r = 0; r < R; ++r) out[r] = Reduce8(accf[r]);
 }
 
-float Avx2Q6_K(const uint8_t* w, const uint8_t* y, size_t nb) {
+template <int R>
+void Avx2Q6_K(const uint8_t* w, const uint8_t* const* ys, size_t nb, float* out) {
   const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
-  __m256 accf = _mm256_setzero_ps();
-  for (size_t b = 0; b < nb; ++b, w += 210, y += idot::kQ8_KBytes) {
-    const uint8_t* ql = w;
-    const uint8_t* qhp = w + 128;
-    const uint8_t* x = y + 4;
-    __m256i acc = _mm256_setzero_si256();
-    for (int n = 0; n < 2; ++n, ql += 64, qhp += 32, x += 128) {
+  __m256 accf[R];
+  for (int r = 0; r < R; ++r) accf[r] = _mm256_setzero_ps();
+  for (size_t b = 0; b < nb; ++b, w += 210) {
+    __m256i acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
+    for (int n = 0; n < 2; ++n) {
+      const uint8_t* ql = w + 64 * n;
       const __m256i scales =
           _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 192 + 8 * n))));
-      const __m256i l0 = Load32(ql), l1 = Load32(ql + 32), qh = Load32(qhp);
+      const __m256i l0 = Load32(ql), l1 = Load32(ql + 32), qh = Load32(w + 128 + 32 * n);
       __m256i c[4];
       c[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4));
       c[1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
@@ -553,38 +580,86 @@ float Avx2Q6_K(const uint8_t* w, const uint8_t* y, size_t nb) {
       c[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4));
       for (int s = 0; s < 4; ++s) {
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(c[s], Load32(x + 32 * s)),
-                                                      _mm256_shuffle_epi8(scales, Mask(kMasks.k6[s]))));
+        const __m256i sv = _mm256_shuffle_epi8(scales, Mask(kMasks.k6[s]));
+        for (int r = 0; r < R; ++r) {
+          const uint8_t* x = ys[r] + b * idot::kQ8_KBytes + 4 + 128 * n + 32 * s;
+          acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(c[s], Load32(x)), sv));
+        }
       }
     }
     // The codes were q + 32: take off 32 sum_g scale_g bsum_g.
     const __m256i all = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192)));
-    const __m256i corr = _mm256_madd_epi16(Load32(y + 260), all);
-    const __m256i isum = _mm256_sub_epi32(acc, _mm256_slli_epi32(corr, 5));
-    accf = _mm256_add_ps(accf, _mm256_mul_ps(_mm256_set1_ps(Half(w + 208) * idot::F32(y)), _mm256_cvtepi32_ps(isum)));
+    const float hd = Half(w + 208);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* y = ys[r] + b * idot::kQ8_KBytes;
+      const __m256i corr = _mm256_madd_epi16(Load32(y + 260), all);
+      const __m256i isum = _mm256_sub_epi32(acc[r], _mm256_slli_epi32(corr, 5));
+      accf[r] = _mm256_add_ps(accf[r], _mm256_mul_ps(_mm256_set1_ps(hd * idot::F32(y)), _mm256_cvtepi32_ps(isum)));
+    }
   }
-  return Reduce8(accf);
+  for (int r = 0; r < R; ++r) out[r] = Reduce8(accf[r]);
 }
 #define KVQ_INT_DOT_X86 1
 #endif
 
-void MatVecInt(const WeightMatrix& w, const uint8_t* xq, size_t r0, size_t r1, float* out) {
-  idot::RefFn fn;
-  switch (static_cast<WeightType>(w.type)) {
+// A kernel over R activation rows at once (out[r] for ys[r]).
+using RowsFn = void (*)(const uint8_t*, const uint8_t* const*, size_t, float*);
+template <int R>
+RowsFn Rows(uint32_t type) {
+  switch (static_cast<WeightType>(type)) {
 #ifdef KVQ_INT_DOT_X86
-    case WeightType::kQ4_0: fn = Avx2Q4_0Q8_0<true>; break;
-    case WeightType::kQ8_0: fn = Avx2Q4_0Q8_0<false>; break;
-    case WeightType::kQ4_K: fn = Avx2Q45_K<false>; break;
-    case WeightType::kQ5_K: fn = Avx2Q45_K<true>; break;
-    case WeightType::kQ6_K: fn = Avx2Q6_K; break;
-#else
-    case WeightType::kQ4_0: fn = DotQ4_0; break;
-    case WeightType::kQ8_0: fn = DotQ8_0; break;
+    case WeightType::kQ4_0: return Avx2Q4_0Q8_0<true, R>;
+    case WeightType::kQ8_0: return Avx2Q4_0Q8_0<false, R>;
+    case WeightType::kQ4_K: return Avx2Q45_K<false, R>;
+    case WeightType::kQ5_K: return Avx2Q45_K<true, R>;
+    case WeightType::kQ6_K: return Avx2Q6_K<R>;
 #endif
-    default: fn = idot::Ref(w.type);
+    default: return nullptr;
   }
+}
+
+idot::RefFn One(uint32_t type) {
+  switch (static_cast<WeightType>(type)) {
+#ifndef KVQ_INT_DOT_X86
+    case WeightType::kQ4_0: return DotQ4_0;
+    case WeightType::kQ8_0: return DotQ8_0;
+#endif
+    default: return idot::Ref(type);
+  }
+}
+
+// out[t * ldo + i - r0] = row i . activation row t (at xq + t * stride) for
+// rows [r0, r1) and T activation rows: blocks of 16 weight rows (in cache)
+// against blocks of up to 4 activation rows (decoded once for the 4).
+void MatMulInt(const WeightMatrix& w, const uint8_t* xq, size_t stride, size_t T, size_t r0, size_t r1, float* out,
+               size_t ldo) {
   const size_t nb = w.cols / static_cast<size_t>(weight_block(w.type));
-  for (size_t i = r0; i < r1; ++i) out[i - r0] = fn(w.row(i), xq, nb);
+  const RowsFn fns[4] = {Rows<1>(w.type), Rows<2>(w.type), Rows<3>(w.type), Rows<4>(w.type)};
+  if (fns[0] == nullptr) {
+    const idot::RefFn fn = One(w.type);
+    for (size_t t = 0; t < T; ++t) {
+      for (size_t i = r0; i < r1; ++i) out[t * ldo + i - r0] = fn(w.row(i), xq + t * stride, nb);
+    }
+    return;
+  }
+  constexpr size_t kRowBlock = 16;
+  for (size_t i0 = r0; i0 < r1; i0 += kRowBlock) {
+    const size_t i1 = std::min(r1, i0 + kRowBlock);
+    for (size_t t0 = 0; t0 < T; t0 += 4) {
+      const size_t R = std::min<size_t>(4, T - t0);
+      const uint8_t* ys[4];
+      for (size_t r = 0; r < R; ++r) ys[r] = xq + (t0 + r) * stride;
+      for (size_t i = i0; i < i1; ++i) {
+        float o[4];
+        fns[R - 1](w.row(i), ys, nb, o);
+        for (size_t r = 0; r < R; ++r) out[(t0 + r) * ldo + i - r0] = o[r];
+      }
+    }
+  }
+}
+
+void MatVecInt(const WeightMatrix& w, const uint8_t* xq, size_t r0, size_t r1, float* out) {
+  MatMulInt(w, xq, 0, 1, r0, r1, out, 0);
 }
 #undef KVQ_INT_DOT_X86
 
@@ -597,7 +672,7 @@ HWY_AFTER_NAMESPACE();
 #if HWY_ONCE
 namespace kvq::ggml {
 
-HWY_EXPORT(MatVecInt);
+HWY_EXPORT(MatMulInt);
 
 namespace {
 
@@ -695,7 +770,12 @@ void quantize_activation(uint32_t type, const float* x, size_t n, uint8_t* out) 
 
 void matvec_int(const WeightMatrix& w, const uint8_t* xq, size_t r0, size_t r1, float* out) {
   KVQ_ASSERT(activation_type(w.type) != 0 && r0 <= r1 && r1 <= w.rows);
-  HWY_DYNAMIC_DISPATCH(MatVecInt)(w, xq, r0, r1, out);
+  HWY_DYNAMIC_DISPATCH(MatMulInt)(w, xq, 0, 1, r0, r1, out, 0);
+}
+
+void matmul_int(const WeightMatrix& w, const uint8_t* xq, size_t T, size_t r0, size_t r1, float* out, size_t ldo) {
+  KVQ_ASSERT(activation_type(w.type) != 0 && r0 <= r1 && r1 <= w.rows && (T <= 1 || ldo >= r1 - r0));
+  HWY_DYNAMIC_DISPATCH(MatMulInt)(w, xq, activation_bytes(w.type, w.cols), T, r0, r1, out, ldo);
 }
 
 float dot_row_int_ref(const WeightMatrix& w, size_t i, const uint8_t* xq) {
