@@ -1,4 +1,4 @@
-// The token pass's weight read: the fused dequantise-and-dot
+// The weights' passes. Decode: the fused dequantise-and-dot
 // (kvq/ggml_weights.h: matvec_fused) and the integer path (matvec_int) over matrices of an 8B model's FFN
 // geometry (14336 x 4096, Llama-3-8B's gate/up), four of them so that the
 // bytes come from DRAM (64-470 MB depending on the type), rows split over
@@ -11,6 +11,7 @@
 //
 //   build/release/bench/kvq_bench --benchmark_filter=BM_weight
 #include <benchmark/benchmark.h>
+#include <cblas.h>
 #include <omp.h>
 
 #include <cstring>
@@ -106,6 +107,56 @@ void BM_weight_matvec_int8(benchmark::State& state, kvq::ggml::WeightType type) 
                                                    benchmark::Counter::kIsRate);
 }
 
+// A prompt's pass: T activation rows against one matrix through the integer
+// path (matmul_int: each weight row decoded once for 4 activation rows), the
+// rows split over `threads` as the batched pass splits them. Its bounding
+// reference is BM_weight_sgemm: OpenBLAS's sgemm of the same T rows by the
+// matrix's float32 copy, the exact batched pass's product. weight_rows/s
+// counts multiply-adds (T x rows x cols per iteration).
+constexpr size_t kPromptRows = 64;
+
+void BM_weight_matmul_int8(benchmark::State& state, kvq::ggml::WeightType type) {
+  const int threads = static_cast<int>(state.range(0));
+  const uint32_t t = static_cast<uint32_t>(type);
+  const kvq::ggml::WeightMatrix& w = Make(t).m[0];
+  const size_t ab = kvq::ggml::activation_bytes(t, kCols);
+  std::vector<float> x(kPromptRows * kCols), out(kPromptRows * kRows);
+  for (size_t j = 0; j < x.size(); ++j) x[j] = static_cast<float>(j % 13) * 0.1f - 0.6f;
+  std::vector<uint8_t> xq(kPromptRows * ab);
+  for (auto _ : state) {
+    for (size_t r = 0; r < kPromptRows; ++r) kvq::ggml::quantize_activation(t, x.data() + r * kCols, kCols, xq.data() + r * ab);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t a = 0; a < static_cast<int64_t>(kRows); a += 64) {
+      const size_t b = std::min(kRows, static_cast<size_t>(a) + 64);
+      kvq::ggml::matmul_int(w, xq.data(), kPromptRows, static_cast<size_t>(a), b, out.data() + a, kRows);
+    }
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.counters["MAC/s"] = benchmark::Counter(static_cast<double>(kPromptRows * kRows * kCols) * state.iterations(),
+                                               benchmark::Counter::kIsRate);
+}
+
+void BM_weight_sgemm(benchmark::State& state) {
+  const int threads = static_cast<int>(state.range(0));
+  static std::vector<float> wf;
+  if (wf.empty()) {
+    wf.resize(kRows * kCols);
+    for (size_t j = 0; j < wf.size(); ++j) wf[j] = static_cast<float>(j % 29) * 0.01f - 0.14f;
+  }
+  std::vector<float> x(kPromptRows * kCols), out(kPromptRows * kRows);
+  for (size_t j = 0; j < x.size(); ++j) x[j] = static_cast<float>(j % 13) * 0.1f - 0.6f;
+  openblas_set_num_threads(threads);
+  for (auto _ : state) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(kPromptRows), static_cast<int>(kRows),
+                static_cast<int>(kCols), 1.0f, x.data(), static_cast<int>(kCols), wf.data(), static_cast<int>(kCols),
+                0.0f, out.data(), static_cast<int>(kRows));
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.counters["MAC/s"] = benchmark::Counter(static_cast<double>(kPromptRows * kRows * kCols) * state.iterations(),
+                                               benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_weight_sgemm)->ArgName("threads")->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
+
 // The same bytes' count read by memchr for a byte that is not there.
 void BM_weight_read(benchmark::State& state, kvq::ggml::WeightType type) {
   const int threads = static_cast<int>(state.range(0));
@@ -129,6 +180,8 @@ void BM_weight_read(benchmark::State& state, kvq::ggml::WeightType type) {
   BENCHMARK_CAPTURE(BM_weight_matvec, T, kvq::ggml::WeightType::k##T)                                            \
       ->ArgName("threads")->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();                       \
   BENCHMARK_CAPTURE(BM_weight_matvec_int8, T, kvq::ggml::WeightType::k##T)                                       \
+      ->ArgName("threads")->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();                       \
+  BENCHMARK_CAPTURE(BM_weight_matmul_int8, T, kvq::ggml::WeightType::k##T)                                       \
       ->ArgName("threads")->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();                       \
   BENCHMARK_CAPTURE(BM_weight_read, T, kvq::ggml::WeightType::k##T)                                              \
       ->ArgName("threads")->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime()

@@ -5,8 +5,8 @@
 // its tokenizer encodes; the same bytes as a .npy / raw uint32 token file
 // either parse to in-vocabulary ids or are refused; and the same bytes as
 // blocks of every ggml weight type (kvq/ggml_weights.h: any bit pattern,
-// NaN/Inf/subnormal scales) decode, and the fused dequantise-and-dot gives
-// its scalar reference's bits.
+// NaN/Inf/subnormal scales) decode, and the fused dequantise-and-dot and the
+// integer path (one row and two at once) give their scalar references' bits.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -47,6 +47,24 @@ void Blocks(const uint8_t* data, size_t size) {
       std::memcpy(&a, &out[i], 4), std::memcpy(&b, &ref, 4);
       if (a != b && !(out[i] != out[i] && ref != ref)) __builtin_trap();  // equal bits, or both NaN
     }
+    // The integer path: matvec_int and matmul_int give the reference's bits.
+    const size_t ab = kvq::ggml::activation_bytes(type, w.cols);
+    std::vector<uint8_t> xq(2 * ab);
+    kvq::ggml::quantize_activation(type, x.data(), w.cols, xq.data());
+    kvq::ggml::quantize_activation(type, deq.data(), w.cols, xq.data() + ab);  // any values, NaN included
+    std::vector<float> two(2 * rows);
+    kvq::ggml::matmul_int(w, xq.data(), 2, 0, rows, two.data(), rows);
+    for (size_t t = 0; t < 2; ++t) {
+      kvq::ggml::matvec_int(w, xq.data() + t * ab, 0, rows, out.data());
+      for (size_t i = 0; i < rows; ++i) {
+        const float ref = kvq::ggml::dot_row_int_ref(w, i, xq.data() + t * ab);
+        for (const float got : {out[i], two[t * rows + i]}) {
+          uint32_t a, b;
+          std::memcpy(&a, &got, 4), std::memcpy(&b, &ref, 4);
+          if (a != b && !(got != got && ref != ref)) __builtin_trap();
+        }
+      }
+    }
   }
 }
 
@@ -54,9 +72,14 @@ void Blocks(const uint8_t* data, size_t size) {
 void Matrices(const kvq::model::Weights& w) {
   auto rows = [](const kvq::ggml::WeightMatrix& m) {
     std::vector<float> x(m.cols, 0.5f), out(1), deq(m.cols);
+    std::vector<uint8_t> xq(kvq::ggml::activation_bytes(m.type, m.cols));
+    if (kvq::ggml::fused_type(m.type)) kvq::ggml::quantize_activation(m.type, x.data(), m.cols, xq.data());
     for (size_t i : {size_t{0}, m.rows - 1}) {
       kvq::ggml::dequantize_rows(m, i, i + 1, deq.data());
-      if (kvq::ggml::fused_type(m.type)) kvq::ggml::matvec_fused(m, x.data(), i, i + 1, out.data());
+      if (kvq::ggml::fused_type(m.type)) {
+        kvq::ggml::matvec_fused(m, x.data(), i, i + 1, out.data());
+        kvq::ggml::matvec_int(m, xq.data(), i, i + 1, out.data());
+      }
     }
   };
   rows(w.token_embedding), rows(w.wcls);

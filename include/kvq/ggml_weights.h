@@ -98,14 +98,17 @@ size_t activation_bytes(uint32_t weight_type, size_t n);
 // clamped codes, never a trap). Never throws.
 void quantize_activation(uint32_t weight_type, const float* x, size_t n, uint8_t* out);
 // out[i - r0] = row i . xq for rows [r0, r1): each block's integer dot
-// product exactly, then per block the float scaling ggml's generic
-// ggml_vec_dot_<type>_q8_<fmt> does, blocks added in order (the K-quants
-// Q3_K..Q6_K scale each block's integer total once where ggml keeps 8 float
-// lanes). The same bits on every SIMD target as dot_row_int_ref. Against
-// ggml's own vec_dot on the same activation bytes (any of its SIMD
-// variants): both are sums of the same per-block integers times the same
-// float scales in another order, so they differ by at most
-// 2 gamma_(nb + 4) sum_b |scaled block terms| (nb = blocks per row, u = 2^-24).
+// product exactly, then float only at the block scales. Q4_0, Q8_0 and
+// Q3_K..Q6_K sum in 8 lanes (lane k: values 4k..4k+3 of every 32, as the x86
+// kernels' int32 lanes hold them), each block adding its scaled lane totals
+// into float lanes added in a fixed tree at the row's end; the other types
+// scale each block's total as ggml's generic ggml_vec_dot_<type>_q8_<fmt>
+// does (its bits). The same bits on every SIMD target as dot_row_int_ref.
+// Against ggml's own vec_dot on the same activation bytes (its generic C or
+// any SIMD variant): both are sums of the same exact per-block integers times
+// the same float scales in another order, so they differ by at most
+// 2 gamma_(16 nb + 8) B, B a bound on every float term's magnitude
+// (python/tests/test_ggml_int_dot.py states and checks it; nb = blocks a row).
 void matvec_int(const WeightMatrix& w, const uint8_t* xq, size_t r0, size_t r1, float* out);
 // T activation rows at once (row t at xq + t * activation_bytes(type, cols)):
 // out[t * ldo + i - r0] = row i . activation t, the same bits as matvec_int

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "kvq/error.h"
 #include "kvq/ggml_weights.h"
@@ -59,17 +60,28 @@ inline const int8_t* S8(const uint8_t* p) { return reinterpret_cast<const int8_t
 // whose generic code keeps 8 float lanes, the block's integer total is
 // scaled once (kvq's order; within the bound kvq/ggml_weights.h states).
 
-float RefQ4_0(const uint8_t* w, const uint8_t* y, size_t nb) {
-  float sumf = 0;
-  for (size_t b = 0; b < nb; ++b, w += 18, y += kQ8_0Bytes) {
+// The 8 float lanes of Q4_0, Q8_0 and the K-quants added at a row's end.
+inline float Reduce8(const float* a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
+
+// Q4_0 and Q8_0 sum in 8 lanes, as the x86 kernels' int32 lanes do: lane k
+// of a block holds its values 4k..4k+3 (exactly); each block adds the lane's
+// total times dw dy into a float lane; Reduce8 at the row's end.
+template <bool kQ4>
+float RefQ4_0Q8_0(const uint8_t* w, const uint8_t* y, size_t nb) {
+  float acc[8] = {};
+  for (size_t b = 0; b < nb; ++b, w += kQ4 ? 18 : 34, y += kQ8_0Bytes) {
     const int8_t* q8 = S8(y + 2);
-    int sumi = 0;
-    for (int j = 0; j < kQK / 2; ++j) {
-      sumi += ((w[2 + j] & 0x0F) - 8) * q8[j] + ((w[2 + j] >> 4) - 8) * q8[j + kQK / 2];
+    const float d = Half(w) * Half(y);
+    for (int k = 0; k < 8; ++k) {
+      int t = 0;
+      for (int e = 4 * k; e < 4 * k + 4; ++e) {
+        const int code = kQ4 ? (e < 16 ? (w[2 + e] & 0x0F) : (w[2 + e - 16] >> 4)) - 8 : S8(w + 2)[e];
+        t += code * q8[e];
+      }
+      acc[k] += static_cast<float>(t) * d;
     }
-    sumf += static_cast<float>(sumi) * Half(w) * Half(y);
   }
-  return sumf;
+  return Reduce8(acc);
 }
 
 float RefQ4_1(const uint8_t* w, const uint8_t* y, size_t nb) {
@@ -115,18 +127,6 @@ float RefQ5_1(const uint8_t* w, const uint8_t* y, size_t nb) {
     int sumi = 0;
     for (int j = 0; j < kQK; ++j) sumi += c[j] * q8[j];
     sumf += (Half(w) * Half(y)) * static_cast<float>(sumi) + Half(w + 2) * Half(y + 2);
-  }
-  return sumf;
-}
-
-float RefQ8_0(const uint8_t* w, const uint8_t* y, size_t nb) {
-  float sumf = 0;
-  for (size_t b = 0; b < nb; ++b, w += 34, y += kQ8_0Bytes) {
-    const int8_t* qw = S8(w + 2);
-    const int8_t* q8 = S8(y + 2);
-    int sumi = 0;
-    for (int j = 0; j < kQK; ++j) sumi += qw[j] * q8[j];
-    sumf += static_cast<float>(sumi) * (Half(w) * Half(y));
   }
   return sumf;
 }
@@ -208,7 +208,6 @@ float RefQ3_K(const uint8_t* w, const uint8_t* y, size_t nb) {
 // 4 products pmaddubsw + pmaddwd add into one int32), exactly; each block
 // adds d times its lane total (minus dmin times the lane's min term) into a
 // float lane, and the 8 lanes are added at the row's end in a fixed tree.
-inline float Reduce8(const float* a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
 
 // Q4_K and Q5_K (the fifth bit from qh). The min term of lane k: min of
 // sub-block k times the sum of its 32 activations.
@@ -304,11 +303,11 @@ float RefIQ4_XS(const uint8_t* w, const uint8_t* y, size_t nb) {
 using RefFn = float (*)(const uint8_t*, const uint8_t*, size_t);
 inline RefFn Ref(uint32_t type) {
   switch (static_cast<WeightType>(type)) {
-    case WeightType::kQ4_0: return RefQ4_0;
+    case WeightType::kQ4_0: return RefQ4_0Q8_0<true>;
     case WeightType::kQ4_1: return RefQ4_1;
     case WeightType::kQ5_0: return RefQ5_0;
     case WeightType::kQ5_1: return RefQ5_1;
-    case WeightType::kQ8_0: return RefQ8_0;
+    case WeightType::kQ8_0: return RefQ4_0Q8_0<false>;
     case WeightType::kIQ4_NL: return RefIQ4_NL;
     case WeightType::kQ2_K: return RefQ2_K;
     case WeightType::kQ3_K: return RefQ3_K;
@@ -343,49 +342,6 @@ void MatMulInt(const WeightMatrix& w, const uint8_t* xq, size_t stride, size_t T
 
 #else
 
-using D16 = hn::CappedTag<int16_t, 16>;  // 16 lanes on AVX2 / AVX-512, 8 on SSE4 / NEON
-using D32 = hn::Repartition<int32_t, D16>;
-using V16 = hn::Vec<D16>;
-using V32 = hn::Vec<D32>;
-constexpr size_t kN = hn::MaxLanes(D16());
-static_assert(kN == 8 || kN == 16, "a chunk of codes lies in one 16-value group");
-
-HWY_INLINE V16 Signed(const uint8_t* p) { return hn::PromoteTo(D16(), hn::LoadU(hn::Rebind<int8_t, D16>(), idot::S8(p))); }
-HWY_INLINE V16 Unsigned(const uint8_t* p) { return hn::PromoteTo(D16(), hn::LoadU(hn::Rebind<uint8_t, D16>(), p)); }
-
-// An exact int32 sum of products of int16 lanes.
-struct IAcc {
-  V32 a, b;
-  HWY_INLINE IAcc() : a(hn::Zero(D32())), b(hn::Zero(D32())) {}
-  HWY_INLINE void Add(V16 w, V16 x) { a = hn::ReorderWidenMulAccumulate(D32(), w, x, a, b); }
-  HWY_INLINE int32_t Sum() { return hn::GetLane(hn::SumOfLanes(D32(), hn::Add(a, b))); }
-};
-
-float DotQ4_0(const uint8_t* w, const uint8_t* y, size_t nb) {
-  const V16 k15 = hn::Set(D16(), 15), k8 = hn::Set(D16(), 8);
-  float sumf = 0;
-  for (size_t b = 0; b < nb; ++b, w += 18, y += idot::kQ8_0Bytes) {
-    IAcc acc;
-    for (size_t m = 0; m < 16; m += kN) {
-      const V16 q = Unsigned(w + 2 + m);
-      acc.Add(hn::Sub(hn::And(q, k15), k8), Signed(y + 2 + m));
-      acc.Add(hn::Sub(hn::ShiftRight<4>(q), k8), Signed(y + 18 + m));
-    }
-    sumf += static_cast<float>(acc.Sum()) * idot::Half(w) * idot::Half(y);
-  }
-  return sumf;
-}
-
-float DotQ8_0(const uint8_t* w, const uint8_t* y, size_t nb) {
-  float sumf = 0;
-  for (size_t b = 0; b < nb; ++b, w += 34, y += idot::kQ8_0Bytes) {
-    IAcc acc;
-    for (size_t m = 0; m < 32; m += kN) acc.Add(Signed(w + 2 + m), Signed(y + 2 + m));
-    sumf += static_cast<float>(acc.Sum()) * (idot::Half(w) * idot::Half(y));
-  }
-  return sumf;
-}
-
 #if HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
 // ---- x86 (256-bit): bytes multiplied in pairs by pmaddubsw (unsigned code x
 // signed activation -> int16, which no product here overflows), then pmaddwd
@@ -394,6 +350,23 @@ float DotQ8_0(const uint8_t* w, const uint8_t* y, size_t nb) {
 // exact, the float steps are the reference's, so the bits are the same.
 
 HWY_INLINE __m256i Load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// acc + pmaddwd(a, b), and acc + the sums of 4 adjacent u8 x s8 products:
+// one AVX-512 VNNI instruction each on AVX3_DL (vpdpwssd, vpdpbusd; no
+// intermediate saturation, which no value here reaches), two or three on
+// AVX2 / AVX3. Highway 1.0.3's AVX3_DL target string lacks avx512vnni
+// (every AVX3_DL CPU has it): the functions that use it add it.
+#if HWY_TARGET == HWY_AVX3_DL
+#define KVQ_VNNI __attribute__((target("avx512vnni")))
+KVQ_VNNI HWY_INLINE __m256i MulAddPairs(__m256i acc, __m256i a, __m256i b) { return _mm256_dpwssd_epi32(acc, a, b); }
+KVQ_VNNI HWY_INLINE __m256i AddQuads(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#else
+#define KVQ_VNNI
+HWY_INLINE __m256i MulAddPairs(__m256i acc, __m256i a, __m256i b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+HWY_INLINE __m256i AddQuads(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+#endif
 
 HWY_INLINE int32_t Hsum(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -428,49 +401,47 @@ HWY_INLINE __m256i DotSigned(__m256i w, __m256i x) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1));
 }
 
-// The 32-value types with a Q8_0 activation, four blocks at a time: Q8_0's
-// codes, Q4_0's (nibble - 8) as int8. Float per block in the reference's
-// order. R activation rows at ys share each weight block's decoding; row r's
+// The 8 float lanes added in the reference's tree (Reduce8).
+HWY_INLINE float Reduce8(__m256 a) {
+  const __m128 v = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 t = _mm_add_ps(v, _mm_movehl_ps(v, v));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+// |w| and w (for the activation's sign) of one block: the row's int32 lanes.
+KVQ_VNNI HWY_INLINE __m256i DotBlock(__m256i aw, __m256i wv, const uint8_t* x) {
+  return AddQuads(_mm256_setzero_si256(), aw, _mm256_sign_epi8(Load32(x), wv));
+}
+
+// The 32-value types with a Q8_0 activation: Q8_0's codes, Q4_0's (nibble -
+// 8) as int8, in the reference's lanes (int32 lane k: values 4k..4k+3). R
+// activation rows share each weight block's decoding; dys[r][b] is row r's
+// block-b scale as float (the kernel's caller converts them once). Row r's
 // result goes to out[r], the same bits as a call with that row alone.
 template <bool kQ4, int R>
-void Avx2Q4_0Q8_0(const uint8_t* w, const uint8_t* const* ys, size_t nb, float* out) {
+KVQ_VNNI void Avx2Q4_0Q8_0(const uint8_t* w, const uint8_t* const* ys, const float* const* dys, size_t nb,
+                           float* out) {
   constexpr size_t kW = kQ4 ? 18 : 34, kY = idot::kQ8_0Bytes;
-  const __m256i m4 = _mm256_set1_epi8(0x0F), k8 = _mm256_set1_epi8(8), ones = _mm256_set1_epi16(1);
-  auto codes = [&](const uint8_t* b) {
-    if (!kQ4) return Load32(b + 2);
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
-    const __m256i c = _mm256_set_m128i(_mm_srli_epi16(q, 4), q);
-    return _mm256_sub_epi8(_mm256_and_si256(c, m4), k8);
-  };
-  // |w| and w (for the activation's sign) of one block; the row's int32 lanes.
-  auto dot = [&](__m256i aw, __m256i wv, const uint8_t* x) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(Load32(x), wv)), ones);
-  };
-  float sumf[R] = {};
-  size_t b = 0;
-  for (; b + 4 <= nb; b += 4, w += 4 * kW) {
-    __m256i wv[4], aw[4];
-    for (int k = 0; k < 4; ++k) wv[k] = codes(w + k * kW), aw[k] = _mm256_sign_epi8(wv[k], wv[k]);
-    const __m128 dw = Halves4(w, kW);
+  const __m256i m4 = _mm256_set1_epi8(0x0F), k8 = _mm256_set1_epi8(8);
+  __m256 accf[R];
+  for (int r = 0; r < R; ++r) accf[r] = _mm256_setzero_ps();
+  for (size_t b = 0; b < nb; ++b, w += kW) {
+    __m256i wv;
+    if (kQ4) {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2));
+      wv = _mm256_sub_epi8(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4), k8);
+    } else {
+      wv = Load32(w + 2);
+    }
+    const __m256i aw = _mm256_sign_epi8(wv, wv);
+    const __m256 hw = _mm256_set1_ps(Half(w));
     for (int r = 0; r < R; ++r) {
-      const uint8_t* y = ys[r] + b * kY;
-      const __m128 s = _mm_cvtepi32_ps(Hsum4(dot(aw[0], wv[0], y + 2), dot(aw[1], wv[1], y + kY + 2),
-                                             dot(aw[2], wv[2], y + 2 * kY + 2), dot(aw[3], wv[3], y + 3 * kY + 2)));
-      const __m128 dy = Halves4(y, kY);
-      alignas(16) float t[4];
-      _mm_store_ps(t, kQ4 ? _mm_mul_ps(_mm_mul_ps(s, dw), dy) : _mm_mul_ps(s, _mm_mul_ps(dw, dy)));
-      for (int k = 0; k < 4; ++k) sumf[r] += t[k];
+      const __m256i lanes = DotBlock(aw, wv, ys[r] + b * kY + 2);
+      const __m256 d = _mm256_mul_ps(hw, _mm256_broadcast_ss(dys[r] + b));
+      accf[r] = _mm256_add_ps(accf[r], _mm256_mul_ps(_mm256_cvtepi32_ps(lanes), d));
     }
   }
-  for (; b < nb; ++b, w += kW) {
-    const __m256i wv = codes(w), aw = _mm256_sign_epi8(wv, wv);
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* y = ys[r] + b * kY;
-      const float s = static_cast<float>(Hsum(dot(aw, wv, y + 2)));
-      sumf[r] += kQ4 ? s * Half(w) * Half(y) : s * (Half(w) * Half(y));
-    }
-  }
-  for (int r = 0; r < R; ++r) out[r] = sumf[r];
+  for (int r = 0; r < R; ++r) out[r] = Reduce8(accf[r]);
 }
 
 // The K-quants' packed 6-bit (scale, min) pairs as 8 scales and 8 mins.
@@ -506,15 +477,8 @@ const ScaleMasks kMasks;
 
 HWY_INLINE __m256i Mask(const uint8_t* m) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(m)); }
 
-// The 8 float lanes added in the reference's tree (Reduce8).
-HWY_INLINE float Reduce8(__m256 a) {
-  const __m128 v = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 t = _mm_add_ps(v, _mm_movehl_ps(v, v));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
-
 template <bool kQ5, int R>
-void Avx2Q45_K(const uint8_t* w, const uint8_t* const* ys, size_t nb, float* out) {
+KVQ_VNNI void Avx2Q45_K(const uint8_t* w, const uint8_t* const* ys, const float* const*, size_t nb, float* out) {
   const size_t bytes = kQ5 ? 176 : 144;
   const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
   __m256 accf[R];
@@ -539,18 +503,18 @@ void Avx2Q45_K(const uint8_t* w, const uint8_t* const* ys, size_t nb, float* out
       const __m256i shi = _mm256_shuffle_epi8(scales, Mask(kMasks.k4[2 * j + 1]));
       for (int r = 0; r < R; ++r) {
         const uint8_t* x = ys[r] + b * idot::kQ8_KBytes + 4;
-        const __m256i plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, Load32(x + 64 * j)), slo);
-        const __m256i phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, Load32(x + 64 * j + 32)), shi);
-        acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(plo, phi));
+        acc[r] = MulAddPairs(acc[r], _mm256_maddubs_epi16(lo, Load32(x + 64 * j)), slo);
+        acc[r] = MulAddPairs(acc[r], _mm256_maddubs_epi16(hi, Load32(x + 64 * j + 32)), shi);
       }
     }
     const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn));
     const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));  // min of each 16 values
-    const float hd = Half(w), hdmin = Half(w + 2);
+    const __m256 hd = _mm256_set1_ps(Half(w)), hdmin = _mm256_set1_ps(Half(w + 2));
     for (int r = 0; r < R; ++r) {
       const uint8_t* y = ys[r] + b * idot::kQ8_KBytes;
       const __m256i summ = _mm256_madd_epi16(Load32(y + 260), mins);
-      const __m256 d = _mm256_set1_ps(hd * idot::F32(y)), dmin = _mm256_set1_ps(hdmin * idot::F32(y));
+      const __m256 yd = _mm256_broadcast_ss(reinterpret_cast<const float*>(y));
+      const __m256 d = _mm256_mul_ps(hd, yd), dmin = _mm256_mul_ps(hdmin, yd);
       accf[r] = _mm256_add_ps(accf[r], _mm256_sub_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(acc[r])),
                                                      _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(summ))));
     }
@@ -559,7 +523,7 @@ void Avx2Q45_K(const uint8_t* w, const uint8_t* const* ys, size_t nb, float* out
 }
 
 template <int R>
-void Avx2Q6_K(const uint8_t* w, const uint8_t* const* ys, size_t nb, float* out) {
+KVQ_VNNI void Avx2Q6_K(const uint8_t* w, const uint8_t* const* ys, const float* const*, size_t nb, float* out) {
   const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
   __m256 accf[R];
   for (int r = 0; r < R; ++r) accf[r] = _mm256_setzero_ps();
@@ -583,18 +547,19 @@ void Avx2Q6_K(const uint8_t* w, const uint8_t* const* ys, size_t nb, float* out)
         const __m256i sv = _mm256_shuffle_epi8(scales, Mask(kMasks.k6[s]));
         for (int r = 0; r < R; ++r) {
           const uint8_t* x = ys[r] + b * idot::kQ8_KBytes + 4 + 128 * n + 32 * s;
-          acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(c[s], Load32(x)), sv));
+          acc[r] = MulAddPairs(acc[r], _mm256_maddubs_epi16(c[s], Load32(x)), sv);
         }
       }
     }
     // The codes were q + 32: take off 32 sum_g scale_g bsum_g.
     const __m256i all = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192)));
-    const float hd = Half(w + 208);
+    const __m256 hd = _mm256_set1_ps(Half(w + 208));
     for (int r = 0; r < R; ++r) {
       const uint8_t* y = ys[r] + b * idot::kQ8_KBytes;
       const __m256i corr = _mm256_madd_epi16(Load32(y + 260), all);
       const __m256i isum = _mm256_sub_epi32(acc[r], _mm256_slli_epi32(corr, 5));
-      accf[r] = _mm256_add_ps(accf[r], _mm256_mul_ps(_mm256_set1_ps(hd * idot::F32(y)), _mm256_cvtepi32_ps(isum)));
+      const __m256 d = _mm256_mul_ps(hd, _mm256_broadcast_ss(reinterpret_cast<const float*>(y)));
+      accf[r] = _mm256_add_ps(accf[r], _mm256_mul_ps(d, _mm256_cvtepi32_ps(isum)));
     }
   }
   for (int r = 0; r < R; ++r) out[r] = Reduce8(accf[r]);
@@ -602,8 +567,9 @@ void Avx2Q6_K(const uint8_t* w, const uint8_t* const* ys, size_t nb, float* out)
 #define KVQ_INT_DOT_X86 1
 #endif
 
-// A kernel over R activation rows at once (out[r] for ys[r]).
-using RowsFn = void (*)(const uint8_t*, const uint8_t* const*, size_t, float*);
+// A kernel over R activation rows at once (out[r] for ys[r]; the Q8_0
+// activations' block scales as float in dys[r]).
+using RowsFn = void (*)(const uint8_t*, const uint8_t* const*, const float* const*, size_t, float*);
 template <int R>
 RowsFn Rows(uint32_t type) {
   switch (static_cast<WeightType>(type)) {
@@ -618,15 +584,6 @@ RowsFn Rows(uint32_t type) {
   }
 }
 
-idot::RefFn One(uint32_t type) {
-  switch (static_cast<WeightType>(type)) {
-#ifndef KVQ_INT_DOT_X86
-    case WeightType::kQ4_0: return DotQ4_0;
-    case WeightType::kQ8_0: return DotQ8_0;
-#endif
-    default: return idot::Ref(type);
-  }
-}
 
 // out[t * ldo + i - r0] = row i . activation row t (at xq + t * stride) for
 // rows [r0, r1) and T activation rows: blocks of 16 weight rows (in cache)
@@ -636,22 +593,30 @@ void MatMulInt(const WeightMatrix& w, const uint8_t* xq, size_t stride, size_t T
   const size_t nb = w.cols / static_cast<size_t>(weight_block(w.type));
   const RowsFn fns[4] = {Rows<1>(w.type), Rows<2>(w.type), Rows<3>(w.type), Rows<4>(w.type)};
   if (fns[0] == nullptr) {
-    const idot::RefFn fn = One(w.type);
+    const idot::RefFn fn = idot::Ref(w.type);
     for (size_t t = 0; t < T; ++t) {
       for (size_t i = r0; i < r1; ++i) out[t * ldo + i - r0] = fn(w.row(i), xq + t * stride, nb);
     }
     return;
   }
   constexpr size_t kRowBlock = 16;
-  for (size_t i0 = r0; i0 < r1; i0 += kRowBlock) {
-    const size_t i1 = std::min(r1, i0 + kRowBlock);
-    for (size_t t0 = 0; t0 < T; t0 += 4) {
-      const size_t R = std::min<size_t>(4, T - t0);
-      const uint8_t* ys[4];
-      for (size_t r = 0; r < R; ++r) ys[r] = xq + (t0 + r) * stride;
+  const bool q8_0 = activation_type(w.type) == 8;
+  std::vector<float> dy(q8_0 ? 4 * nb : 0);
+  for (size_t t0 = 0; t0 < T; t0 += 4) {
+    const size_t R = std::min<size_t>(4, T - t0);
+    const uint8_t* ys[4];
+    const float* dys[4] = {};
+    for (size_t r = 0; r < R; ++r) {
+      ys[r] = xq + (t0 + r) * stride;
+      if (!q8_0) continue;
+      for (size_t b = 0; b < nb; ++b) dy[r * nb + b] = idot::Half(ys[r] + b * idot::kQ8_0Bytes);
+      dys[r] = dy.data() + r * nb;
+    }
+    for (size_t i0 = r0; i0 < r1; i0 += kRowBlock) {
+      const size_t i1 = std::min(r1, i0 + kRowBlock);
       for (size_t i = i0; i < i1; ++i) {
         float o[4];
-        fns[R - 1](w.row(i), ys, nb, o);
+        fns[R - 1](w.row(i), ys, dys, nb, o);
         for (size_t r = 0; r < R; ++r) out[(t0 + r) * ldo + i - r0] = o[r];
       }
     }
@@ -662,6 +627,7 @@ void MatVecInt(const WeightMatrix& w, const uint8_t* xq, size_t r0, size_t r1, f
   MatMulInt(w, xq, 0, 1, r0, r1, out, 0);
 }
 #undef KVQ_INT_DOT_X86
+#undef KVQ_VNNI
 
 #endif
 
