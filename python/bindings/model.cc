@@ -35,7 +35,7 @@ void BindModel(py::module_& m) {
       // tokens: int list; pass: "token" (one forward() per token), "window" (forward_window), "batched".
       .def("logits",
            [](const model::Checkpoint& c, const std::vector<int>& tokens, const std::string& kv,
-              const std::string& pass) {
+              const std::string& pass, const std::string& weight_dot) {
              KVQ_CHECK_ARG(pass == "token" || pass == "window" || pass == "batched", "forward: expected token, window "
                            "or batched, got '", pass, "'");
              KVQ_CHECK_ARG(!tokens.empty() && static_cast<int64_t>(tokens.size()) <= c.config().seq_len,
@@ -46,6 +46,7 @@ void BindModel(py::module_& m) {
              {
                py::gil_scoped_release release;
                model::Transformer tf(c, model::CacheScheme(kv), T);
+               tf.set_weight_dot(model::parse_weight_dot(weight_dot, "weight_dot"));
                if (pass == "token") {
                  for (int t = 0; t < T; ++t) {
                    const std::span<const float> l = tf.forward(tokens[static_cast<size_t>(t)], t);
@@ -124,10 +125,12 @@ void BindModel(py::module_& m) {
                        const std::string& kv, int steps, double temperature, uint64_t seed, const std::string& save_cache,
                        const std::string& load_cache, const std::optional<std::string>& prompt_cache, int chunk,
                        double max_mb, int ttl, const std::string& secret, const py::object& on_text,
-                       const std::vector<int>& tokens, int threads, int batch, bool calib_batched) {
+                       const std::vector<int>& tokens, int threads, int batch, bool calib_batched,
+                       const std::string& weight_dot) {
     session::GenerateOptions o;
     o.model = model, o.tokenizer = tokenizer, o.prompt = prompt, o.kv = kv;
     o.tokens = tokens, o.threads = threads, o.batch = batch, o.calib_batched = calib_batched;
+    o.weight_dot = weight_dot;
     o.steps = steps, o.temperature = temperature, o.seed = seed;
     o.save_cache = save_cache, o.load_cache = load_cache;
     o.prompt_cache = prompt_cache, o.prompt_cache_chunk = chunk, o.prompt_cache_max_mb = max_mb;
@@ -149,6 +152,7 @@ void BindModel(py::module_& m) {
     d["kv"] = r.kv, d["bits"] = r.bits, d["bytes"] = r.bytes, d["cache_tokens"] = r.cache_tokens;
     d["stored_chunks"] = r.stored_chunks, d["stored_bytes"] = r.stored_bytes, d["status"] = status;
     d["ids"] = r.ids, d["has_text"] = r.has_text, d["prefilled"] = r.prefilled, d["prefill_seconds"] = r.prefill_seconds;
+    d["weight_dot"] = r.weight_dot;
     return d;
   });
 }

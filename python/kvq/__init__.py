@@ -24,7 +24,7 @@ The KV cache and fused decode attention (kvq's C++ cache, not the note's)
         .put(tokens, cache) -> chunks written; .longest_prefix(tokens, like) -> (n_tokens, cache)
 
 Models and generation
-    Model(path).logits(tokens, kv="fp32", forward="window") -> (T, vocab)
+    Model(path).logits(tokens, kv="fp32", forward="window", weight_dot="exact") -> (T, vocab)
     dequantize_ggml(ggml_type, data, n) -> (n,) float32   a GGUF tensor's bytes (F32 ... Q6_K, IQ4_XS)
     quantize_activation(ggml_type, x) -> bytes; dot_ggml_int(ggml_type, weights, activation, cols)
         -> (rows,) float32   the integer path for quantized weights (llama.cpp's arithmetic)

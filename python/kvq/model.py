@@ -11,10 +11,12 @@ class Model:
 
     Model(path)
       .config                      dict: arch, dim, n_layers, heads, RoPE, norm_eps, tokenizer, ...
-      .logits(tokens, kv="fp32", forward="window")  float32 (T, vocab): the logits of tokens[0..T) with
-                                   the KV cache in scheme kv; forward "token" (one decoding step at a time),
-                                   "window" (the same numbers, bitwise) or "batched" (sgemm + chunked prefill:
-                                   the same up to summation order)
+      .logits(tokens, kv="fp32", forward="window", weight_dot="exact")  float32 (T, vocab): the logits of
+                                   tokens[0..T) with the KV cache in scheme kv; forward "token" (one decoding
+                                   step at a time), "window" (the same numbers, bitwise) or "batched" (sgemm +
+                                   chunked prefill: the same up to summation order); weight_dot "int8":
+                                   quantized matrices through llama.cpp's arithmetic (8-bit activations,
+                                   integer block sums; the same numbers in every pass)
       .tokenize(text, bos=True)    the GGUF's own tokenizer, sentencepiece or byte-level BPE (ValueError when it
                                    has none); text as str or bytes
       .detokenize(ids)             bytes
@@ -24,10 +26,10 @@ class Model:
         self._m = _kvq.Model(_str(path, "path"))
         self.config = self._m.config()
 
-    def logits(self, tokens, kv="fp32", forward="window"):
+    def logits(self, tokens, kv="fp32", forward="window", weight_dot="exact"):
         ids = [_int(t, "tokens") for t in _numpy(tokens).reshape(-1).tolist()] if not isinstance(tokens, list) \
             else [_int(t, "tokens") for t in tokens]
-        return self._m.logits(ids, _str(kv, "kv"), _str(forward, "forward"))
+        return self._m.logits(ids, _str(kv, "kv"), _str(forward, "forward"), _str(weight_dot, "weight_dot"))
 
     def tokenize(self, text, bos=True):
         """The model's own tokenizer: str, or bytes (any bytes; byte-level BPE keeps invalid UTF-8 as

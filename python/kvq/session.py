@@ -11,13 +11,13 @@ from ._util import _float, _int, _str
 def generate(model, prompt="", *, tokenizer=None, kv="", steps=256, temperature=0.0, seed=0, save_cache=None,
              load_cache=None, prompt_cache=None, prompt_cache_chunk=256, prompt_cache_max_mb=0.0,
              prompt_cache_ttl=0, prompt_cache_secret=None, on_text=None, tokens=None, threads=0, batch=512,
-             calib_batched=False):
+             calib_batched=False, weight_dot="int8"):
     """Runs `kvq generate` in this process: the prompt, then sampled tokens, with the KV cache in scheme kv.
 
     generate(model, prompt="", *, tokenizer=None, kv="", steps=256, temperature=0.0, seed=0,
              save_cache=None, load_cache=None, prompt_cache=None, prompt_cache_chunk=256,
              prompt_cache_max_mb=0.0, prompt_cache_ttl=0, prompt_cache_secret=None, on_text=None,
-             tokens=None, threads=0, batch=512, calib_batched=False) -> dict
+             tokens=None, threads=0, batch=512, calib_batched=False, weight_dot="int8") -> dict
 
     model: a llama2.c checkpoint (then tokenizer: its tokenizer.bin) or a GGUF (its own tokenizer).
     kv: a row scheme, a grouped scheme or a preset ("" = fp32, or the loaded cache's scheme).
@@ -31,9 +31,11 @@ def generate(model, prompt="", *, tokenizer=None, kv="", steps=256, temperature=
     per batched pass (the prompt runs through sgemm and KvCache.prefill, then tokens one by one).
     calib_batched: calibrated schemes generate their calibration sequences side by side (faster on large
     models, other samples; `kvq generate --calib-batched`).
+    weight_dot: quantized weights (Q4_0 ... Q6_K, IQ4) through "int8" (llama.cpp's arithmetic: 8-bit
+    activations, integer block sums) or "exact" (float32 against the dequantised weights); `--weight-dot`.
 
     Returns {"text", "ids", "has_text", "tokens", "restored", "evaluated", "prefilled", "prefill_seconds",
-    "seconds", "kv", "bits", "bytes", "cache_tokens", "stored_chunks", "stored_bytes", "status"}: ids are the
+    "seconds", "kv", "bits", "bytes", "cache_tokens", "stored_chunks", "stored_bytes", "status", "weight_dot"}: ids are the
     prompt's token ids then the sampled ones; status holds the lines `kvq generate` prints on stderr
     (restored, saved, the prompt cache's reuse). Errors (kvq.Error, a ValueError) name the `kvq generate`
     option of the argument (--steps, --save-cache, ...).
@@ -62,7 +64,7 @@ def generate(model, prompt="", *, tokenizer=None, kv="", steps=256, temperature=
                       _int(prompt_cache_chunk, "prompt_cache_chunk"), _float(prompt_cache_max_mb, "prompt_cache_max_mb"),
                       _int(prompt_cache_ttl, "prompt_cache_ttl"), bytes(secret or b""), callback,
                       [] if tokens is None else [_int(t, "tokens") for t in tokens], _int(threads, "threads"),
-                      _int(batch, "batch"), bool(calib_batched))
+                      _int(batch, "batch"), bool(calib_batched), _str(weight_dot, "weight_dot"))
     if callback is not None:
         tail = decoder.decode(b"", final=True)
         if tail:

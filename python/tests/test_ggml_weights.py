@@ -134,6 +134,17 @@ def test_llama_cpp_quantized_model_gives_its_f32_copys_logits(llama, f32_model, 
     # and the F32 copy differs from the unquantized model by the type's rounding (not a copy of it)
     ref = _logits(f32_model, ids, "window")
     assert np.abs(ref - _logits(back, ids, "window")).max() > 0
+    # the integer path: the same bits in every pass (each row's products are independent of the others),
+    # near the exact path (the activations' 8-bit rounding), and float everywhere for F16 / BF16
+    i8 = {f: mq.logits(ids, kv="fp32", forward=f, weight_dot="int8") for f in ("token", "window", "batched")}
+    assert np.array_equal(i8["token"].view(np.uint32), i8["window"].view(np.uint32)), name
+    if name in ("F16", "BF16"):
+        assert np.array_equal(i8["token"].view(np.uint32), tok.view(np.uint32)), name
+    else:
+        # the batched pass's attention (KvCache::prefill) sums in its own order: not bit for bit
+        assert np.abs(i8["batched"] - i8["token"]).max() / np.abs(tok).max() < TOKEN_PASS_TOL, name
+        err8 = np.abs(i8["token"] - tok).max() / np.abs(tok).max()
+        assert 1e-5 < err8 < 5e-2, (name, err8)
 
 
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_K_M", "IQ4_XS"])
@@ -157,3 +168,11 @@ def test_llama_cpps_perplexity_on_the_quantized_file(llama, f32_model, tmp_path,
     ours = _kvq_ppl(tmp_path, q, ids, ctx, chunks, "fp16")["fp16"]
     theirs = _llama_cpp_ppl(q, ids, ctx, chunks, "F16")
     assert abs(ours / theirs - 1) < 5e-3, (name, ours, theirs)
+    # kvq's integer path (ggml's reference activation rounding, quantize_row_q8_*_ref) within the same
+    # tolerance. Measured: Q8_0 1.1e-3, Q4_0 2.6e-4, Q4_K_M 1.4e-3, IQ4_XS 1.7e-3: not closer to llama.cpp
+    # than the exact path on this random-weight model (llama.cpp's x86 code rounds activations with its
+    # own SIMD quantizers: 127 / max and round-to-even, not 1 / (max / 127) and roundf, and repacks some
+    # types for its own GEMMs), so the gap is not the activations' 8-bit rounding alone.
+    ours8 = _kvq_ppl(tmp_path, q, ids, ctx, chunks, "fp16", weight_dot="int8")["fp16"]
+    assert abs(ours8 / theirs - 1) < 5e-3, (name, ours8, theirs, ours)
+    assert ours8 != ours, name  # the integer path ran

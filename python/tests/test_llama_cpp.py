@@ -50,11 +50,12 @@ def _llama_cpp_ppl(model, ids, ctx, chunks, kv_type):
     return out["ppl"]
 
 
-def _kvq_ppl(tmp_path, model, ids, ctx, chunks, kv):
+def _kvq_ppl(tmp_path, model, ids, ctx, chunks, kv, weight_dot="exact"):
     np.save(tmp_path / "ids.npy", np.asarray(ids, dtype=np.uint32))
     _, j = _eval(["--model", str(model), "--tokens", str(tmp_path / "ids.npy"), "--kv", kv, "--ctx", str(ctx),
-                  "--max-windows", str(chunks), "--protocol", "llama-perplexity", "--forward", "exact"],
-                 tmp_path, "kvq")
+                  "--max-windows", str(chunks), "--protocol", "llama-perplexity", "--forward", "exact",
+                  "--weight-dot", weight_dot], tmp_path, "kvq")
+    assert j["weight_dot"] == weight_dot
     return {r["label"]: r["ppl"] for r in j["results"]}
 
 
