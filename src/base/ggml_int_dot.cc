@@ -567,6 +567,10 @@ KVQ_VNNI void Avx2Q6_K(const uint8_t* w, const uint8_t* const* ys, const float* 
 #define KVQ_INT_DOT_X86 1
 #endif
 
+// Activation rows a weight row's decoding serves: 8 with AVX-512's 32
+// registers (the accumulators stay in them), 4 with AVX2's 16.
+constexpr size_t kMaxRows = HWY_TARGET == HWY_AVX2 ? 4 : 8;
+
 // A kernel over R activation rows at once (out[r] for ys[r]; the Q8_0
 // activations' block scales as float in dys[r]).
 using RowsFn = void (*)(const uint8_t*, const uint8_t* const*, const float* const*, size_t, float*);
@@ -591,7 +595,11 @@ RowsFn Rows(uint32_t type) {
 void MatMulInt(const WeightMatrix& w, const uint8_t* xq, size_t stride, size_t T, size_t r0, size_t r1, float* out,
                size_t ldo) {
   const size_t nb = w.cols / static_cast<size_t>(weight_block(w.type));
-  const RowsFn fns[4] = {Rows<1>(w.type), Rows<2>(w.type), Rows<3>(w.type), Rows<4>(w.type)};
+  const RowsFn fns[kMaxRows] = {Rows<1>(w.type), Rows<2>(w.type), Rows<3>(w.type), Rows<4>(w.type)
+#if HWY_TARGET != HWY_AVX2
+                                , Rows<5>(w.type), Rows<6>(w.type), Rows<7>(w.type), Rows<8>(w.type)
+#endif
+  };
   if (fns[0] == nullptr) {
     const idot::RefFn fn = idot::Ref(w.type);
     for (size_t t = 0; t < T; ++t) {
@@ -601,11 +609,11 @@ void MatMulInt(const WeightMatrix& w, const uint8_t* xq, size_t stride, size_t T
   }
   constexpr size_t kRowBlock = 16;
   const bool q8_0 = activation_type(w.type) == 8;
-  std::vector<float> dy(q8_0 ? 4 * nb : 0);
-  for (size_t t0 = 0; t0 < T; t0 += 4) {
-    const size_t R = std::min<size_t>(4, T - t0);
-    const uint8_t* ys[4];
-    const float* dys[4] = {};
+  std::vector<float> dy(q8_0 ? kMaxRows * nb : 0);
+  for (size_t t0 = 0; t0 < T; t0 += kMaxRows) {
+    const size_t R = std::min<size_t>(kMaxRows, T - t0);
+    const uint8_t* ys[kMaxRows];
+    const float* dys[kMaxRows] = {};
     for (size_t r = 0; r < R; ++r) {
       ys[r] = xq + (t0 + r) * stride;
       if (!q8_0) continue;
@@ -615,7 +623,7 @@ void MatMulInt(const WeightMatrix& w, const uint8_t* xq, size_t stride, size_t T
     for (size_t i0 = r0; i0 < r1; i0 += kRowBlock) {
       const size_t i1 = std::min(r1, i0 + kRowBlock);
       for (size_t i = i0; i < i1; ++i) {
-        float o[4];
+        float o[kMaxRows];
         fns[R - 1](w.row(i), ys, dys, nb, o);
         for (size_t r = 0; r < R; ++r) out[(t0 + r) * ldo + i - r0] = o[r];
       }
