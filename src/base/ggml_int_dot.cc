@@ -6,11 +6,10 @@
 // every target, and integer sums are exact in any order, so every target and
 // the scalar reference give the same bits.
 //
-// Highway kernels (fixed-width targets: x86, NEON) for Q4_0, Q8_0, Q4_K,
-// Q5_K and Q6_K: codes and activations widened to int16 lanes and multiplied
-// in pairs into int32 (pmaddwd on x86; the K-quants' sub-block scales are
-// folded into the int16 codes first, which they fit); the other types, and
-// the scalar and scalable targets, run the reference.
+// Kernels for Q4_0, Q8_0, Q4_K, Q5_K and Q6_K on x86 (AVX2, AVX3: pmaddubsw +
+// pmaddwd; AVX3_DL: AVX-512 VNNI) and NEON (vmull_s8 + pairwise adds), all
+// summing in the reference's 8 lanes; the other types, and SSE4 / SSSE3 /
+// the scalar targets, run the reference.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -567,9 +566,150 @@ KVQ_VNNI void Avx2Q6_K(const uint8_t* w, const uint8_t* const* ys, const float* 
 #define KVQ_INT_DOT_X86 1
 #endif
 
+#if HWY_TARGET == HWY_NEON
+// ---- NEON: the same lanes from vmull_s8 products (int16, which no product
+// here overflows) added in pairs twice (vpaddlq_s16, vpaddq_s32): int32 lane
+// k of a 32-value chunk holds values 4k..4k+3, as on x86; lanes 0-3 in one
+// vector, 4-7 in the other. Integer sums exact, float steps the
+// reference's: the same bits.
+
+struct Lanes {
+  int32x4_t lo, hi;
+};
+
+// The 8 quad sums of 32 codes (w0: values 0..15, w1: 16..31) times the
+// activation bytes at x.
+HWY_INLINE Lanes Quads(int8x16_t w0, int8x16_t w1, const uint8_t* x) {
+  const int8x16_t x0 = vld1q_s8(idot::S8(x)), x1 = vld1q_s8(idot::S8(x + 16));
+  const int32x4_t a = vpaddlq_s16(vmull_s8(vget_low_s8(w0), vget_low_s8(x0)));
+  const int32x4_t b = vpaddlq_s16(vmull_high_s8(w0, x0));
+  const int32x4_t c = vpaddlq_s16(vmull_s8(vget_low_s8(w1), vget_low_s8(x1)));
+  const int32x4_t d = vpaddlq_s16(vmull_high_s8(w1, x1));
+  return {vpaddq_s32(a, b), vpaddq_s32(c, d)};
+}
+
+HWY_INLINE float Reduce8(float32x4_t lo, float32x4_t hi) {
+  const float32x4_t v = vaddq_f32(lo, hi);
+  return (vgetq_lane_f32(v, 0) + vgetq_lane_f32(v, 2)) + (vgetq_lane_f32(v, 1) + vgetq_lane_f32(v, 3));
+}
+
+template <bool kQ4, int R>
+void NeonQ4_0Q8_0(const uint8_t* w, const uint8_t* const* ys, const float* const* dys, size_t nb, float* out) {
+  constexpr size_t kW = kQ4 ? 18 : 34, kY = idot::kQ8_0Bytes;
+  float32x4_t lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = vdupq_n_f32(0.0f);
+  for (size_t b = 0; b < nb; ++b, w += kW) {
+    int8x16_t w0, w1;
+    if (kQ4) {
+      const uint8x16_t q = vld1q_u8(w + 2);
+      const int8x16_t k8 = vdupq_n_s8(8);
+      w0 = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(q, vdupq_n_u8(0x0F))), k8);
+      w1 = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(q, 4)), k8);
+    } else {
+      w0 = vld1q_s8(idot::S8(w + 2)), w1 = vld1q_s8(idot::S8(w + 18));
+    }
+    const float32x4_t hw = vdupq_n_f32(idot::Half(w));
+    for (int r = 0; r < R; ++r) {
+      const Lanes l = Quads(w0, w1, ys[r] + b * kY + 2);
+      const float32x4_t d = vmulq_f32(hw, vdupq_n_f32(dys[r][b]));
+      lo[r] = vaddq_f32(lo[r], vmulq_f32(vcvtq_f32_s32(l.lo), d));
+      hi[r] = vaddq_f32(hi[r], vmulq_f32(vcvtq_f32_s32(l.hi), d));
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = Reduce8(lo[r], hi[r]);
+}
+
+template <bool kQ5, int R>
+void NeonQ45_K(const uint8_t* w, const uint8_t* const* ys, const float* const*, size_t nb, float* out) {
+  const size_t bytes = kQ5 ? 176 : 144;
+  float32x4_t flo[R], fhi[R];
+  for (int r = 0; r < R; ++r) flo[r] = fhi[r] = vdupq_n_f32(0.0f);
+  const uint8x16_t m4 = vdupq_n_u8(0x0F), one = vdupq_n_u8(1);
+  for (size_t b = 0; b < nb; ++b, w += bytes) {
+    uint8_t sc[8], mn[8];
+    for (int c = 0; c < 8; ++c) idot::ScaleMinK4(c, w + 4, &sc[c], &mn[c]);
+    const uint8_t* q = kQ5 ? w + 48 : w + 16;
+    const uint8x16_t h0 = vld1q_u8(w + 16), h1 = vld1q_u8(w + 32);
+    int32x4_t alo[R], ahi[R];
+    for (int r = 0; r < R; ++r) alo[r] = ahi[r] = vdupq_n_s32(0);
+    for (int c = 0; c < 8; ++c) {
+      const uint8x16_t q0 = vld1q_u8(q + 32 * (c / 2)), q1 = vld1q_u8(q + 32 * (c / 2) + 16);
+      uint8x16_t c0 = (c & 1) ? vshrq_n_u8(q0, 4) : vandq_u8(q0, m4);
+      uint8x16_t c1 = (c & 1) ? vshrq_n_u8(q1, 4) : vandq_u8(q1, m4);
+      if (kQ5) {
+        const int8x16_t sh = vdupq_n_s8(static_cast<int8_t>(-c));
+        c0 = vorrq_u8(c0, vshlq_n_u8(vandq_u8(vshlq_u8(h0, sh), one), 4));
+        c1 = vorrq_u8(c1, vshlq_n_u8(vandq_u8(vshlq_u8(h1, sh), one), 4));
+      }
+      for (int r = 0; r < R; ++r) {
+        const Lanes l = Quads(vreinterpretq_s8_u8(c0), vreinterpretq_s8_u8(c1),
+                              ys[r] + b * idot::kQ8_KBytes + 4 + 32 * static_cast<size_t>(c));
+        alo[r] = vmlaq_n_s32(alo[r], l.lo, sc[c]);
+        ahi[r] = vmlaq_n_s32(ahi[r], l.hi, sc[c]);
+      }
+    }
+    const float hd = idot::Half(w), hdmin = idot::Half(w + 2);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* y = ys[r] + b * idot::kQ8_KBytes;
+      int32_t m[8];
+      for (int k = 0; k < 8; ++k) m[k] = mn[k] * (idot::I16(y + 260 + 4 * k) + idot::I16(y + 262 + 4 * k));
+      const float32x4_t d = vdupq_n_f32(hd * idot::F32(y)), dmin = vdupq_n_f32(hdmin * idot::F32(y));
+      flo[r] = vaddq_f32(flo[r], vsubq_f32(vmulq_f32(d, vcvtq_f32_s32(alo[r])), vmulq_f32(dmin, vcvtq_f32_s32(vld1q_s32(m)))));
+      fhi[r] = vaddq_f32(fhi[r], vsubq_f32(vmulq_f32(d, vcvtq_f32_s32(ahi[r])), vmulq_f32(dmin, vcvtq_f32_s32(vld1q_s32(m + 4)))));
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = Reduce8(flo[r], fhi[r]);
+}
+
+template <int R>
+void NeonQ6_K(const uint8_t* w, const uint8_t* const* ys, const float* const*, size_t nb, float* out) {
+  float32x4_t flo[R], fhi[R];
+  for (int r = 0; r < R; ++r) flo[r] = fhi[r] = vdupq_n_f32(0.0f);
+  const uint8x16_t m4 = vdupq_n_u8(0x0F), m3 = vdupq_n_u8(3);
+  for (size_t b = 0; b < nb; ++b, w += 210) {
+    const int8_t* sc = idot::S8(w + 192);
+    int32x4_t alo[R], ahi[R];
+    for (int r = 0; r < R; ++r) alo[r] = ahi[r] = vdupq_n_s32(0);
+    for (int c = 0; c < 8; ++c) {
+      const int n = c / 4, s = c % 4;
+      const uint8_t* ql = w + 64 * n + 32 * (s & 1);
+      const uint8_t* qh = w + 128 + 32 * n;
+      const int8x16_t sh = vdupq_n_s8(static_cast<int8_t>(-2 * s));
+      uint8x16_t u[2];
+      for (int half = 0; half < 2; ++half) {
+        const uint8x16_t l = vld1q_u8(ql + 16 * half);
+        const uint8x16_t low = s < 2 ? vandq_u8(l, m4) : vshrq_n_u8(l, 4);
+        const uint8x16_t high = vandq_u8(vshlq_u8(vld1q_u8(qh + 16 * half), sh), m3);
+        u[half] = vorrq_u8(low, vshlq_n_u8(high, 4));
+      }
+      for (int r = 0; r < R; ++r) {
+        const Lanes l = Quads(vreinterpretq_s8_u8(u[0]), vreinterpretq_s8_u8(u[1]),
+                              ys[r] + b * idot::kQ8_KBytes + 4 + 32 * static_cast<size_t>(c));
+        alo[r] = vmlaq_n_s32(alo[r], l.lo, sc[8 * n + 2 * s]);
+        ahi[r] = vmlaq_n_s32(ahi[r], l.hi, sc[8 * n + 2 * s + 1]);
+      }
+    }
+    const float hd = idot::Half(w + 208);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* y = ys[r] + b * idot::kQ8_KBytes;
+      int32_t corr[8];
+      for (int k = 0; k < 8; ++k) corr[k] = sc[2 * k] * idot::I16(y + 260 + 4 * k) + sc[2 * k + 1] * idot::I16(y + 262 + 4 * k);
+      const float32x4_t d = vdupq_n_f32(hd * idot::F32(y));
+      const int32x4_t ilo = vsubq_s32(alo[r], vshlq_n_s32(vld1q_s32(corr), 5));
+      const int32x4_t ihi = vsubq_s32(ahi[r], vshlq_n_s32(vld1q_s32(corr + 4), 5));
+      flo[r] = vaddq_f32(flo[r], vmulq_f32(d, vcvtq_f32_s32(ilo)));
+      fhi[r] = vaddq_f32(fhi[r], vmulq_f32(d, vcvtq_f32_s32(ihi)));
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = Reduce8(flo[r], fhi[r]);
+}
+#define KVQ_INT_DOT_NEON 1
+#endif
+
 // Activation rows a weight row's decoding serves: 8 with AVX-512's 32
-// registers (the accumulators stay in them), 4 with AVX2's 16.
-constexpr size_t kMaxRows = HWY_TARGET == HWY_AVX2 ? 4 : 8;
+// registers (the accumulators stay in them), 4 with AVX2's 16 (and NEON,
+// whose rows take four vectors each).
+constexpr size_t kMaxRows = HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL ? 8 : 4;
 
 // A kernel over R activation rows at once (out[r] for ys[r]; the Q8_0
 // activations' block scales as float in dys[r]).
@@ -583,6 +723,12 @@ RowsFn Rows(uint32_t type) {
     case WeightType::kQ4_K: return Avx2Q45_K<false, R>;
     case WeightType::kQ5_K: return Avx2Q45_K<true, R>;
     case WeightType::kQ6_K: return Avx2Q6_K<R>;
+#elif defined(KVQ_INT_DOT_NEON)
+    case WeightType::kQ4_0: return NeonQ4_0Q8_0<true, R>;
+    case WeightType::kQ8_0: return NeonQ4_0Q8_0<false, R>;
+    case WeightType::kQ4_K: return NeonQ45_K<false, R>;
+    case WeightType::kQ5_K: return NeonQ45_K<true, R>;
+    case WeightType::kQ6_K: return NeonQ6_K<R>;
 #endif
     default: return nullptr;
   }
@@ -596,7 +742,7 @@ void MatMulInt(const WeightMatrix& w, const uint8_t* xq, size_t stride, size_t T
                size_t ldo) {
   const size_t nb = w.cols / static_cast<size_t>(weight_block(w.type));
   const RowsFn fns[kMaxRows] = {Rows<1>(w.type), Rows<2>(w.type), Rows<3>(w.type), Rows<4>(w.type)
-#if HWY_TARGET != HWY_AVX2
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
                                 , Rows<5>(w.type), Rows<6>(w.type), Rows<7>(w.type), Rows<8>(w.type)
 #endif
   };
@@ -635,6 +781,7 @@ void MatVecInt(const WeightMatrix& w, const uint8_t* xq, size_t r0, size_t r1, f
   MatMulInt(w, xq, 0, 1, r0, r1, out, 0);
 }
 #undef KVQ_INT_DOT_X86
+#undef KVQ_INT_DOT_NEON
 #undef KVQ_VNNI
 
 #endif
