@@ -389,7 +389,12 @@ std::span<const float> Transformer::Run(std::span<const Row> rows, Pass pass, bo
     if (v.size() < uT * static_cast<size_t>(width)) v.resize(uT * static_cast<size_t>(width));
   };
   ensure(x_, dim), ensure(xb_, dim), ensure(xb2_, dim), ensure(q_, dim), ensure(k_, kv_dim), ensure(v_, kv_dim);
-  ensure(hb_, hid), ensure(hb2_, hid), ensure(logits_, vocab);
+  ensure(hb_, hid), ensure(hb2_, hid);
+  // A prompt's prefill computes its last token's logits only: one row (a
+  // 512-token prefill of a 128K vocabulary would otherwise zero 256 MiB).
+  if (logits_.size() < (last_logits ? 1 : uT) * static_cast<size_t>(vocab)) {
+    logits_.resize((last_logits ? 1 : uT) * static_cast<size_t>(vocab));
+  }
   const float eps = cfg_.norm_eps;
   // The batched pass hands a layer's block to KvCache::prefill (caches read
   // at any length: rows; no window); a streaming (grouped) cache, whose bytes
