@@ -58,7 +58,7 @@ GEN_LINE = re.compile(r"prefilled in ([0-9.]+) s: ([0-9.]+) tok/s\).*weights (\w
 def kvq_run(kvq, gguf, ids_file, steps, threads, dot):
     r = subprocess.run([str(kvq), "generate", "--model", str(gguf), "--tokens", str(ids_file), "--steps", str(steps),
                         "--kv", "fp16", "--threads", str(threads), "--weight-dot", dot], capture_output=True,
-                       text=True, timeout=3600, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+                       text=True, errors="replace", timeout=3600, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     if r.returncode != 0:
         sys.exit(f"llama_cpp_decode: kvq generate exited {r.returncode}:\n{r.stderr[-2000:]}")
     m = GEN_LINE.search(r.stderr.strip().splitlines()[-1])
@@ -91,7 +91,8 @@ def main():
     threads = [int(t) for t in a.threads.split(",")]
     dots = a.weight_dot.split(",")
     rates = {t: read_rate(a.bench, t) for t in threads}
-    text = (Path(a.shared) / "data" / "tinystories-valid-dev.txt").read_text()
+    dev = Path(a.shared) / "data" / "tinystories-valid-dev.txt"
+    text = dev.read_text() if dev.exists() else ""
     rows, out = [], []
     with tempfile.TemporaryDirectory() as td:
         td = Path(td)
@@ -99,7 +100,7 @@ def main():
             m = kvq.Model(gguf)
             cfg = m.config
             try:
-                ids = m.tokenize(text[:200000], True)
+                ids = m.tokenize(text[:200000], True) if text else []
             except ValueError:
                 ids = []
             if len(ids) < a.prompt_tokens:

@@ -164,3 +164,37 @@ def test_the_integer_path_refuses_bad_arguments():
         with pytest.raises(ValueError) as e:
             call()
         assert msg in str(e.value), str(e.value)
+
+
+def test_the_decode_script_runs_both_engines_on_a_quantized_file(llama, tmp_path):
+    """scripts/llama_cpp_decode.py end to end on a small Q4_K_M file (docs/performance.md's table): both
+    engines and both weight paths report rates, and kvq's report says which path ran."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kvq_test_helpers import kvq_cli
+    from test_ggml_weights import SMALL, gw
+    from llama_cpp_lib import FTYPE_Q4_K_M, ORACLES, oracle_dir
+    oracle_dir()
+    exe = kvq_cli()
+    bench = exe.parent / "bench" / "kvq_bench"
+    if not bench.exists():
+        pytest.skip(f"{bench} not built")
+    f32, q = tmp_path / "f32.gguf", tmp_path / "q4km.gguf"
+    g, _ = gw.synthetic(SMALL, 3, keep_reference=False)
+    g.write(str(f32))
+    llama.quantize_model(f32, q, FTYPE_Q4_K_M, pure=False)
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "decode.json"
+    r = subprocess.run([sys.executable, str(root / "scripts" / "llama_cpp_decode.py"), "--model", str(q),
+                        "--prompt-tokens", "32", "--max-tokens", "8", "--reps", "1", "--kvq", str(exe), "--bench",
+                        str(bench), "--oracles", str(ORACLES), "--json", str(out)], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert [x["engine"] for x in rows] == ["llama.cpp", "kvq int8", "kvq exact"], rows
+    for x in rows:
+        assert x["prefill_tok_s"] > 0 and x["decode_tok_s"] > 0 and x["R"] > 0, x
+    assert "| q4km.gguf | 1 | kvq int8 |" in r.stdout, r.stdout
