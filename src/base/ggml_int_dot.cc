@@ -94,21 +94,11 @@ float RefQ4_1(const uint8_t* w, const uint8_t* y, size_t nb) {
   return sumf;
 }
 
-// Q5_0 / Q5_1's codes (0..31) of one block: qh at qh_at, nibbles at qs.
-inline void Codes5(const uint8_t* qh_at, const uint8_t* qs, int* c) {
-  uint32_t qh;
-  std::memcpy(&qh, qh_at, 4);
-  for (int j = 0; j < kQK / 2; ++j) {
-    c[j] = (qs[j] & 0x0F) | static_cast<int>(((qh >> j) << 4) & 0x10);
-    c[j + kQK / 2] = (qs[j] >> 4) | static_cast<int>((qh >> (j + 12)) & 0x10);
-  }
-}
-
 float RefQ5_0(const uint8_t* w, const uint8_t* y, size_t nb) {
   float sumf = 0;
   for (size_t b = 0; b < nb; ++b, w += 22, y += kQ8_0Bytes) {
     int c[kQK];
-    Codes5(w + 2, w + 6, c);
+    blocks::Codes5(w + 2, w + 6, c);
     const int8_t* q8 = S8(y + 2);
     int sumi = 0;
     for (int j = 0; j < kQK; ++j) sumi += (c[j] - 16) * q8[j];
@@ -121,7 +111,7 @@ float RefQ5_1(const uint8_t* w, const uint8_t* y, size_t nb) {
   float sumf = 0;
   for (size_t b = 0; b < nb; ++b, w += 24, y += kQ8_1Bytes) {
     int c[kQK];
-    Codes5(w + 4, w + 8, c);
+    blocks::Codes5(w + 4, w + 8, c);
     const int8_t* q8 = S8(y + 4);
     int sumi = 0;
     for (int j = 0; j < kQK; ++j) sumi += c[j] * q8[j];
@@ -174,15 +164,8 @@ float RefQ3_K(const uint8_t* w, const uint8_t* y, size_t nb) {
   for (size_t b = 0; b < nb; ++b, w += 110, y += kQ8_KBytes) {
     const uint8_t* hm = w;
     const uint8_t* q = w + 32;
-    uint32_t aux[4];
-    std::memcpy(aux, w + 96, 12);
-    const uint32_t kmask1 = 0x03030303, kmask2 = 0x0f0f0f0f, tmp = aux[2];
-    aux[2] = ((aux[0] >> 4) & kmask2) | (((tmp >> 4) & kmask1) << 4);
-    aux[3] = ((aux[1] >> 4) & kmask2) | (((tmp >> 6) & kmask1) << 4);
-    aux[0] = (aux[0] & kmask2) | (((tmp >> 0) & kmask1) << 4);
-    aux[1] = (aux[1] & kmask2) | (((tmp >> 2) & kmask1) << 4);
     int8_t scales[16];
-    std::memcpy(scales, aux, 16);
+    blocks::ScalesQ3_K(w + 96, scales);
     const int8_t* q8 = S8(y + 4);
     int isum = 0, is = 0;
     uint8_t m = 1;
@@ -328,7 +311,6 @@ inline float DotRef(const WeightMatrix& w, size_t i, const uint8_t* xq) {
 HWY_BEFORE_NAMESPACE();
 namespace kvq::ggml {
 namespace HWY_NAMESPACE {
-namespace hn = hwy::HWY_NAMESPACE;
 
 #if HWY_HAVE_SCALABLE || HWY_TARGET == HWY_SCALAR
 
@@ -755,7 +737,8 @@ void MatMulInt(const WeightMatrix& w, const uint8_t* xq, size_t stride, size_t T
   }
   constexpr size_t kRowBlock = 16;
   const bool q8_0 = activation_type(w.type) == 8;
-  std::vector<float> dy(q8_0 ? kMaxRows * nb : 0);
+  thread_local std::vector<float> dy;  // no allocation per call once grown
+  if (q8_0 && dy.size() < kMaxRows * nb) dy.resize(kMaxRows * nb);
   for (size_t t0 = 0; t0 < T; t0 += kMaxRows) {
     const size_t R = std::min<size_t>(kMaxRows, T - t0);
     const uint8_t* ys[kMaxRows];

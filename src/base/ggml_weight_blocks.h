@@ -30,4 +30,27 @@ inline void ScaleMinK4(int j, const uint8_t* q, uint8_t* d, uint8_t* m) {
   }
 }
 
+// Q5_0 / Q5_1's 32 five-bit codes (0..31): the nibbles of qs[16] (low:
+// values 0..15, high: 16..31) with their fifth bits from the 32-bit mask at qh_at.
+inline void Codes5(const uint8_t* qh_at, const uint8_t* qs, int* c) {
+  uint32_t qh;
+  std::memcpy(&qh, qh_at, 4);
+  for (int j = 0; j < 16; ++j) {
+    c[j] = (qs[j] & 0x0F) | static_cast<int>(((qh >> j) << 4) & 0x10);
+    c[j + 16] = (qs[j] >> 4) | static_cast<int>((qh >> (j + 12)) & 0x10);
+  }
+}
+
+// Q3_K's 16 six-bit scales packed in 12 bytes, unpacked (before the - 32).
+inline void ScalesQ3_K(const uint8_t* packed, int8_t* scales) {
+  uint32_t aux[4];
+  std::memcpy(aux, packed, 12);
+  const uint32_t kmask1 = 0x03030303, kmask2 = 0x0f0f0f0f, tmp = aux[2];
+  aux[2] = ((aux[0] >> 4) & kmask2) | (((tmp >> 4) & kmask1) << 4);
+  aux[3] = ((aux[1] >> 4) & kmask2) | (((tmp >> 6) & kmask1) << 4);
+  aux[0] = (aux[0] & kmask2) | (((tmp >> 0) & kmask1) << 4);
+  aux[1] = (aux[1] & kmask2) | (((tmp >> 2) & kmask1) << 4);
+  std::memcpy(scales, aux, 16);
+}
+
 }  // namespace kvq::ggml::blocks

@@ -20,7 +20,9 @@ constexpr int kQKK = 256;  // the K-quants' super-blocks
 
 using blocks::Half;
 using blocks::kIq4Levels;
+using blocks::Codes5;
 using blocks::ScaleMinK4;
+using blocks::ScalesQ3_K;
 
 // Q4_0: d | qs[16]; value j = (low nibble - 8) d, value j + 16 = (high nibble - 8) d.
 void Q4_0(const uint8_t* b, float* y) {
@@ -39,17 +41,6 @@ void Q4_1(const uint8_t* b, float* y) {
   for (int j = 0; j < kQK / 2; ++j) {
     y[j] = static_cast<float>(qs[j] & 0x0F) * d + m;
     y[j + kQK / 2] = static_cast<float>(qs[j] >> 4) * d + m;
-  }
-}
-
-// Q5_0 / Q5_1's 32 five-bit codes: the nibbles of qs[16] (low: values
-// 0..15, high: 16..31) with their fifth bits from the 32-bit mask at qh.
-void Codes5(const uint8_t* qh_at, const uint8_t* qs, int* c) {
-  uint32_t qh;
-  std::memcpy(&qh, qh_at, 4);
-  for (int j = 0; j < kQK / 2; ++j) {
-    c[j] = (qs[j] & 0x0F) | static_cast<int>(((qh >> j) << 4) & 0x10);
-    c[j + kQK / 2] = (qs[j] >> 4) | static_cast<int>((qh >> (j + 12)) & 0x10);
   }
 }
 
@@ -113,15 +104,8 @@ void Q3_K(const uint8_t* b, float* y) {
   const uint8_t* hm = b;
   const uint8_t* q = b + 32;
   const float d_all = Half(b + 108);
-  uint32_t aux[4];
-  std::memcpy(aux, b + 96, 12);
-  const uint32_t kmask1 = 0x03030303, kmask2 = 0x0f0f0f0f, tmp = aux[2];
-  aux[2] = ((aux[0] >> 4) & kmask2) | (((tmp >> 4) & kmask1) << 4);
-  aux[3] = ((aux[1] >> 4) & kmask2) | (((tmp >> 6) & kmask1) << 4);
-  aux[0] = (aux[0] & kmask2) | (((tmp >> 0) & kmask1) << 4);
-  aux[1] = (aux[1] & kmask2) | (((tmp >> 2) & kmask1) << 4);
   int8_t scales[16];
-  std::memcpy(scales, aux, 16);
+  ScalesQ3_K(b + 96, scales);
   int is = 0;
   uint8_t m = 1;
   for (int n = 0; n < kQKK; n += 128) {
