@@ -198,3 +198,21 @@ def test_the_decode_script_runs_both_engines_on_a_quantized_file(llama, tmp_path
     for x in rows:
         assert x["prefill_tok_s"] > 0 and x["decode_tok_s"] > 0 and x["R"] > 0, x
     assert "| q4km.gguf | 1 | kvq int8 |" in r.stdout, r.stdout
+
+
+def test_generate_defaults_to_the_integer_path_and_says_so(llama, tmp_path):
+    """kvq.generate (the session behind `kvq generate`) multiplies quantized weights through int8 unless told
+    exact, reports which, and refuses another name naming --weight-dot."""
+    from test_ggml_weights import SMALL, gw
+    from llama_cpp_lib import FTYPE_Q4_K_M
+    f32, q = tmp_path / "f32.gguf", tmp_path / "q4km.gguf"
+    g, _ = gw.synthetic(SMALL, 3, keep_reference=False)
+    g.write(str(f32))
+    llama.quantize_model(f32, q, FTYPE_Q4_K_M, pure=False)
+    ids = [1] + list(range(5, 40))
+    r8 = kvq.generate(str(q), tokens=ids, steps=48)
+    rx = kvq.generate(str(q), tokens=ids, steps=48, weight_dot="exact")
+    assert r8["weight_dot"] == "int8" and rx["weight_dot"] == "exact"
+    assert len(r8["ids"]) == len(rx["ids"]) > len(ids)
+    with pytest.raises(ValueError, match="--weight-dot"):
+        kvq.generate(str(q), tokens=ids, steps=48, weight_dot="fp8")
