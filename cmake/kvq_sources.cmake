@@ -47,6 +47,8 @@ set(KVQ_CORE_SOURCES
   src/cache/families.cc
   src/cache/row_family.cc
   src/cache/group_family.cc
+  src/cache/token_table.cc
+  src/cache/token_family.cc
   src/cache/kv_cache.cc
 )
 # The parsers the fuzz targets reach (fuzz/CMakeLists.txt): the core and the

@@ -6,11 +6,13 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "model/config.h"
 #include "kvq/ggml_weights.h"
+#include "kvq/token_table.h"
 #include "model/tokenizer.h"
 
 namespace kvq::model {
@@ -86,10 +88,18 @@ class Checkpoint {
   // A GGUF's tokenizer.chat_template (Jinja text; model/chat_template.h), or
   // "" when it has none (llama2.c files never do).
   const std::string& chat_template() const { return chat_template_; }
+  // Where layer0_token_table (model/transformer.h) keeps the table it makes
+  // on first use, for every cache of this checkpoint.
+  struct TokenTableSlot {
+    std::mutex mu;
+    std::shared_ptr<const TokenTable> table;
+  };
+  TokenTableSlot& token_table_slot() const { return *table_slot_; }
 
  private:
   void LoadGguf(const std::string& path);
   std::unique_ptr<MappedFile> file_;
+  std::unique_ptr<TokenTableSlot> table_slot_ = std::make_unique<TokenTableSlot>();
   std::unique_ptr<float[]> owned_;  // GGUF: norms and biases in fp32
   std::vector<uint8_t> permuted_;   // qwen2: Q and K rows in kvq's RoPE order
   std::shared_ptr<const Tokenizer> tokenizer_;

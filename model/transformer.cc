@@ -149,6 +149,33 @@ void AddBias(float* x, const float* b, int T, int width) {
 
 }  // namespace
 
+std::shared_ptr<const TokenTable> layer0_token_table(const Checkpoint& ckpt) {
+  Checkpoint::TokenTableSlot& slot = ckpt.token_table_slot();
+  std::lock_guard<std::mutex> lock(slot.mu);
+  if (slot.table) return slot.table;
+  const Config& cfg = ckpt.config();
+  const Weights& w = ckpt.weights();
+  const int dim = cfg.dim, kv = cfg.kv_dim(), V = cfg.vocab_size;
+  constexpr int kChunk = 256;  // ids a pass (each id's numbers do not depend on its chunk's others)
+  std::vector<float> k(static_cast<size_t>(V) * kv), v(k.size()), x(static_cast<size_t>(kChunk) * dim),
+      xb(x.size()), buf;
+  for (int a = 0; a < V; a += kChunk) {
+    const int n = std::min(kChunk, V - a);
+    ggml::dequantize_rows(w.token_embedding, static_cast<size_t>(a), static_cast<size_t>(a + n), x.data());
+    for (int t = 0; t < n; ++t) {
+      const size_t o = static_cast<size_t>(t) * static_cast<size_t>(dim);
+      RmsNorm(xb.data() + o, x.data() + o, w.rms_att, dim, cfg.norm_eps);
+    }
+    float* ko = k.data() + static_cast<size_t>(a) * kv;
+    float* vo = v.data() + static_cast<size_t>(a) * kv;
+    Gemm(ko, xb.data(), w.wk[0], n, buf);
+    Gemm(vo, xb.data(), w.wv[0], n, buf);
+    if (w.bk != nullptr) AddBias(ko, w.bk, n, kv), AddBias(vo, w.bv, n, kv);
+  }
+  slot.table = std::make_shared<const TokenTable>(V, cfg.n_kv_heads, cfg.head_size(), k, v);
+  return slot.table;
+}
+
 namespace {
 int CheckedMaxSeq(int max_seq, const Config& cfg) {
   KVQ_CHECK_ARG(max_seq > 0 && max_seq <= cfg.seq_len, "max_seq: expected 1..", cfg.seq_len,
@@ -161,7 +188,8 @@ Transformer::Transformer(const Checkpoint& ckpt, const CacheScheme& scheme, int 
     : Transformer(ckpt,
                   KvCache(scheme.name, ckpt.config().n_layers, CheckedMaxSeq(max_seq, ckpt.config()),
                           ckpt.config().n_kv_heads, ckpt.config().head_size(), scheme.ranges.get(),
-                          ckpt.config().rope),
+                          ckpt.config().rope,
+                          scheme.info(ckpt.config().head_size()).token_layer ? layer0_token_table(ckpt) : nullptr),
                   policy) {}
 
 Transformer::Transformer(const Checkpoint& ckpt, KvCache cache, const WindowPolicy& policy)
@@ -401,6 +429,10 @@ std::span<const float> Transformer::Run(std::span<const Row> rows, Pass pass, bo
   // are counted at each length as it grows, and windows keep the per-token
   // loop below.
   const bool prefill = single && pass == Pass::kBlas && one.policy_.window == 0 && one.cache_.any_length();
+  std::vector<int> ids;  // the prefill's token ids (a t0+ cache's layer 0)
+  if (prefill) {
+    for (const Row& r : rows) ids.push_back(r.token);
+  }
   auto mm = [&](float* out, const float* in, const ggml::WeightMatrix& w) {
     if (dot_ == WeightDot::kInt8 && ggml::fused_type(w.type)) {
       MatMulInt8(out, in, w, T, xq_);
@@ -442,7 +474,7 @@ std::span<const float> Transformer::Run(std::span<const Row> rows, Pass pass, bo
       DecodeAttentionOptions o;
       o.threads = one.attention_threads_;
       one.cache_.prefill(l, pos0, {k_.data(), uT * ukv}, {v_.data(), uT * ukv}, {q_.data(), uT * udim}, cfg_.n_heads,
-                     {xb_.data(), uT * udim}, o);
+                         {xb_.data(), uT * udim}, o, ids);
     }
     // Each token's K and V go into the cache right before its query
     // attends, so a window sees the cache exactly as token-by-token
@@ -450,7 +482,7 @@ std::span<const float> Transformer::Run(std::span<const Row> rows, Pass pass, bo
     for (int t = 0; t < T && !prefill; ++t) {
       Transformer& sq = *rows[static_cast<size_t>(t)].seq;
       const int pos = rows[static_cast<size_t>(t)].pos;
-      sq.cache_.write(l, pos, {row(k_, t, kv_dim), ukv}, {row(v_, t, kv_dim), ukv});
+      sq.cache_.write(l, pos, {row(k_, t, kv_dim), ukv}, {row(v_, t, kv_dim), ukv}, rows[static_cast<size_t>(t)].token);
       sq.bytes_at_[static_cast<size_t>(pos)] += sq.cache_.layer_bytes(l);
       sq.attention(l, pos, row(q_, t, dim), row(xb_, t, dim));
     }

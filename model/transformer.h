@@ -190,6 +190,12 @@ class Transformer {
   std::vector<uint8_t> xq_;  // kInt8: an activation row in the matrix's 8-bit block format
 };
 
+// Layer 0's K (before RoPE) and V of every token id (kvq/token_table.h),
+// what a t0+ cache reads: each id's embedding normed and multiplied by
+// layer 0's Wk and Wv (plus biases) through the BLAS, as fp16. Made on the
+// first call and kept in the checkpoint for every later one (thread-safe).
+std::shared_ptr<const TokenTable> layer0_token_table(const Checkpoint& ckpt);
+
 // The BLAS's threads for its own calls (the forward pass runs windows on
 // OpenMP threads and each sgemm on the caller's).
 void set_blas_threads(int n);

@@ -322,8 +322,9 @@ void Engine::Admit() {
     // The sequence's cache: empty, or its prompt's longest stored prefix.
     const model::Config& cfg = ckpt_->config();
     auto empty = [&] {
-      return KvCache(scheme_->scheme.info(cfg.head_size()).name, cfg.n_layers, s->limit, cfg.n_kv_heads, cfg.head_size(),
-                     scheme_->scheme.ranges.get(), cfg.rope);
+      const KvSchemeInfo info = scheme_->scheme.info(cfg.head_size());
+      return KvCache(info.name, cfg.n_layers, s->limit, cfg.n_kv_heads, cfg.head_size(), scheme_->scheme.ranges.get(),
+                     cfg.rope, info.token_layer ? model::layer0_token_table(*ckpt_) : nullptr);
     };
     try {
       KvCache c = empty();

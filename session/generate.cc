@@ -116,6 +116,7 @@ GenerateReport generate(const GenerateOptions& o, const std::function<void(const
     e.rope = cfg.rope;
     e.model_fingerprint = fingerprint;
     e.max_seq = o.steps;
+    e.token_table = [&ckpt] { return model::layer0_token_table(ckpt); };  // a t0+ cache's
     KvCacheMeta meta;
     KvCache c = KvCache::load(o.load_cache, e, &meta);
     const int n = static_cast<int>(c.tokens());

@@ -38,6 +38,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -48,6 +49,7 @@
 #include "kvq/grouped_kv.h"
 #include "kvq/kv_scheme.h"
 #include "kvq/rope.h"
+#include "kvq/token_table.h"
 
 namespace kvq {
 
@@ -63,6 +65,9 @@ struct KvSchemeInfo {
   std::string label;         // what to print: the preset's name, else the canonical name
   std::string family;        // "rows" or "groups" (for reports; callers need not look)
   bool needs_ranges = false; // built from calibrated StaticRanges
+  // `t0+<scheme>`: layer 0 held as token ids and read through the model's
+  // TokenTable (kvq/token_table.h); writes to layer 0 name the token.
+  bool token_layer = false;
   // The family's parsed form of the name (opaque): a scheme is parsed once,
   // by describe_kv_scheme, and every later step reads this.
   std::shared_ptr<const detail::SchemeDescription> parsed;
@@ -76,7 +81,8 @@ KvSchemeInfo describe_kv_scheme(const std::string& name, const char* arg = "kv",
 // The fewest bytes one layer of `tokens` tokens takes in the scheme (its
 // calibrated tables included; a grouped scheme's units held in fp16 outside
 // their grid add to it once written: KvCache::bytes counts them).
-// (A preset as it resolves at head_dim.)
+// (A preset as it resolves at head_dim; a t0+ scheme: its inner scheme's,
+// which layer 0's token ids take less than.)
 double kv_scheme_layer_bytes(const std::string& name, int64_t tokens, int n_kv_heads, int head_dim);
 // Every row scheme, then every preset (what "all" means to kvq eval).
 std::vector<std::string> all_kv_scheme_names();
@@ -106,14 +112,21 @@ struct KvCacheExpect {
   std::optional<int> max_seq;
   std::optional<RopeConfig> rope;
   std::optional<std::array<uint8_t, 32>> model_fingerprint;
+  // Gives the token table a t0+ cache reads layer 0 through (its digest
+  // must be the one the cache was saved with); called only when the saved
+  // scheme is a t0+ one (a model's table takes a pass over its vocabulary).
+  std::function<std::shared_ptr<const TokenTable>()> token_table;
 };
 
 class KvCache {
  public:
   // Throws kvq::Error on an unknown scheme, a bad geometry for it, or a
-  // scheme that needs calibrated ranges without them (ranges are copied).
+  // scheme that needs calibrated ranges without them (ranges are copied),
+  // or a t0+ scheme without a token table of its geometry (shared, not
+  // copied; other schemes ignore it).
   KvCache(const std::string& scheme, int n_layers, int max_seq, int n_kv_heads, int head_dim,
-          const StaticRanges* ranges = nullptr, const RopeConfig& rope = {});
+          const StaticRanges* ranges = nullptr, const RopeConfig& rope = {},
+          std::shared_ptr<const TokenTable> token_table = nullptr);
   ~KvCache();
   KvCache(KvCache&&) noexcept;
   KvCache& operator=(KvCache&&) noexcept;
@@ -126,13 +139,17 @@ class KvCache {
   int n_kv_heads() const { return n_kv_heads_; }
   int head_dim() const { return head_dim_; }
   const RopeConfig& rope() const { return rope_; }
+  // The table a t0+ cache reads layer 0 through (null for other schemes).
+  const std::shared_ptr<const TokenTable>& token_table() const { return table_; }
 
   // Stores token `pos` of `layer`: k after RoPE at pos, v (n_kv_heads *
   // head_dim floats each). Positions of a layer are written in order; pos =
   // 0 starts a new sequence (a row scheme also rewrites any earlier
   // position, dropping the ones after it). Throws kvq::Error on a bad
-  // layer, position, length or a non-finite value.
-  void write(int layer, int pos, std::span<const float> k, std::span<const float> v);
+  // layer, position, length or a non-finite value. token: the token's id,
+  // which a t0+ cache's layer 0 stores instead of k and v (required there,
+  // ignored elsewhere).
+  void write(int layer, int pos, std::span<const float> k, std::span<const float> v, int token = -1);
   int64_t written(int layer) const;
   // The length every layer has reached (the least of them).
   int64_t tokens() const;
@@ -159,9 +176,11 @@ class KvCache {
   // block, then attend every query at its causal length (opts.threads
   // across queries); grouped schemes, whose open tokens change form as the
   // cache grows, alternate write and attend. Every value is checked before
-  // anything is written: on a kvq::Error the cache is as it was.
+  // anything is written: on a kvq::Error the cache is as it was. tokens:
+  // the n tokens' ids (a t0+ cache's layer 0 needs them; else may be empty).
   void prefill(int layer, int pos0, std::span<const float> k, std::span<const float> v, std::span<const float> q,
-               int n_heads, std::span<float> out, const DecodeAttentionOptions& opts = {});
+               int n_heads, std::span<float> out, const DecodeAttentionOptions& opts = {},
+               std::span<const int> tokens = {});
 
   // Bytes the cache holds for its first `tokens` tokens of every layer
   // (-1: each layer as written; row schemes any tokens <= written, grouped
@@ -238,6 +257,7 @@ class KvCache {
   KvSchemeInfo info_;
   int n_layers_ = 0, max_seq_ = 0, n_kv_heads_ = 0, head_dim_ = 0;
   RopeConfig rope_;
+  std::shared_ptr<const TokenTable> table_;
   std::unique_ptr<detail::KvCacheBackend> b_;
 };
 

@@ -12,7 +12,7 @@ AttentionPart KvCacheBackend::attend_part(int, int64_t, int64_t, std::span<const
 }
 
 const std::vector<KvCacheFamily>& kv_cache_families() {
-  static const std::vector<KvCacheFamily> f = {RowFamily(), GroupedFamily()};
+  static const std::vector<KvCacheFamily> f = {RowFamily(), GroupedFamily(), TokenFamily()};
   return f;
 }
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "kvq/kv_cache.h"
+#include "kvq/token_table.h"
 
 namespace kvq::detail {
 
@@ -25,6 +26,7 @@ struct SchemeDescription {
 struct KvCacheGeometry {
   int n_layers = 0, max_seq = 0, n_kv_heads = 0, head_dim = 0;
   RopeConfig rope;
+  std::shared_ptr<const TokenTable> token_table;  // t0+ schemes (token_family.cc); others ignore it
 };
 
 // One cache's storage. Lengths: row backends read any T <= written(layer),
@@ -33,7 +35,9 @@ class KvCacheBackend {
  public:
   virtual ~KvCacheBackend() = default;
   virtual std::unique_ptr<KvCacheBackend> copy() const = 0;
-  virtual void write(int layer, int pos, std::span<const float> k, std::span<const float> v) = 0;
+  // token: the id of the token written (-1: not given); only a t0+ cache's
+  // layer 0 reads it.
+  virtual void write(int layer, int pos, std::span<const float> k, std::span<const float> v, int token) = 0;
   virtual int64_t written(int layer) const = 0;
   virtual void read(int layer, int64_t pos, std::span<float> k, std::span<float> v) const = 0;
   virtual void attend(int layer, int64_t T, std::span<const float> q, int n_heads, std::span<float> out,
@@ -93,5 +97,10 @@ const std::vector<KvCacheFamily>& kv_cache_families();
 // The families, each in its own file.
 const KvCacheFamily& RowFamily();      // row_family.cc
 const KvCacheFamily& GroupedFamily();  // group_family.cc
+const KvCacheFamily& TokenFamily();    // token_family.cc
+
+// `t0+` and the inner scheme's name: layer 0 by token id, the rest in
+// `inner` (kvq::Error naming `arg` when inner already is one).
+KvSchemeInfo token_layer_scheme(const KvSchemeInfo& inner, const char* arg);
 
 }  // namespace kvq::detail

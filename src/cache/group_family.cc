@@ -13,7 +13,9 @@ class GroupedBackend final : public KvCacheBackend {
  public:
   explicit GroupedBackend(GroupedKvCache c) : c_(std::move(c)) {}
   std::unique_ptr<KvCacheBackend> copy() const override { return std::make_unique<GroupedBackend>(c_.Copy()); }
-  void write(int layer, int pos, std::span<const float> k, std::span<const float> v) override { c_.write(layer, pos, k, v); }
+  void write(int layer, int pos, std::span<const float> k, std::span<const float> v, int) override {
+    c_.write(layer, pos, k, v);
+  }
   int64_t written(int layer) const override { return c_.written(layer); }
   void read(int layer, int64_t pos, std::span<float> k, std::span<float> v) const override { c_.read(layer, pos, k, v); }
   void attend(int layer, int64_t T, std::span<const float> q, int n_heads, std::span<float> out,

@@ -120,6 +120,9 @@ std::string hex_digest(const std::array<uint8_t, 32>& d) {
 }
 
 KvSchemeInfo describe_kv_scheme(const std::string& name, const char* arg, int head_dim) {
+  if (head_dim > 0 && name.rfind("t0+", 0) == 0) {  // the inner scheme as it resolves at this head size
+    return detail::token_layer_scheme(describe_kv_scheme(name.substr(3), arg, head_dim), arg);
+  }
   if (head_dim > 0) {
     if (const std::optional<GroupedKvScheme> g = grouped_kv_preset(name, head_dim)) {
       KvSchemeInfo info = describe_kv_scheme(g->name(), arg);
@@ -147,11 +150,12 @@ double kv_scheme_layer_bytes(const std::string& name, int64_t tokens, int n_kv_h
   KVQ_CHECK_ARG(tokens >= 0 && tokens <= (int64_t{1} << 40), "tokens: expected 0..2^40, got ", tokens);
   KVQ_CHECK_ARG(n_kv_heads >= 1 && head_dim >= 1 && int64_t{n_kv_heads} * head_dim <= static_cast<int64_t>(kMaxRow),
                 "n_kv_heads, head_dim: expected >= 1 with at most 2^20 values a token, got ", n_kv_heads, ", ", head_dim);
+  if (info.token_layer) return kv_scheme_layer_bytes(name.substr(3), tokens, n_kv_heads, head_dim);  // layer 0 takes less
   return FamilyOf(info).least_layer_bytes(info, {1, 1, n_kv_heads, head_dim, {}}, tokens);
 }
 
 KvCache::KvCache(const std::string& scheme, int n_layers, int max_seq, int n_kv_heads, int head_dim,
-                 const StaticRanges* ranges, const RopeConfig& rope)
+                 const StaticRanges* ranges, const RopeConfig& rope, std::shared_ptr<const TokenTable> token_table)
     : info_(describe_kv_scheme(scheme, "scheme", std::max(head_dim, 1))),
       n_layers_(n_layers),
       max_seq_(max_seq),
@@ -164,7 +168,8 @@ KvCache::KvCache(const std::string& scheme, int n_layers, int max_seq, int n_kv_
   KVQ_CHECK_ARG(static_cast<uint64_t>(n_kv_heads) * static_cast<uint64_t>(head_dim) <= kMaxRow,
                 "cache: expected n_kv_heads * head_dim <= 2^20, got ", n_kv_heads, " x ", head_dim);
   rope.validate("rope");
-  b_ = FamilyOf(info_).make(info_, {n_layers, max_seq, n_kv_heads, head_dim, rope_}, ranges);
+  if (info_.token_layer) table_ = std::move(token_table);
+  b_ = FamilyOf(info_).make(info_, {n_layers, max_seq, n_kv_heads, head_dim, rope_, table_}, ranges);
 }
 
 KvCache::~KvCache() = default;
@@ -176,11 +181,14 @@ KvCache KvCache::Copy() const {
   c.info_ = info_;
   c.n_layers_ = n_layers_, c.max_seq_ = max_seq_, c.n_kv_heads_ = n_kv_heads_, c.head_dim_ = head_dim_;
   c.rope_ = rope_;
+  c.table_ = table_;
   c.b_ = b_->copy();
   return c;
 }
 
-void KvCache::write(int layer, int pos, std::span<const float> k, std::span<const float> v) { b_->write(layer, pos, k, v); }
+void KvCache::write(int layer, int pos, std::span<const float> k, std::span<const float> v, int token) {
+  b_->write(layer, pos, k, v, token);
+}
 int64_t KvCache::written(int layer) const { return b_->written(layer); }
 
 int64_t KvCache::tokens() const {
@@ -203,7 +211,8 @@ void KvCache::attend(int layer, std::span<const float> q, int n_heads, std::span
 }
 
 void KvCache::prefill(int layer, int pos0, std::span<const float> k, std::span<const float> v,
-                      std::span<const float> q, int n_heads, std::span<float> out, const DecodeAttentionOptions& opts) {
+                      std::span<const float> q, int n_heads, std::span<float> out, const DecodeAttentionOptions& opts,
+                      std::span<const int> tokens) {
   KVQ_CHECK_ARG(layer >= 0 && layer < n_layers_, "layer: expected 0..", n_layers_ - 1, ", got ", layer);
   const size_t kvw = static_cast<size_t>(n_kv_heads_) * static_cast<size_t>(head_dim_);
   KVQ_CHECK_ARG(n_heads >= n_kv_heads_ && n_heads % n_kv_heads_ == 0, "n_heads: expected a multiple of ", n_kv_heads_,
@@ -214,6 +223,15 @@ void KvCache::prefill(int layer, int pos0, std::span<const float> k, std::span<c
   KVQ_CHECK_ARG(v.size() == k.size(), "v: expected ", k.size(), " floats, got ", v.size());
   KVQ_CHECK_ARG(q.size() == n * qw, "q: expected ", n, " rows of ", qw, " floats, got ", q.size());
   KVQ_CHECK_ARG(out.size() == q.size(), "out: expected ", q.size(), " floats, got ", out.size());
+  KVQ_CHECK_ARG(tokens.empty() || tokens.size() == n, "tokens: expected none or ", n, " ids, got ", tokens.size());
+  KVQ_CHECK_ARG(!(info_.token_layer && layer == 0) || !tokens.empty(), "tokens: layer 0 of ", info_.label,
+                " holds token ids: expected the ", n, " tokens' ids");
+  if (info_.token_layer && layer == 0) {
+    for (int t : tokens) {
+      KVQ_CHECK_ARG(t >= 0 && t < table_->vocab(), "tokens: expected ids 0..", table_->vocab() - 1, ", got ", t);
+    }
+  }
+  const auto id = [&](size_t i) { return tokens.empty() ? -1 : tokens[i]; };
   KVQ_CHECK_ARG(pos0 == 0 || pos0 == b_->written(layer), "pos0: expected 0 or ", b_->written(layer), ", got ", pos0);
   KVQ_CHECK_ARG(static_cast<int64_t>(pos0) + static_cast<int64_t>(n) <= max_seq_, "pos0: tokens ", pos0, "..",
                 static_cast<int64_t>(pos0) + static_cast<int64_t>(n) - 1, " exceed the cache size ", max_seq_);
@@ -230,13 +248,13 @@ void KvCache::prefill(int layer, int pos0, std::span<const float> k, std::span<c
   DecodeAttentionOptions o = opts;
   if (!b_->any_length()) {  // grouped: queries one after the other; each attend splits its coded groups over opts.threads
     for (size_t i = 0; i < n; ++i) {
-      write(layer, pos0 + static_cast<int>(i), row(k, i, kvw), row(v, i, kvw));
+      write(layer, pos0 + static_cast<int>(i), row(k, i, kvw), row(v, i, kvw), id(i));
       o.length = pos0 + static_cast<int64_t>(i) + 1;
       attend(layer, row(q, i, qw), n_heads, row(out, i, qw), o);
     }
     return;
   }
-  for (size_t i = 0; i < n; ++i) write(layer, pos0 + static_cast<int>(i), row(k, i, kvw), row(v, i, kvw));
+  for (size_t i = 0; i < n; ++i) write(layer, pos0 + static_cast<int>(i), row(k, i, kvw), row(v, i, kvw), id(i));
   const int nt = static_cast<int>(std::min<size_t>(n, opts.threads > 0 ? static_cast<size_t>(opts.threads)
                                                                        : static_cast<size_t>(omp_get_max_threads())));
   o.threads = 1;
@@ -368,7 +386,8 @@ KvCache KvCache::from_bytes(std::span<const uint8_t> bytes, const KvCacheExpect&
   KVQ_CHECK_ARG(max_seq >= 1 && static_cast<uint64_t>(max_seq) >= T, "saved KV cache: ", T,
                 " tokens do not fit max_seq ", max_seq);
   const detail::KvCacheFamily& family = FamilyOf(info);
-  const detail::KvCacheGeometry g{L, max_seq, H, hd, rope};
+  detail::KvCacheGeometry g{L, max_seq, H, hd, rope, nullptr};
+  if (info.token_layer && expect.token_table) g.token_table = expect.token_table();
   // Nothing is allocated before the bytes are known to hold T tokens of
   // this geometry, and the capacity fits this machine.
   const double least = static_cast<double>(L) * family.least_layer_bytes(info, g, static_cast<int64_t>(T));
@@ -395,6 +414,7 @@ KvCache KvCache::from_bytes(std::span<const uint8_t> bytes, const KvCacheExpect&
   c.info_ = info;
   c.n_layers_ = L, c.max_seq_ = max_seq, c.n_kv_heads_ = H, c.head_dim_ = hd;
   c.rope_ = rope;
+  c.table_ = g.token_table;
   c.b_ = family.restore(info, g, tables);
   c.b_->load_state(state, static_cast<int64_t>(T));
   KVQ_CHECK_ARG(c.bytes(static_cast<int64_t>(T)) == table_bytes + state_bytes, "saved KV cache: ",
@@ -499,7 +519,7 @@ void KvCache::restore_ranges(std::span<const std::span<const uint8_t>> chunks, s
     begin = ends[i];
   }
   std::unique_ptr<detail::KvCacheBackend> b =
-      FamilyOf(info_).restore(info_, {n_layers_, max_seq_, n_kv_heads_, head_dim_, rope_}, t);
+      FamilyOf(info_).restore(info_, {n_layers_, max_seq_, n_kv_heads_, head_dim_, rope_, table_}, t);
   b->load_ranges(states, ends);
   b_ = std::move(b);  // only now: a refused chunk leaves the cache as it was
 }

@@ -41,7 +41,7 @@ class RowBackend final : public KvCacheBackend {
     }
     return b;
   }
-  void write(int layer, int pos, std::span<const float> k, std::span<const float> v) override {
+  void write(int layer, int pos, std::span<const float> k, std::span<const float> v, int) override {
     const int64_t w = written(layer);
     KVQ_CHECK_ARG(pos >= 0 && pos <= w, "pos: a layer is written in order: expected 0..", w,
                   " (a position written before is rewritten, the ones after it dropped), got ", pos);
