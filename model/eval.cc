@@ -206,7 +206,9 @@ std::vector<CacheScheme> parse_cache_schemes(const std::string& list, const char
     // A preset stays a preset (it resolves per head size when the cache is
     // made); any other name becomes its canonical form.
     const KvSchemeInfo info = describe_kv_scheme(name, arg);
-    CacheScheme s(grouped_kv_preset(name, 0) ? name : info.name);
+    const bool t0 = info.token_layer;  // t0+<preset> stays one too
+    const std::string bare = t0 ? name.substr(3) : name;
+    CacheScheme s(grouped_kv_preset(bare, 0) ? (t0 ? "t0+" : "") + bare : info.name);
     if (std::find(out.begin(), out.end(), s) == out.end()) out.push_back(s);
   };
   if (list == "all") {
@@ -590,6 +592,17 @@ std::string format_report(const EvalReport& r) {
       if (name != smallest) os << " (at heads of " << r.config.head_size() << "; " << smallest << " at the smallest)";
       os << "\n";
     }
+  }
+  for (const SchemeResult& s : r.results) {
+    if (!s.scheme.info().token_layer) continue;
+    std::snprintf(buf, sizeof buf,
+                  "t0+: layer 0 held as token ids (2 bytes a token, counted) and read through the model's layer-0 "
+                  "token table (%d ids x K and V of %d values, fp16: %.1f KiB, model memory shared by every cache, "
+                  "not counted in KV bytes)\n",
+                  r.config.vocab_size, r.config.kv_dim(),
+                  4.0 * r.config.vocab_size * static_cast<double>(r.config.kv_dim()) / 1024.0);
+    os << buf;
+    break;
   }
   if (r.calibration_tokens > 0) {
     std::snprintf(buf, sizeof buf,

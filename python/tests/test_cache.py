@@ -270,3 +270,25 @@ def test_simd_targets_select_the_dispatched_target_and_refuse_unknown_names():
     finally:
         kvq.set_simd_targets("")
     assert kvq.simd_target() == targets[0]
+
+
+def test_t0_schemes_read_layer0_through_the_models_token_table():
+    """t0+<scheme> holds layer 0 as token ids (src/cache/token_family.cc): through kvq.Model it
+    decodes as the inner scheme with layer 0 exact; a bare KvCache has no model table to read."""
+    from kvq_test_helpers import MODEL, need_data
+    with pytest.raises(ValueError, match="token table"):
+        kvq.KvCache("t0+q8_0", 2, 64, 2, 32)
+    with pytest.raises(ValueError, match="already holds layer 0"):
+        kvq.kv_scheme_info("t0+t0+q8_0")
+    info = kvq.kv_scheme_info("t0+kvq-4.5")
+    assert info["family"] == "tokens" and info["label"] == "t0+kvq-4.5" and info["needs_ranges"]
+    need_data()
+    m = kvq.Model(str(MODEL))
+    ids = [1] + [(7 * i * i + 3 * i + 40) % 500 + 3 for i in range(60)]  # any tokens: layer 0 depends on the id alone
+    ref = m.logits(ids, kv="fp32")
+    t0 = m.logits(ids, kv="t0+fp32")
+    assert np.abs(t0 - ref).max() < 0.05  # layer 0's K and V in fp16, the rest fp32
+    assert (t0.argmax(1) == ref.argmax(1)).all()
+    t0q8 = m.logits(ids, kv="t0+q8_0")
+    assert np.isfinite(t0q8).all() and t0q8.shape == ref.shape
+    assert (t0q8.argmax(1) == ref.argmax(1)).mean() > 0.9
