@@ -19,6 +19,13 @@
 // call warm for MHA (32/32), GQA 4 (32/8) and GQA 8 (32/4), head_dim 64 and
 // 128, T 4096 and 16384, 1 and 2 threads.
 //
+// BM_token_layer_attention/<T>/t<threads>: layer 0 of a `t0+` cache (token
+// ids read through a token table of 32,000 ids, Llama-2's vocabulary: 131
+// MB of fp16 at this geometry; ids drawn at random, so rows are gathered
+// from all of it), K rotated at read and attended by the fp32 kernel. The
+// bound: BM_decode_attention/fp16/<T> and /fp32/<T> of the same run (the
+// layer stored as rows).
+//
 // BM_grouped_write/<scheme>: the amortised cost of appending one token (every
 // KV head of a layer, K after RoPE and V, hand-overs included) to a cache
 // that grows from 0 to 4096 tokens; memcpy of the token's fp32 bytes is the
@@ -39,6 +46,7 @@
 
 #include "kvq/attention.h"
 #include "kvq/kv_cache.h"
+#include "kvq/token_table.h"
 #include "bench/bench_util.h"
 
 namespace {
@@ -147,6 +155,42 @@ void Write(benchmark::State& state, const std::string& scheme) {
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * 2 * E * static_cast<int64_t>(sizeof(float)));
 }
 
+// Layer 0 of a t0+fp16 cache of T tokens (random ids over a 32,000-id table).
+void TokenLayer(benchmark::State& state, const std::string&, const Geo& g, int T, int threads, bool, bool) {
+  constexpr int kVocab = 32000;
+  static std::unique_ptr<kvq::KvCache> cache;
+  static int built = 0;
+  if (!cache || built != T) {
+    cache.reset();
+    const size_t E = static_cast<size_t>(g.kv * g.hd);
+    std::vector<float> k(kVocab * E), v(k.size());
+    for (size_t i = 0; i < k.size(); ++i) {
+      k[i] = std::sin(0.001f * static_cast<float>(i % 100003)), v[i] = std::cos(0.0007f * static_cast<float>(i % 99991));
+    }
+    auto table = std::make_shared<const kvq::TokenTable>(kVocab, g.kv, g.hd, k, v);
+    cache = std::make_unique<kvq::KvCache>("t0+fp16", 2, T, g.kv, g.hd, nullptr, kvq::RopeConfig{}, table);
+    uint64_t x = 88172645463325252ull;
+    for (int t = 0; t < T; ++t) {
+      x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+      cache->write(0, t, {k.data(), E}, {v.data(), E}, static_cast<int>(x % kVocab));
+    }
+    built = T;
+  }
+  std::vector<float> q(static_cast<size_t>(g.heads * g.hd)), out(q.size());
+  for (size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.37f * static_cast<float>(i));
+  kvq::DecodeAttentionOptions o;
+  o.threads = threads;
+  for (auto _ : state) {
+    cache->attend(0, q, g.heads, out, o);
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(static_cast<double>(cache->layer_bytes(0)) *
+                                               static_cast<double>(state.iterations())));
+  state.counters["table_MB"] = static_cast<double>(cache->token_table()->bytes()) / 1e6;
+  const double macs = 2.0 * g.heads * g.hd * static_cast<double>(T);
+  state.counters["MAC/s"] = benchmark::Counter(macs * static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
+}
+
 bool HasInt8QueryPath(const std::string& s) { return s == "int8" || s == "int8-head" || s == "q8_0" || s == "q4_0"; }
 
 void Reg(const std::string& name, void (*fn)(benchmark::State&, const std::string&, const Geo&, int, int, bool, bool),
@@ -169,6 +213,12 @@ const int kRegistered = [] {
     }
     Reg("BM_decode_attention_cold/" + s + "/16384", Attention, s, kDefault, 16384, kThreads, true, false);
     if (HasInt8QueryPath(s)) Reg("BM_decode_attention_cold_int8q/" + s + "/16384", Attention, s, kDefault, 16384, kThreads, true, true);
+  }
+  for (int T : {4096, 16384}) {
+    for (int threads : {1, 2}) {
+      Reg("BM_token_layer_attention/" + std::to_string(T) + "/t" + std::to_string(threads), TokenLayer, "t0+fp16",
+          kDefault, T, threads, false, false);
+    }
   }
   std::vector<std::string> geo_schemes = {"fp32", "fp16", "q4_0"};
   geo_schemes.insert(geo_schemes.end(), presets.begin(), presets.end());

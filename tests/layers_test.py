@@ -32,7 +32,7 @@ PUBLIC = {
     "attention_part": "attn", "static_ranges": "calib",
     "kv_scheme": "rows", "attention": "rows",
     "grouped_kv": "groups",
-    "kv_cache": "cache",
+    "kv_cache": "cache", "token_table": "cache",
 }
 RANK = {"base": 0, "io": 1, "attn": 2, "profile": 3, "calib": 3, "rows": 4, "groups": 5, "cache": 6,
         "model": 7, "store": 7, "session": 8, "serve": 8, "tools": 9, "python": 9}
