@@ -5,14 +5,17 @@
 //
 // Layer 0 is exact (the table's fp16 K before RoPE, rotated at read, and
 // its fp16 V) and costs 2 bytes a token (4 past a 65,536-token
-// vocabulary). Attention materialises the layer's K and V as float32 rows
-// for the call and runs the fp32 row kernel.
+// vocabulary). Attention gathers the layer's K and V as float32 rows, a
+// block at a time, and runs the fp32 row kernel on each (parts merged).
 //
 // Saved tables: the table's digest (32 bytes), then the inner scheme's.
 // Saved state and ranges: the ids of the tokens (little-endian, 2 or 4
 // bytes each), then the inner scheme's.
+#include <omp.h>
+
 #include <algorithm>
 #include <cstring>
+#include <exception>
 
 #include "kvq/error.h"
 #include "kvq/half.h"
@@ -113,9 +116,9 @@ class TokenBackend final : public KvCacheBackend {
   void attend(int layer, int64_t T, std::span<const float> q, int n_heads, std::span<float> out,
               const DecodeAttentionOptions& o) const override {
     if (layer != 0) return inner_->attend(layer - 1, T, q, n_heads, out, o);
-    DecodeAttentionOptions f = o;
-    f.length = -1;
-    decode_attention(q, n_heads, Rows(0, Checked(T)), out, f);
+    KVQ_CHECK_ARG(out.size() == q.size(), "out: expected ", q.size(), " floats, got ", out.size());
+    const AttentionPart p = Blocked(0, Checked(T), q, n_heads, o);
+    std::copy(p.value.begin(), p.value.end(), out.begin());
   }
   void attend_ref(int layer, int64_t T, std::span<const float> q, int n_heads, std::span<float> out,
                   const DecodeAttentionOptions& o) const override {
@@ -127,9 +130,7 @@ class TokenBackend final : public KvCacheBackend {
   AttentionPart attend_part(int layer, int64_t begin, int64_t end, std::span<const float> q, int n_heads,
                             const DecodeAttentionOptions& o) const override {
     if (layer != 0) return inner_->attend_part(layer - 1, begin, end, q, n_heads, o);
-    DecodeAttentionOptions f = o;
-    f.length = -1;
-    return decode_attention_part(q, n_heads, Rows(begin, Checked(end)), f);
+    return Blocked(begin, Checked(end), q, n_heads, o);
   }
   // Layer 0: the ids and the table's digest (what a saved cache holds of it).
   uint64_t layer_bytes(int layer, int64_t T) const override {
@@ -226,6 +227,35 @@ class TokenBackend final : public KvCacheBackend {
     f16_to_f32({table_->k(id), E}, {k, E});
     f16_to_f32({table_->v(id), E}, {v, E});
     rope_.apply(k, H_, static_cast<int>(t));
+  }
+  // Attention over tokens [begin, end) of layer 0: blocks of rows small
+  // enough to stay in this core's cache (about 1 MiB of K and V), each
+  // gathered from the table, rotated and attended by the fp32 kernel, the
+  // parts merged in block order (the same numbers for any thread count).
+  AttentionPart Blocked(int64_t begin, int64_t end, std::span<const float> q, int n_heads,
+                        const DecodeAttentionOptions& o) const {
+    KVQ_CHECK_ARG(begin < end, "layer 0: no tokens to attend to");
+    const size_t E = static_cast<size_t>(H_) * static_cast<size_t>(D_);
+    const int64_t block = std::clamp<int64_t>(static_cast<int64_t>((size_t{1} << 17) / E), 16, 256);
+    const int64_t n = (end - begin + block - 1) / block;
+    std::vector<AttentionPart> parts(static_cast<size_t>(n));
+    DecodeAttentionOptions f = o;
+    f.length = -1;
+    f.threads = 1;
+    const int threads = static_cast<int>(std::min<int64_t>(n, o.threads > 0 ? o.threads : omp_get_max_threads()));
+    std::exception_ptr err;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t b = 0; b < n; ++b) {
+      try {
+        const int64_t lo = begin + b * block, hi = std::min(end, lo + block);
+        parts[static_cast<size_t>(b)] = decode_attention_part(q, n_heads, Rows(lo, hi), f);
+      } catch (...) {
+#pragma omp critical
+        err = std::current_exception();
+      }
+    }
+    if (err) std::rethrow_exception(err);
+    return n == 1 ? std::move(parts.front()) : merge_attention_parts(parts);
   }
   // Tokens [begin, end) as whole float32 rows (this thread's scratch).
   KvRowsView Rows(int64_t begin, int64_t end) const {
