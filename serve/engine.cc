@@ -110,7 +110,8 @@ Engine::Engine(const EngineOptions& o) : o_(o), scheme_(std::make_unique<SchemeH
                 o.admit, "'");
   if (info.family != "rows" && o.admit == "guaranteed") {  // a grouped cache's tokens held open: G + sinks + recent
     const KvCache probe(info.name, cfg.n_layers, cfg.seq_len, cfg.n_kv_heads, cfg.head_size(),
-                        scheme_->scheme.ranges.get(), cfg.rope);
+                        scheme_->scheme.ranges.get(), cfg.rope,
+                        info.token_layer ? model::layer0_token_table(*ckpt_) : nullptr);
     const KvRangeAlignment a = probe.range_alignment();
     open_tokens_ = a.unit + a.offset;
   }

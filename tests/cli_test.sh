@@ -242,7 +242,7 @@ check "generate with a bad grouped scheme exits 2" '[ $rc -eq 2 ] && grep -q "mu
 # Prompt caches: a saved prompt restores into the same text; every mismatch
 # is a clear error.
 P="Once upon a time, Lily found a"
-for kv in kvq-4.5 q8_0; do
+for kv in t0+kvq-4.5 kvq-4.5 q8_0; do
   "$KVQ" generate --kv $kv --prompt "$P" --steps 70 --save-cache "$T/p.kvqs" >"$T/s1" 2>"$T/err"; rc=$?
   check "generate --save-cache with $kv" '[ $rc -eq 0 ] && [ -s "$T/p.kvqs" ] && grep -q "saved [0-9]* tokens to" "$T/err"'
   "$KVQ" generate --prompt "$P" --steps 70 --load-cache "$T/p.kvqs" >"$T/s2" 2>"$T/err"; rc=$?

@@ -94,7 +94,7 @@ def in_threads(fns):
     return out
 
 
-@pytest.mark.parametrize("kv", ["fp16", "q8_0", "kvq-4.5"])
+@pytest.mark.parametrize("kv", ["fp16", "q8_0", "kvq-4.5", "t0+kvq-4.5"])
 def test_greedy_output_is_kvq_generates(kv):
     """Four prompts at once, each streamed and not: every completion is the text `kvq generate` prints
     for the same prompt and scheme (the decodes of the running sequences run as one sgemm)."""
