@@ -3,7 +3,7 @@
 (the whole dev text tokenized with BOS first, chunks of --ctx, the second half of each chunk scored).
 
   PYTHONPATH=build/release/python /usr/bin/python3 scripts/llama_cpp_table.py [--model stories-hd64]
-      [--ctx 256] [--chunks N] [--json out.json]
+      [--ctx 256] [--chunks N] [--kv LIST] [--json out.json]
 
 - stories-hd64 (heads of 64): both engines run the same GGUF, unpadded; llama.cpp's 32-value blocks
   and its Hadamard rotation apply as on a real model. Both engines' KL divergence against their own
@@ -50,6 +50,7 @@ def main():
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--chunks", type=int, default=0, help="at most N chunks (0: the whole text)")
     ap.add_argument("--json")
+    ap.add_argument("--kv", default=KVQ, help=f"kvq's schemes, fp32 first (default {KVQ}; t0+<scheme> names too)")
     a = ap.parse_args()
     import kvq
     shared = Path(a.shared)
@@ -72,7 +73,7 @@ def main():
             chunks = min(chunks, a.chunks)
         ids = ids[:chunks * a.ctx]
         np.save(d / "ids.npy", np.asarray(ids, dtype=np.uint32))
-        r = subprocess.run([a.kvq, "eval", "--model", str(g8), "--tokens", str(d / "ids.npy"), "--kv", KVQ, "--ctx",
+        r = subprocess.run([a.kvq, "eval", "--model", str(g8), "--tokens", str(d / "ids.npy"), "--kv", a.kv, "--ctx",
                             str(a.ctx), "--protocol", "llama-perplexity", "--forward", "exact", "--json",
                             str(d / "kvq.json")], capture_output=True, text=True)
         if r.returncode != 0:

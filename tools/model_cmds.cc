@@ -136,7 +136,8 @@ void AddEvalCommand(CLI::App& app, EvalCliOptions& o) {
   AddWeightDotOption(c, o.weight_dot);
   c->add_option("--kv", o.kv,
                 "comma-separated KV schemes or 'all': row schemes, grouped k<B>[a]v<B>g<G>[p8][m][o<N>[x<X>][w<W>]][r<R>][s<S>], calibrated "
-                "k<B>v<B>c[r<R>][s<S>] and presets")
+                "k<B>v<B>c[r<R>][s<S>] and presets; t0+<scheme>: layer 0 as token ids read through the model's layer-0 "
+                "token table, the rest in <scheme>")
       ->default_val("all")
       ->each([&o](const std::string&) { o.kv_given = true; });
   c->add_option("--protocol", o.protocol,
@@ -423,8 +424,8 @@ void AddGenerateCommand(CLI::App& app, GenerateOptions& o) {
   c->add_option("--seed", o.seed, "sampling seed");
   c->add_option("--steps", o.steps, "forward steps, prompt included (default 256, max seq_len)");
   c->add_option("--kv", o.kv,
-                 "KV scheme: a row scheme, a grouped scheme (k4v3g64o8r16) or a preset (kvq-4.5); default fp32, "
-                 "with --load-cache the file's");
+                 "KV scheme: a row scheme, a grouped scheme (k4v3g64o8r16) or a preset (kvq-4.5), any of them as "
+                 "t0+<scheme> (layer 0 as token ids); default fp32, with --load-cache the file's");
   c->add_option("--save-cache", o.save_cache,
                 "save the KV cache of the prompt's tokens but its last (whose forward pass starts generation) to "
                 "FILE: a checksummed KVQS container with the model's fingerprint and the tokens' digest");

@@ -21,7 +21,7 @@ void AddServeCommand(CLI::App& app, ServeCliOptions& o) {
                "batching over compressed KV caches under a KV budget");
   c->add_option("--model", o.model, "GGUF model or llama2.c checkpoint (default: stories260K)");
   c->add_option("--tokenizer", o.tokenizer, "llama2.c tokenizer.bin (a GGUF carries its own)");
-  c->add_option("--kv", o.kv, "KV scheme or preset of every sequence (default fp16)");
+  c->add_option("--kv", o.kv, "KV scheme or preset of every sequence (default fp16; t0+<scheme>: layer 0 as token ids)");
   c->add_option("--kv-budget-mb", o.kv_budget_mb,
                 "MiB the running sequences' KV caches may hold together (default 1024): a request waits until "
                 "its cache at prompt + max_tokens fits")

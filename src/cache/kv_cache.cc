@@ -151,7 +151,7 @@ double kv_scheme_layer_bytes(const std::string& name, int64_t tokens, int n_kv_h
   KVQ_CHECK_ARG(n_kv_heads >= 1 && head_dim >= 1 && int64_t{n_kv_heads} * head_dim <= static_cast<int64_t>(kMaxRow),
                 "n_kv_heads, head_dim: expected >= 1 with at most 2^20 values a token, got ", n_kv_heads, ", ", head_dim);
   if (info.token_layer) return kv_scheme_layer_bytes(name.substr(3), tokens, n_kv_heads, head_dim);  // layer 0 takes less
-  return FamilyOf(info).least_layer_bytes(info, {1, 1, n_kv_heads, head_dim, {}}, tokens);
+  return FamilyOf(info).least_layer_bytes(info, {1, 1, n_kv_heads, head_dim, {}, nullptr}, tokens);
 }
 
 KvCache::KvCache(const std::string& scheme, int n_layers, int max_seq, int n_kv_heads, int head_dim,

@@ -28,7 +28,7 @@ class RowBackend final : public KvCacheBackend {
 
   std::unique_ptr<KvCacheBackend> copy() const override {
     auto b = std::make_unique<RowBackend>(c_.scheme(), KvCacheGeometry{c_.n_layers(), c_.max_seq(), c_.n_kv_heads(),
-                                                                        c_.head_dim(), {}});
+                                                                        c_.head_dim(), {}, nullptr});
     std::vector<uint8_t> k(c_.codec().row_bytes()), v(k.size());
     for (int l = 0; l < c_.n_layers(); ++l) {
       const KvRowsView rv = c_.view(l, T_[static_cast<size_t>(l)]);
