@@ -77,7 +77,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (T < c.max_seq()) {
     const std::vector<float> k(E, 0.5f), v(E, -0.25f);
     try {
-      for (int l = 0; l < c.n_layers(); ++l) c.write(l, static_cast<int>(T), k, v);
+      for (int l = 0; l < c.n_layers(); ++l) c.write(l, static_cast<int>(T), k, v, 7);
     } catch (const kvq::Error&) {
       __builtin_trap();
     }

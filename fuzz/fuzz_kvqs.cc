@@ -16,6 +16,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::vector<uint8_t> bytes = kvq::fuzz::AsContainer(data, size, magic);
   kvq::KvCacheExpect expect;
   expect.max_seq = 512;  // the caller's capacity bounds what a restore allocates
+  expect.token_table = [] { return kvq::fuzz::FuzzTokenTable(); };  // a t0+ cache's (of 2 heads x 32)
   try {
     kvq::KvCacheMeta meta;
     kvq::KvCache c = kvq::KvCache::from_bytes(bytes, expect, &meta);
@@ -30,7 +31,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     kvq::fuzz::AttendEveryLayer(c, sane);
     if (T < 512) {  // the restored store takes the next token
       const std::vector<float> k(E, 0.5f), v(E, -0.25f);
-      for (int l = 0; l < c.n_layers(); ++l) c.write(l, static_cast<int>(T), k, v);
+      for (int l = 0; l < c.n_layers(); ++l) c.write(l, static_cast<int>(T), k, v, 7);
       kvq::fuzz::AttendEveryLayer(c, sane);
     }
   } catch (const kvq::Error&) {

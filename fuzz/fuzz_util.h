@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "kvq/kv_cache.h"
+#include "kvq/token_table.h"
 #include "model/checkpoint.h"
 #include "model/tokenizer.h"
 #include "src/io/container.h"
@@ -68,7 +69,17 @@ inline std::vector<float> Values(int n, uint32_t seed) {
 // kRange0 and second at kRange1; seeds and fuzz_kvqr build the same ones.
 constexpr int kRangeL = 2, kRangeH = 2, kRangeD = 32, kRange0 = 40, kRange1 = 90;
 inline const char* const kRangeSchemes[] = {"fp16", "q8_0", "q4_0", "int8", "kvq-6.5", "kvq-4.5", "kvq-3.5",
-                                            "kvq-2.5", "k3v3g32o8x3r4s2", "k4v4g16", "k4v3c"};
+                                            "kvq-2.5", "k3v3g32o8x3r4s2", "k4v4g16", "k4v3c", "t0+q4_0", "t0+kvq-3.5"};
+
+// The token table of t0+ caches (seeds, KVQS and KVQR targets): 300 ids of
+// kRangeH x kRangeD; a saved t0+ cache of another geometry is refused.
+constexpr int kTableVocab = 300;
+inline std::shared_ptr<const TokenTable> FuzzTokenTable() {
+  static const std::shared_ptr<const TokenTable> t = std::make_shared<const TokenTable>(
+      kTableVocab, kRangeH, kRangeD, Values(kTableVocab * kRangeH * kRangeD, 81),
+      Values(kTableVocab * kRangeH * kRangeD, 82));
+  return t;
+}
 
 inline const StaticRanges& RangeRanges() {
   static const StaticRanges r = [] {
@@ -83,7 +94,7 @@ inline const StaticRanges& RangeRanges() {
 }
 
 inline KvCache RangeCache(const std::string& scheme) {
-  return KvCache(scheme, kRangeL, 128, kRangeH, kRangeD, &RangeRanges());
+  return KvCache(scheme, kRangeL, 128, kRangeH, kRangeD, &RangeRanges(), {}, FuzzTokenTable());
 }
 
 inline std::array<uint8_t, 32> RangeId(int i) {
@@ -103,7 +114,8 @@ inline const std::vector<std::vector<uint8_t>>& RangeSeeds(const std::string& sc
   std::vector<std::vector<uint8_t>> out;
   for (int t = 0; t < kRange1; ++t) {
     for (int l = 0; l < kRangeL; ++l) {
-      c.write(l, t, std::span(k).subspan(static_cast<size_t>(t) * E, E), std::span(v).subspan(static_cast<size_t>(t) * E, E));
+      c.write(l, t, std::span(k).subspan(static_cast<size_t>(t) * E, E), std::span(v).subspan(static_cast<size_t>(t) * E, E),
+              (7 * t) % kTableVocab);
     }
     if (t + 1 == kRange0) out.push_back(c.range_to_bytes(0, -1, RangeId(0)));
     if (t + 1 == kRange1) out.push_back(c.range_to_bytes(kRange0, -1, RangeId(1)));

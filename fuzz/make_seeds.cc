@@ -160,13 +160,13 @@ int main(int argc, char** argv) {
     meta.tokens_digest = std::array<uint8_t, 32>{4, 5, 6};
     int n = 0;
     for (const char* scheme : {"fp16", "int8", "q4_0", "q8_0", "fp8-e4m3", "kvq-6.5", "kvq-4.5", "kvq-3.5", "kvq-2.5",
-                               "k3v3g32o8x3r4", "k4v4g16", "k4v3c"}) {
+                               "k3v3g32o8x3r4", "k4v4g16", "k4v3c", "t0+q4_0", "t0+kvq-3.5"}) {
       for (int T : {1, 21, 70, 120}) {
-        kvq::KvCache c(scheme, L, 128, H, hd, &ranges);
+        kvq::KvCache c(scheme, L, 128, H, hd, &ranges, {}, kvq::fuzz::FuzzTokenTable());
         for (int t = 0; t < T; ++t) {
           for (int l = 0; l < L; ++l) {
             c.write(l, t, std::span(k).subspan(static_cast<size_t>(t) * E, E),
-                    std::span(v).subspan(static_cast<size_t>(t) * E, E));
+                    std::span(v).subspan(static_cast<size_t>(t) * E, E), (5 * t) % kvq::fuzz::kTableVocab);
           }
         }
         WriteContainer(root / "kvqs", std::string(scheme) + "_" + std::to_string(T),
