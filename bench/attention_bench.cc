@@ -19,10 +19,11 @@
 // call warm for MHA (32/32), GQA 4 (32/8) and GQA 8 (32/4), head_dim 64 and
 // 128, T 4096 and 16384, 1 and 2 threads.
 //
-// BM_token_layer_attention/<T>/t<threads>: layer 0 of a `t0+` cache (token
-// ids read through a token table of 32,000 ids, Llama-2's vocabulary: 131
-// MB of fp16 at this geometry; ids drawn at random, so rows are gathered
-// from all of it), K rotated at read and attended by the fp32 kernel. The
+// BM_token_layer_attention/<ids>/<T>/t<threads>: layer 0 of a `t0+` cache
+// (token ids read through a token table of 32,000 ids, Llama-2's
+// vocabulary: 131 MB of fp16 at this geometry; ids uniform, every row
+// gathered from all of it, or Zipf(1.1), as a text's), K rotated at read
+// and attended by the fp32 kernel. The
 // bound: BM_decode_attention/fp16/<T> and /fp32/<T> of the same run (the
 // layer stored as rows).
 //
@@ -42,6 +43,7 @@
 #include <memory>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "kvq/attention.h"
@@ -155,12 +157,14 @@ void Write(benchmark::State& state, const std::string& scheme) {
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * 2 * E * static_cast<int64_t>(sizeof(float)));
 }
 
-// Layer 0 of a t0+fp16 cache of T tokens (random ids over a 32,000-id table).
-void TokenLayer(benchmark::State& state, const std::string&, const Geo& g, int T, int threads, bool, bool) {
+// Layer 0 of a t0+fp16 cache of T tokens over a 32,000-id table: ids drawn
+// uniformly (every row a fresh gather: the worst case) or Zipf-distributed
+// with exponent 1.1 (a text's: frequent ids' rows stay in cache).
+void TokenLayer(benchmark::State& state, const std::string& ids, const Geo& g, int T, int threads, bool, bool) {
   constexpr int kVocab = 32000;
   static std::unique_ptr<kvq::KvCache> cache;
-  static int built = 0;
-  if (!cache || built != T) {
+  static std::pair<int, std::string> built;
+  if (!cache || built != std::make_pair(T, ids)) {
     cache.reset();
     const size_t E = static_cast<size_t>(g.kv * g.hd);
     std::vector<float> k(kVocab * E), v(k.size());
@@ -169,12 +173,21 @@ void TokenLayer(benchmark::State& state, const std::string&, const Geo& g, int T
     }
     auto table = std::make_shared<const kvq::TokenTable>(kVocab, g.kv, g.hd, k, v);
     cache = std::make_unique<kvq::KvCache>("t0+fp16", 2, T, g.kv, g.hd, nullptr, kvq::RopeConfig{}, table);
+    std::vector<double> cdf(kVocab);  // Zipf(1.1) over ids 0 .. kVocab - 1
+    double sum = 0;
+    for (int i = 0; i < kVocab; ++i) cdf[static_cast<size_t>(i)] = sum += std::pow(i + 1.0, -1.1);
     uint64_t x = 88172645463325252ull;
     for (int t = 0; t < T; ++t) {
       x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-      cache->write(0, t, {k.data(), E}, {v.data(), E}, static_cast<int>(x % kVocab));
+      int id = static_cast<int>(x % kVocab);
+      if (ids == "zipf") {
+        const double u = static_cast<double>(x >> 11) * 0x1.0p-53 * sum;
+        id = static_cast<int>(std::lower_bound(cdf.begin(), cdf.end(), u) - cdf.begin());
+        id = std::min(id, kVocab - 1);
+      }
+      cache->write(0, t, {k.data(), E}, {v.data(), E}, id);
     }
-    built = T;
+    built = {T, ids};
   }
   std::vector<float> q(static_cast<size_t>(g.heads * g.hd)), out(q.size());
   for (size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.37f * static_cast<float>(i));
@@ -214,10 +227,12 @@ const int kRegistered = [] {
     Reg("BM_decode_attention_cold/" + s + "/16384", Attention, s, kDefault, 16384, kThreads, true, false);
     if (HasInt8QueryPath(s)) Reg("BM_decode_attention_cold_int8q/" + s + "/16384", Attention, s, kDefault, 16384, kThreads, true, true);
   }
-  for (int T : {4096, 16384}) {
-    for (int threads : {1, 2}) {
-      Reg("BM_token_layer_attention/" + std::to_string(T) + "/t" + std::to_string(threads), TokenLayer, "t0+fp16",
-          kDefault, T, threads, false, false);
+  for (const char* ids : {"uniform", "zipf"}) {
+    for (int T : {4096, 16384}) {
+      for (int threads : {1, 2}) {
+        Reg("BM_token_layer_attention/" + std::string(ids) + "/" + std::to_string(T) + "/t" + std::to_string(threads),
+            TokenLayer, ids, kDefault, T, threads, false, false);
+      }
     }
   }
   std::vector<std::string> geo_schemes = {"fp32", "fp16", "q4_0"};

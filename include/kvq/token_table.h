@@ -15,6 +15,8 @@
 #include <span>
 #include <vector>
 
+#include "kvq/tensor.h"
+
 namespace kvq {
 
 class TokenTable {
@@ -28,19 +30,21 @@ class TokenTable {
   int head_dim() const { return head_dim_; }
   int row() const { return n_kv_heads_ * head_dim_; }
   // fp16 rows of token id (no check: callers check 0 <= id < vocab).
-  const uint16_t* k(int id) const { return k_.data() + static_cast<size_t>(id) * static_cast<size_t>(row()); }
-  const uint16_t* v(int id) const { return v_.data() + static_cast<size_t>(id) * static_cast<size_t>(row()); }
-  // SHA-256 of the geometry and the fp16 rows: a saved cache's name for
+  // (Each id's K row and V row lie side by side: one gather reads both.)
+  const uint16_t* k(int id) const { return rows_.data_as<uint16_t>() + 2 * static_cast<size_t>(id) * Row(); }
+  const uint16_t* v(int id) const { return k(id) + Row(); }
+  // SHA-256 of the geometry and the fp16 rows (id by id, K then V): a saved cache's name for
   // the table it was written with.
   const std::array<uint8_t, 32>& digest() const { return digest_; }
   // The table's own bytes (the model's memory, not a cache's).
-  uint64_t bytes() const { return 2 * sizeof(uint16_t) * k_.size(); }
+  uint64_t bytes() const { return rows_.nbytes(); }
   // Bytes a cache takes per token id: 2 when every id fits 16 bits, else 4.
   int id_bytes() const { return vocab_ <= 65536 ? 2 : 4; }
 
  private:
+  size_t Row() const { return static_cast<size_t>(n_kv_heads_) * static_cast<size_t>(head_dim_); }
   int vocab_, n_kv_heads_, head_dim_;
-  std::vector<uint16_t> k_, v_;
+  Tensor rows_;  // (vocab, 2, row) fp16: K then V of each id (huge pages where the kernel offers them)
   std::array<uint8_t, 32> digest_{};
 };
 

@@ -3,10 +3,11 @@
 // every other layer in <scheme> (a row scheme, a grouped scheme or a
 // preset), whose backend it wraps with one layer fewer.
 //
-// Layer 0 is exact (the table's fp16 K before RoPE, rotated at read, and
+// Layer 0 is exact to fp16 (the table's fp16 K before RoPE, rotated at read, and
 // its fp16 V) and costs 2 bytes a token (4 past a 65,536-token
-// vocabulary). Attention gathers the layer's K and V as float32 rows, a
-// block at a time, and runs the fp32 row kernel on each (parts merged).
+// vocabulary). Attention gathers the layer's K (rotated, rounded to fp16:
+// an fp16 cache's numbers) and V as fp16 rows, a block at a time, and runs
+// the fp16 row kernel on each (parts merged).
 //
 // Saved tables: the table's digest (32 bytes), then the inner scheme's.
 // Saved state and ranges: the ids of the tokens (little-endian, 2 or 4
@@ -220,17 +221,27 @@ class TokenBackend final : public KvCacheBackend {
     }
     ids_ = std::move(ids);
   }
-  // Token t of layer 0 as attention reads it: K rotated to position t, V.
-  void Row(int64_t t, float* k, float* v) const {
+  // Token t of layer 0 as attention reads it, fp16 (an fp16 cache's
+  // numbers): the table's K rotated to position t in float32 and rounded,
+  // and its V. f: E floats of scratch.
+  void Row16(int64_t t, uint16_t* k, uint16_t* v, float* f) const {
     const int id = Id(t);
     const size_t E = static_cast<size_t>(H_) * static_cast<size_t>(D_);
-    f16_to_f32({table_->k(id), E}, {k, E});
-    f16_to_f32({table_->v(id), E}, {v, E});
-    rope_.apply(k, H_, static_cast<int>(t));
+    f16_to_f32({table_->k(id), E}, {f, E});
+    rope_.apply(f, H_, static_cast<int>(t));
+    f32_to_f16({f, E}, {k, E});
+    std::memcpy(v, table_->v(id), E * sizeof(uint16_t));
+  }
+  void Row(int64_t t, float* k, float* v) const {
+    const size_t E = static_cast<size_t>(H_) * static_cast<size_t>(D_);
+    std::vector<uint16_t> k16(E), v16(E);
+    Row16(t, k16.data(), v16.data(), k);
+    f16_to_f32(k16, {k, E});
+    f16_to_f32(v16, {v, E});
   }
   // Attention over tokens [begin, end) of layer 0: blocks of rows small
-  // enough to stay in this core's cache (about 1 MiB of K and V), each
-  // gathered from the table, rotated and attended by the fp32 kernel, the
+  // enough to stay in this core's cache (about 512 KiB of K and V), each
+  // gathered from the table, rotated and attended by the fp16 kernel, the
   // parts merged in block order (the same numbers for any thread count).
   AttentionPart Blocked(int64_t begin, int64_t end, std::span<const float> q, int n_heads,
                         const DecodeAttentionOptions& o) const {
@@ -257,21 +268,23 @@ class TokenBackend final : public KvCacheBackend {
     if (err) std::rethrow_exception(err);
     return n == 1 ? std::move(parts.front()) : merge_attention_parts(parts);
   }
-  // Tokens [begin, end) as whole float32 rows (this thread's scratch).
+  // Tokens [begin, end) as fp16 rows (this thread's scratch).
   KvRowsView Rows(int64_t begin, int64_t end) const {
     KVQ_CHECK_ARG(begin < end, "layer 0: no tokens to attend to");
     const size_t E = static_cast<size_t>(H_) * static_cast<size_t>(D_), n = static_cast<size_t>(end - begin);
-    thread_local std::vector<float> k, v;
+    thread_local std::vector<uint16_t> k, v;
+    thread_local std::vector<float> f;
     if (k.size() < n * E) k.resize(n * E), v.resize(n * E);
-    for (size_t i = 0; i < n; ++i) Row(begin + static_cast<int64_t>(i), k.data() + i * E, v.data() + i * E);
+    if (f.size() < E) f.resize(E);
+    for (size_t i = 0; i < n; ++i) Row16(begin + static_cast<int64_t>(i), k.data() + i * E, v.data() + i * E, f.data());
     KvRowsView rv;
-    rv.scheme = KvScheme::Fp32;
+    rv.scheme = KvScheme::Fp16;
     rv.n_kv_heads = H_;
     rv.head_dim = D_;
     rv.k = reinterpret_cast<const uint8_t*>(k.data());
     rv.v = reinterpret_cast<const uint8_t*>(v.data());
-    rv.slice_bytes = E * sizeof(float);
-    rv.slice_stride = n * E * sizeof(float);
+    rv.slice_bytes = E * sizeof(uint16_t);
+    rv.slice_stride = n * E * sizeof(uint16_t);
     rv.tokens = static_cast<int64_t>(n);
     return rv;
   }

@@ -18,24 +18,23 @@ TokenTable::TokenTable(int vocab, int n_kv_heads, int head_dim, std::span<const 
   const size_t n = static_cast<size_t>(vocab) * static_cast<size_t>(row());
   KVQ_CHECK_ARG(k.size() == n && v.size() == n, "token table: expected ", vocab, " rows of ", row(),
                 " values for K and V, got ", k.size(), " and ", v.size());
-  k_.resize(n);
-  v_.resize(n);
-  f32_to_f16(k, k_);
-  f32_to_f16(v, v_);
-  for (const std::vector<uint16_t>* x : {&k_, &v_}) {
-    for (size_t i = 0; i < n; ++i) {
-      KVQ_CHECK_ARG(std::isfinite(f16_to_f32_ref((*x)[i])), "token table: token ", i / static_cast<size_t>(row()),
-                    "'s ", x == &k_ ? "K" : "V", " holds a value not finite in fp16: ",
-                    (x == &k_ ? k : v)[i]);
+  rows_ = Tensor::Uninitialized({vocab, 2, row()}, DType::F16);
+  const size_t r = Row();
+  for (size_t id = 0; id < static_cast<size_t>(vocab); ++id) {
+    uint16_t* out = rows_.data_as<uint16_t>() + 2 * id * r;
+    f32_to_f16(k.subspan(id * r, r), {out, r});
+    f32_to_f16(v.subspan(id * r, r), {out + r, r});
+    for (size_t i = 0; i < 2 * r; ++i) {
+      KVQ_CHECK_ARG(std::isfinite(f16_to_f32_ref(out[i])), "token table: token ", id, "'s ", i < r ? "K" : "V",
+                    " holds a value not finite in fp16: ", i < r ? k[id * r + i] : v[id * r + i - r]);
     }
   }
   Sha256 h;
-  h.update("kvq token table 1", 17);
+  h.update("kvq token table 2", 17);
   h.u32(static_cast<uint32_t>(vocab));
   h.u32(static_cast<uint32_t>(n_kv_heads));
   h.u32(static_cast<uint32_t>(head_dim));
-  h.update(k_.data(), k_.size() * sizeof(uint16_t));
-  h.update(v_.data(), v_.size() * sizeof(uint16_t));
+  h.update(rows_.data(), rows_.nbytes());
   digest_ = h.final();
 }
 
