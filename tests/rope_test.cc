@@ -97,3 +97,36 @@ TEST(Rope, ConfigsCanonicalDescribedAndChecked) {
 
 }  // namespace
 }  // namespace kvq
+
+namespace kvq {
+namespace {
+
+// One table per rotation alive, the longest asked for: a shorter request
+// gets it, a longer one a new table with the same entries, and another
+// rotation its own.
+TEST(Rope, SharedTablesServeEveryLengthWithTheSameEntries) {
+  RopeConfig a;
+  a.theta = 5000.0f;
+  const auto t1 = shared_rope_table(100, 16, a);
+  EXPECT_EQ(shared_rope_table(50, 16, a), t1);
+  EXPECT_EQ(shared_rope_table(100, 16, a.canonical()), t1);
+  const auto t2 = shared_rope_table(300, 16, a);
+  EXPECT_NE(t2, t1);
+  EXPECT_GE(t2->max_seq(), 300);
+  EXPECT_EQ(shared_rope_table(120, 16, a), t2);
+  const RopeTable fresh(300, 16, a);
+  for (int pos : {0, 7, 99, 299}) {
+    for (int p = 0; p < 8; ++p) {
+      EXPECT_EQ(t2->cos(pos)[p], fresh.cos(pos)[p]);
+      EXPECT_EQ(t2->sin(pos)[p], fresh.sin(pos)[p]);
+    }
+  }
+  EXPECT_NE(shared_rope_table(100, 32, a), t2);  // another head size
+  RopeConfig b = a;
+  b.theta = 10000.0f;
+  EXPECT_NE(shared_rope_table(100, 16, b), t2);  // another rotation
+  EXPECT_EQ(t1.use_count(), 1);  // held by its callers only
+}
+
+}  // namespace
+}  // namespace kvq

@@ -482,7 +482,8 @@ def test_queue_503_disconnect_and_budget(slow_gguf):
     assert s.rc == 0
 
 
-@pytest.mark.parametrize("kv,admit", [("q8_0", "guaranteed"), ("kvq-4.5", "guaranteed"), ("kvq-4.5", "packed")])
+@pytest.mark.parametrize("kv,admit", [("q8_0", "guaranteed"), ("kvq-4.5", "guaranteed"), ("kvq-4.5", "packed"),
+                                     ("t0+kvq-4.5", "guaranteed")])
 def test_the_budget_holds_under_many_requests(kv, admit):
     """A budget that holds three sequences at their full length (512 tokens); twelve requests at once: every
     one completes, at most the budget is ever held (KvCache::bytes after every step), the rest waited.

@@ -150,6 +150,9 @@ TEST(TokenLayer, Layer0IsTheTableAndTheRestTheInnerScheme) {
     EXPECT_EQ(c.layer_bytes(0), 2u * 120u + 32u);
     EXPECT_EQ(c.layer_bytes(1), in.layer_bytes(0));
     EXPECT_EQ(c.bytes(), c.layer_bytes(0) + c.layer_bytes(1));
+    // Resident: the inner scheme's and the ids (the RoPE and token tables
+    // are shared, not per cache).
+    EXPECT_LE(c.allocated_bytes(), in.allocated_bytes() + 4 * 2 * 120 + 32);
     EXPECT_LE(kv_scheme_layer_bytes("t0+" + inner, 120, kH, kD), static_cast<double>(c.layer_bytes(1)));
     if (c.any_length()) {  // a row inner scheme: parts as the fp16 kernel's
       const AttentionPart p = c.attend_part(0, q, 4, 10, 50), want = f16.attend_part(0, q, 4, 10, 50);

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -52,6 +53,12 @@ class RopeTable {
   RopeConfig config_;
   std::vector<float> cos_, sin_;  // (max_seq, head_dim / 2)
 };
+
+// A RopeTable of at least max_seq positions for head_dim and rope, shared
+// by every caller alive that asks for the same rotation (a position's
+// entries do not depend on the table's length: one covering the longest
+// request serves all). Held only while a caller holds it. Thread-safe.
+std::shared_ptr<const RopeTable> shared_rope_table(int max_seq, int head_dim, const RopeConfig& rope);
 
 // The rotation at one position: x' = R(pos) x for n_heads heads, or x' =
 // R(pos)^T x (transpose = true), with cos / sin per pair.

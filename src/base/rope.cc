@@ -2,6 +2,7 @@
 #include "kvq/rope.h"
 
 #include <cmath>
+#include <mutex>
 #include <sstream>
 
 #include "kvq/error.h"
@@ -91,6 +92,25 @@ RopeTable::RopeTable(int max_seq, int head_dim, const RopeConfig& rope)
       sin_[static_cast<size_t>(pos) * P + p] = std::sin(val);
     }
   }
+}
+
+std::shared_ptr<const RopeTable> shared_rope_table(int max_seq, int head_dim, const RopeConfig& rope) {
+  static std::mutex mu;
+  static std::vector<std::weak_ptr<const RopeTable>> held;  // one per rotation alive, the longest
+  std::lock_guard<std::mutex> lock(mu);
+  const RopeConfig want = rope.canonical();
+  for (std::weak_ptr<const RopeTable>& w : held) {
+    std::shared_ptr<const RopeTable> t = w.lock();
+    if (!t || t->head_dim() != head_dim || !(t->config().canonical() == want)) continue;
+    if (t->max_seq() >= max_seq) return t;
+    auto longer = std::make_shared<const RopeTable>(max_seq, head_dim, want);
+    w = longer;  // the shorter one lives on with its holders
+    return longer;
+  }
+  std::erase_if(held, [](const std::weak_ptr<const RopeTable>& w) { return w.expired(); });
+  auto t = std::make_shared<const RopeTable>(max_seq, head_dim, want);
+  held.push_back(t);
+  return t;
 }
 
 void rope_rotate(float* x, int n_heads, int head_dim, const float* c, const float* s, bool transpose) {

@@ -83,15 +83,14 @@ class TokenBackend final : public KvCacheBackend {
   TokenBackend(const KvCacheGeometry& g, std::unique_ptr<KvCacheBackend> inner)
       : table_(g.token_table),
         inner_(std::move(inner)),
-        rope_(g.max_seq, g.head_dim, g.rope),
+        rope_(shared_rope_table(g.max_seq, g.head_dim, g.rope)),
         H_(g.n_kv_heads),
         D_(g.head_dim),
         max_seq_(g.max_seq),
         w_(table_->id_bytes()) {}
 
   std::unique_ptr<KvCacheBackend> copy() const override {
-    auto b = std::unique_ptr<TokenBackend>(new TokenBackend(*this, inner_->copy()));
-    return b;
+    return std::unique_ptr<TokenBackend>(new TokenBackend(*this, inner_->copy()));
   }
   void write(int layer, int pos, std::span<const float> k, std::span<const float> v, int token) override {
     if (layer != 0) return inner_->write(layer - 1, pos, k, v, token);
@@ -102,11 +101,9 @@ class TokenBackend final : public KvCacheBackend {
                   "the id of the token written (0..", table_->vocab() - 1, "), got ", token);
     KVQ_CHECK_ARG(pos >= 0 && pos <= n_ && pos < max_seq_, "pos: a layer is written in order: expected 0..",
                   std::min<int64_t>(n_, max_seq_ - 1), ", got ", pos);
-    const size_t at = static_cast<size_t>(pos) * static_cast<size_t>(w_);
-    if (ids_.size() < at + static_cast<size_t>(w_)) ids_.resize(at + static_cast<size_t>(w_));
-    PutId(ids_.data() + at, static_cast<uint32_t>(token));
-    n_ = pos + 1;
+    n_ = pos + 1;  // a rewritten position drops the ones after it
     ids_.resize(static_cast<size_t>(n_) * static_cast<size_t>(w_));
+    PutId(ids_.data() + static_cast<size_t>(pos) * static_cast<size_t>(w_), static_cast<uint32_t>(token));
   }
   int64_t written(int layer) const override { return layer == 0 ? n_ : inner_->written(layer - 1); }
   void read(int layer, int64_t pos, std::span<float> k, std::span<float> v) const override {
@@ -139,8 +136,7 @@ class TokenBackend final : public KvCacheBackend {
     return static_cast<uint64_t>(Checked(T)) * static_cast<uint64_t>(w_) + 32;
   }
   uint64_t allocated_bytes() const override {
-    return ids_.capacity() + 32 + inner_->allocated_bytes() +
-           sizeof(float) * static_cast<uint64_t>(max_seq_) * static_cast<uint64_t>(D_);  // the RoPE table
+    return ids_.capacity() + 32 + inner_->allocated_bytes();  // the RoPE and token tables are shared
   }
   bool any_length() const override { return inner_->any_length(); }
   KvRangeAlignment range_alignment() const override { return inner_->range_alignment(); }
@@ -198,28 +194,25 @@ class TokenBackend final : public KvCacheBackend {
   void PutId(uint8_t* p, uint32_t id) const {
     for (int b = 0; b < w_; ++b) p[b] = static_cast<uint8_t>(id >> (8 * b));
   }
-  int Id(int64_t t) const {
+  uint32_t RawId(int64_t t) const {
     const uint8_t* p = ids_.data() + static_cast<size_t>(t) * static_cast<size_t>(w_);
     uint32_t id = 0;
     for (int b = 0; b < w_; ++b) id |= static_cast<uint32_t>(p[b]) << (8 * b);
-    return static_cast<int>(id);
+    return id;
   }
-  // Ids of tokens [at, at + bytes / w) from saved bytes, each checked.
+  int Id(int64_t t) const { return static_cast<int>(RawId(t)); }  // checked on write and on load
+  // Appends the saved ids of tokens [at, at + bytes / w) to the ones held
+  // before `at`, each checked against the table (a refused load leaves a
+  // backend its caller discards: restores build a new one).
   void LoadIds(std::span<const uint8_t> bytes, int64_t at) {
-    const size_t n = bytes.size() / static_cast<size_t>(w_);
-    std::vector<uint8_t> ids(ids_.begin(), ids_.begin() + static_cast<std::ptrdiff_t>(std::min<size_t>(
-                                                              ids_.size(), static_cast<size_t>(at) * w_)));
-    ids.resize(static_cast<size_t>(at) * static_cast<size_t>(w_), 0);
-    ids.insert(ids.end(), bytes.begin(), bytes.end());
-    for (size_t i = 0; i < n; ++i) {
-      uint32_t id = 0;
-      for (int b = 0; b < w_; ++b) id |= static_cast<uint32_t>(bytes[i * static_cast<size_t>(w_) + b]) << (8 * b);
-      if (id >= static_cast<uint32_t>(table_->vocab())) {
-        Fail("cache state: token ", at + static_cast<int64_t>(i), " of layer 0 has id ", id, ", outside the ",
-             table_->vocab(), "-token table");
+    ids_.resize(static_cast<size_t>(at) * static_cast<size_t>(w_));
+    ids_.insert(ids_.end(), bytes.begin(), bytes.end());
+    for (int64_t t = at; t < at + static_cast<int64_t>(bytes.size() / static_cast<size_t>(w_)); ++t) {
+      if (RawId(t) >= static_cast<uint32_t>(table_->vocab())) {
+        Fail("cache state: token ", t, " of layer 0 has id ", RawId(t), ", outside the ", table_->vocab(),
+             "-token table");
       }
     }
-    ids_ = std::move(ids);
   }
   // Token t of layer 0 as attention reads it, fp16 (an fp16 cache's
   // numbers): the table's K rotated to position t in float32 and rounded,
@@ -228,7 +221,7 @@ class TokenBackend final : public KvCacheBackend {
     const int id = Id(t);
     const size_t E = static_cast<size_t>(H_) * static_cast<size_t>(D_);
     f16_to_f32({table_->k(id), E}, {f, E});
-    rope_.apply(f, H_, static_cast<int>(t));
+    rope_->apply(f, H_, static_cast<int>(t));
     f32_to_f16({f, E}, {k, E});
     std::memcpy(v, table_->v(id), E * sizeof(uint16_t));
   }
@@ -291,7 +284,7 @@ class TokenBackend final : public KvCacheBackend {
 
   std::shared_ptr<const TokenTable> table_;
   std::unique_ptr<KvCacheBackend> inner_;
-  RopeTable rope_;
+  std::shared_ptr<const RopeTable> rope_;  // shared by every cache of this rotation (rope.h)
   int H_, D_, max_seq_, w_;
   std::vector<uint8_t> ids_;  // layer 0: w_ bytes a token
   int64_t n_ = 0;             // tokens written to layer 0
@@ -337,7 +330,7 @@ double LeastLayerBytes(const KvSchemeInfo& info, const KvCacheGeometry& g, int64
 double CapacityBytes(const KvSchemeInfo& info, const KvCacheGeometry& g) {
   const KvSchemeInfo& in = Inner(info);
   return FamilyNamed(in.family).capacity_bytes(in, InnerGeometry(g)) +
-         static_cast<double>(g.max_seq) * (4.0 + sizeof(float) * g.head_dim);
+         4.0 * static_cast<double>(g.max_seq);  // ids
 }
 
 }  // namespace
