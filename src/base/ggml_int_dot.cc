@@ -336,11 +336,21 @@ HWY_INLINE __m256i Load32(const uint8_t* p) { return _mm256_loadu_si256(reinterp
 // one AVX-512 VNNI instruction each on AVX3_DL (vpdpwssd, vpdpbusd; no
 // intermediate saturation, which no value here reaches), two or three on
 // AVX2 / AVX3. Highway 1.0.3's AVX3_DL target string lacks avx512vnni
-// (every AVX3_DL CPU has it): the functions that use it add it.
+// (every AVX3_DL CPU has it): the functions that use it add it. That string
+// names avxvnni instead, so GCC encodes the 256-bit intrinsics with VEX
+// (AVX-VNNI: Alder Lake, Sapphire Rapids, Zen 5), an illegal instruction on
+// Ice Lake and Zen 4, which have AVX-512 VNNI only: the EVEX forms are
+// written out here (tests/no_vex_vnni.sh checks the binaries for VEX ones).
 #if HWY_TARGET == HWY_AVX3_DL
 #define KVQ_VNNI __attribute__((target("avx512vnni")))
-KVQ_VNNI HWY_INLINE __m256i MulAddPairs(__m256i acc, __m256i a, __m256i b) { return _mm256_dpwssd_epi32(acc, a, b); }
-KVQ_VNNI HWY_INLINE __m256i AddQuads(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+KVQ_VNNI HWY_INLINE __m256i MulAddPairs(__m256i acc, __m256i a, __m256i b) {
+  __asm__("%{evex%} vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+KVQ_VNNI HWY_INLINE __m256i AddQuads(__m256i acc, __m256i u, __m256i s) {
+  __asm__("%{evex%} vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+  return acc;
+}
 #else
 #define KVQ_VNNI
 HWY_INLINE __m256i MulAddPairs(__m256i acc, __m256i a, __m256i b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
