@@ -468,6 +468,28 @@ const ScaleMasks kMasks;
 
 HWY_INLINE __m256i Mask(const uint8_t* m) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(m)); }
 
+// Independent int32 accumulators per activation row in the K-quant kernels.
+// On AVX3_DL each product is added by vpdpwssd into its accumulator, a chain
+// of 8 a super-block at 4-5 cycles each: with one row (decode) the chain, not
+// the loads or the multiplies, set the speed. Integer sums are exact in any
+// order, so splitting them changes no bit. With R rows the R chains already
+// overlap; AVX2 adds with a 1-cycle vpaddd.
+template <int R>
+constexpr int Chains() {
+#if HWY_TARGET == HWY_AVX3_DL
+  return R == 1 ? 4 : (R <= 3 ? 2 : 1);
+#else
+  return R == 1 ? 2 : 1;
+#endif
+}
+
+template <int R, int S>
+HWY_INLINE __m256i SumChains(const __m256i (&acc)[R][S], int r) {
+  __m256i a = acc[r][0];
+  for (int s = 1; s < S; ++s) a = _mm256_add_epi32(a, acc[r][s]);
+  return a;
+}
+
 template <bool kQ5, int R>
 KVQ_VNNI void Avx2Q45_K(const uint8_t* w, const uint8_t* const* ys, const float* const*, size_t nb, float* out) {
   const size_t bytes = kQ5 ? 176 : 144;
@@ -480,8 +502,11 @@ KVQ_VNNI void Avx2Q45_K(const uint8_t* w, const uint8_t* const* ys, const float*
     const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
     const uint8_t* q = kQ5 ? w + 48 : w + 16;
     const __m256i qh = kQ5 ? Load32(w + 16) : _mm256_setzero_si256();
-    __m256i acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
+    constexpr int S = Chains<R>();
+    __m256i acc[R][S];
+    for (int r = 0; r < R; ++r) {
+      for (int s = 0; s < S; ++s) acc[r][s] = _mm256_setzero_si256();
+    }
     for (int j = 0; j < 4; ++j) {
       const __m256i c = Load32(q + 32 * j);
       __m256i lo = _mm256_and_si256(c, m4), hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), m4);
@@ -494,8 +519,10 @@ KVQ_VNNI void Avx2Q45_K(const uint8_t* w, const uint8_t* const* ys, const float*
       const __m256i shi = _mm256_shuffle_epi8(scales, Mask(kMasks.k4[2 * j + 1]));
       for (int r = 0; r < R; ++r) {
         const uint8_t* x = ys[r] + b * idot::kQ8_KBytes + 4;
-        acc[r] = MulAddPairs(acc[r], _mm256_maddubs_epi16(lo, Load32(x + 64 * j)), slo);
-        acc[r] = MulAddPairs(acc[r], _mm256_maddubs_epi16(hi, Load32(x + 64 * j + 32)), shi);
+        __m256i& alo = acc[r][(2 * j) % S];
+        __m256i& ahi = acc[r][(2 * j + 1) % S];
+        alo = MulAddPairs(alo, _mm256_maddubs_epi16(lo, Load32(x + 64 * j)), slo);
+        ahi = MulAddPairs(ahi, _mm256_maddubs_epi16(hi, Load32(x + 64 * j + 32)), shi);
       }
     }
     const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn));
@@ -506,7 +533,7 @@ KVQ_VNNI void Avx2Q45_K(const uint8_t* w, const uint8_t* const* ys, const float*
       const __m256i summ = _mm256_madd_epi16(Load32(y + 260), mins);
       const __m256 yd = _mm256_broadcast_ss(reinterpret_cast<const float*>(y));
       const __m256 d = _mm256_mul_ps(hd, yd), dmin = _mm256_mul_ps(hdmin, yd);
-      accf[r] = _mm256_add_ps(accf[r], _mm256_sub_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(acc[r])),
+      accf[r] = _mm256_add_ps(accf[r], _mm256_sub_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(SumChains(acc, r))),
                                                      _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(summ))));
     }
   }
@@ -519,8 +546,11 @@ KVQ_VNNI void Avx2Q6_K(const uint8_t* w, const uint8_t* const* ys, const float* 
   __m256 accf[R];
   for (int r = 0; r < R; ++r) accf[r] = _mm256_setzero_ps();
   for (size_t b = 0; b < nb; ++b, w += 210) {
-    __m256i acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
+    constexpr int S = Chains<R>();
+    __m256i acc[R][S];
+    for (int r = 0; r < R; ++r) {
+      for (int s = 0; s < S; ++s) acc[r][s] = _mm256_setzero_si256();
+    }
     for (int n = 0; n < 2; ++n) {
       const uint8_t* ql = w + 64 * n;
       const __m256i scales =
@@ -538,7 +568,8 @@ KVQ_VNNI void Avx2Q6_K(const uint8_t* w, const uint8_t* const* ys, const float* 
         const __m256i sv = _mm256_shuffle_epi8(scales, Mask(kMasks.k6[s]));
         for (int r = 0; r < R; ++r) {
           const uint8_t* x = ys[r] + b * idot::kQ8_KBytes + 4 + 128 * n + 32 * s;
-          acc[r] = MulAddPairs(acc[r], _mm256_maddubs_epi16(c[s], Load32(x)), sv);
+          __m256i& a = acc[r][(4 * n + s) % S];
+          a = MulAddPairs(a, _mm256_maddubs_epi16(c[s], Load32(x)), sv);
         }
       }
     }
@@ -548,7 +579,7 @@ KVQ_VNNI void Avx2Q6_K(const uint8_t* w, const uint8_t* const* ys, const float* 
     for (int r = 0; r < R; ++r) {
       const uint8_t* y = ys[r] + b * idot::kQ8_KBytes;
       const __m256i corr = _mm256_madd_epi16(Load32(y + 260), all);
-      const __m256i isum = _mm256_sub_epi32(acc[r], _mm256_slli_epi32(corr, 5));
+      const __m256i isum = _mm256_sub_epi32(SumChains(acc, r), _mm256_slli_epi32(corr, 5));
       const __m256 d = _mm256_mul_ps(hd, _mm256_broadcast_ss(reinterpret_cast<const float*>(y)));
       accf[r] = _mm256_add_ps(accf[r], _mm256_mul_ps(d, _mm256_cvtepi32_ps(isum)));
     }
