@@ -2,7 +2,8 @@
 // sequence evaluates the prompt (token ids) and then runs greedily for N tokens. The first token comes
 // out after the prompt's prefill (its logits are the prompt's last position's), each later one after
 // one decode step, so prefill seconds = time to the first token, decode seconds = the rest.
-// Prints {"prefill_seconds", "decode_seconds", "prompt", "generated", "ids"}.
+// Prints {"prefill_seconds", "decode_seconds", "prompt", "generated", "ids", "cpu_variant"} (the
+// libggml-cpu-*.so ggml loaded, read from /proc/self/maps).
 // Usage: node llama_cpp_decode.mjs MODEL PROMPT.json N KV_TYPE THREADS
 import {getLlama} from "node-llama-cpp";
 import fs from "node:fs";
@@ -25,5 +26,7 @@ for await (const t of seq.evaluate(prompt, {temperature: 0})) {
   if (ids.length >= N) break;
 }
 const end = performance.now();
+const maps = fs.existsSync("/proc/self/maps") ? fs.readFileSync("/proc/self/maps", "utf8") : "";
+const variant = [...new Set([...maps.matchAll(/libggml-cpu-([\w-]+)\.so/g)].map((m) => m[1]))].join(",");
 console.log(JSON.stringify({prefill_seconds: (first - t0) / 1000, decode_seconds: (end - first) / 1000,
-                            prompt: prompt.length, generated: ids.length, ids}));
+                            prompt: prompt.length, generated: ids.length, ids, cpu_variant: variant}));

@@ -198,6 +198,15 @@ def test_the_decode_script_runs_both_engines_on_a_quantized_file(llama, tmp_path
     for x in rows:
         assert x["prefill_tok_s"] > 0 and x["decode_tok_s"] > 0 and x["R"] > 0, x
     assert "| q4km.gguf | 1 | kvq int8 |" in r.stdout, r.stdout
+    # --avx2: llama.cpp's loaded CPU variant is haswell (the script exits otherwise), kvq runs KVQ_TARGETS=AVX2.
+    r = subprocess.run([sys.executable, str(root / "scripts" / "llama_cpp_decode.py"), "--model", str(q), "--avx2",
+                        "--weight-dot", "int8", "--prompt-tokens", "32", "--max-tokens", "8", "--reps", "1", "--kvq",
+                        str(exe), "--bench", str(bench), "--oracles", str(ORACLES), "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert [x["engine"] for x in rows] == ["llama.cpp", "kvq int8"] and all(x["avx2_only"] for x in rows), rows
+    assert "both engines held to AVX2" in r.stdout, r.stdout
 
 
 def test_generate_defaults_to_the_integer_path_and_says_so(llama, tmp_path):
