@@ -269,7 +269,11 @@ uint64_t Engine::CachedBytes() const {
 }
 
 void Engine::Loop() {
-  if (o_.threads > 0) omp_set_num_threads(o_.threads);  // this thread's OpenMP teams
+  // This thread's OpenMP teams, and the BLAS's (process-wide): OpenBLAS's
+  // own default is every core, and after each sgemm (a prompt's prefill) its
+  // idle workers spin on sched_yield for a while, taking the core the HTTP
+  // threads and the client need (at one sequence, a third of the time).
+  if (o_.threads > 0) omp_set_num_threads(o_.threads), model::set_blas_threads(o_.threads);
   for (;;) {
     {
       std::unique_lock lk(mu_);
