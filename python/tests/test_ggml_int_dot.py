@@ -4,7 +4,7 @@ llama.cpp's own (llama_cpp_lib.GgmlCpu: node-llama-cpp 3.21.1's libggml-cpu vari
 - The activation: byte for byte what ggml's quantize_row_q8_0_ref / q8_1_ref / q8_K_ref write.
 - The dot product, on ggml's own activation bytes, rows ggml's quantizer wrote and rows of random bytes:
   - bit for bit ggml's generic C (the x64 variant, built without FMA) for every type where kvq scales each
-    block's integer sum as ggml's generic code does (Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, IQ4_XS; Q4_0, Q8_0,
+    block's integer sum as ggml's generic code does (Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, IQ4_XS; Q4_0,
     Q4_K, Q5_K and Q6_K sum in 8 lanes, the kernels' int32 lanes; Q3_K scales each block's total once);
   - for every type, within 2 gamma_k B of ggml's generic and of each SIMD variant this CPU runs, where B
     bounds the absolute value of every float term either side adds (sum_j (|w_j| + 2 |m_j|) |x^_j|, m_j
@@ -21,7 +21,7 @@ from llama_cpp_lib import ACTIVATION, TYPES, GgmlCpu, Llama
 
 QUANTIZED = [t for t in TYPES if t not in ("F32", "F16", "BF16")]
 # kvq scales each block's integer sum as ggml's generic dot does for these (the same expression).
-PER_BLOCK = {"Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "IQ4_XS"}
+PER_BLOCK = {"Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_K", "IQ4_XS"}
 # Byte ranges of a block's codes (zeroed to read its min part), for the types with a min.
 # The fp16 scale fields of a block (ggml-common.h).
 SCALES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "IQ4_NL": (0,),

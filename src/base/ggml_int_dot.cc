@@ -62,25 +62,40 @@ inline const int8_t* S8(const uint8_t* p) { return reinterpret_cast<const int8_t
 // The 8 float lanes of Q4_0, Q8_0 and the K-quants added at a row's end.
 inline float Reduce8(const float* a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
 
-// Q4_0 and Q8_0 sum in 8 lanes, as the x86 kernels' int32 lanes do: lane k
-// of a block holds its values 4k..4k+3 (exactly); each block adds the lane's
+// Q4_0 sums in 8 lanes, as the x86 kernels' int32 lanes do: lane k of a
+// block holds its values 4k..4k+3 (exactly); each block adds the lane's
 // total times dw dy into a float lane; Reduce8 at the row's end.
-template <bool kQ4>
-float RefQ4_0Q8_0(const uint8_t* w, const uint8_t* y, size_t nb) {
+float RefQ4_0(const uint8_t* w, const uint8_t* y, size_t nb) {
   float acc[8] = {};
-  for (size_t b = 0; b < nb; ++b, w += kQ4 ? 18 : 34, y += kQ8_0Bytes) {
+  for (size_t b = 0; b < nb; ++b, w += 18, y += kQ8_0Bytes) {
     const int8_t* q8 = S8(y + 2);
     const float d = Half(w) * Half(y);
     for (int k = 0; k < 8; ++k) {
       int t = 0;
       for (int e = 4 * k; e < 4 * k + 4; ++e) {
-        const int code = kQ4 ? (e < 16 ? (w[2 + e] & 0x0F) : (w[2 + e - 16] >> 4)) - 8 : S8(w + 2)[e];
+        const int code = (e < 16 ? (w[2 + e] & 0x0F) : (w[2 + e - 16] >> 4)) - 8;
         t += code * q8[e];
       }
       acc[k] += static_cast<float>(t) * d;
     }
   }
   return Reduce8(acc);
+}
+
+// Q8_0 as ggml's generic dot: a block's exact integer total times the two
+// scales' product, added into one float in block order. The x86 kernel puts
+// 8 weight rows in a vector's lanes (so that one float update serves 8
+// rows); each lane follows this order.
+float RefQ8_0(const uint8_t* w, const uint8_t* y, size_t nb) {
+  float sumf = 0;
+  for (size_t b = 0; b < nb; ++b, w += 34, y += kQ8_0Bytes) {
+    const int8_t* qw = S8(w + 2);
+    const int8_t* q8 = S8(y + 2);
+    int sumi = 0;
+    for (int j = 0; j < kQK; ++j) sumi += qw[j] * q8[j];
+    sumf += static_cast<float>(sumi) * (Half(w) * Half(y));
+  }
+  return sumf;
 }
 
 float RefQ4_1(const uint8_t* w, const uint8_t* y, size_t nb) {
@@ -285,11 +300,11 @@ float RefIQ4_XS(const uint8_t* w, const uint8_t* y, size_t nb) {
 using RefFn = float (*)(const uint8_t*, const uint8_t*, size_t);
 inline RefFn Ref(uint32_t type) {
   switch (static_cast<WeightType>(type)) {
-    case WeightType::kQ4_0: return RefQ4_0Q8_0<true>;
+    case WeightType::kQ4_0: return RefQ4_0;
     case WeightType::kQ4_1: return RefQ4_1;
     case WeightType::kQ5_0: return RefQ5_0;
     case WeightType::kQ5_1: return RefQ5_1;
-    case WeightType::kQ8_0: return RefQ4_0Q8_0<false>;
+    case WeightType::kQ8_0: return RefQ8_0;
     case WeightType::kIQ4_NL: return RefIQ4_NL;
     case WeightType::kQ2_K: return RefQ2_K;
     case WeightType::kQ3_K: return RefQ3_K;
@@ -404,26 +419,20 @@ KVQ_VNNI HWY_INLINE __m256i DotBlock(__m256i aw, __m256i wv, const uint8_t* x) {
   return AddQuads(_mm256_setzero_si256(), aw, _mm256_sign_epi8(Load32(x), wv));
 }
 
-// The 32-value types with a Q8_0 activation: Q8_0's codes, Q4_0's (nibble -
-// 8) as int8, in the reference's lanes (int32 lane k: values 4k..4k+3). R
-// activation rows share each weight block's decoding; dys[r][b] is row r's
-// block-b scale as float (the kernel's caller converts them once). Row r's
-// result goes to out[r], the same bits as a call with that row alone.
-template <bool kQ4, int R>
-KVQ_VNNI void Avx2Q4_0Q8_0(const uint8_t* w, const uint8_t* const* ys, const float* const* dys, size_t nb,
-                           float* out) {
-  constexpr size_t kW = kQ4 ? 18 : 34, kY = idot::kQ8_0Bytes;
+// Q4_0 with its Q8_0 activation: the codes (nibble - 8) as int8, in the
+// reference's lanes (int32 lane k: values 4k..4k+3). R activation rows share
+// each weight block's decoding; dys[r][b] is row r's block-b scale as float
+// (the kernel's caller converts them once). Row r's result goes to out[r],
+// the same bits as a call with that row alone.
+template <int R>
+KVQ_VNNI void Avx2Q4_0(const uint8_t* w, const uint8_t* const* ys, const float* const* dys, size_t nb, float* out) {
+  constexpr size_t kW = 18, kY = idot::kQ8_0Bytes;
   const __m256i m4 = _mm256_set1_epi8(0x0F), k8 = _mm256_set1_epi8(8);
   __m256 accf[R];
   for (int r = 0; r < R; ++r) accf[r] = _mm256_setzero_ps();
   for (size_t b = 0; b < nb; ++b, w += kW) {
-    __m256i wv;
-    if (kQ4) {
-      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2));
-      wv = _mm256_sub_epi8(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4), k8);
-    } else {
-      wv = Load32(w + 2);
-    }
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2));
+    const __m256i wv = _mm256_sub_epi8(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4), k8);
     const __m256i aw = _mm256_sign_epi8(wv, wv);
     const __m256 hw = _mm256_set1_ps(Half(w));
     for (int r = 0; r < R; ++r) {
@@ -433,6 +442,175 @@ KVQ_VNNI void Avx2Q4_0Q8_0(const uint8_t* w, const uint8_t* const* ys, const flo
     }
   }
   for (int r = 0; r < R; ++r) out[r] = Reduce8(accf[r]);
+}
+
+// Independent int32 accumulators per activation row in the K-quant and
+// Q8_0 kernels.
+// On AVX3_DL each product is added by vpdpwssd into its accumulator, a chain
+// of 8 a super-block at 4-5 cycles each: with one row (decode) the chain, not
+// the loads or the multiplies, set the speed. Integer sums are exact in any
+// order, so splitting them changes no bit. With R rows the R chains already
+// overlap; AVX2 adds with a 1-cycle vpaddd.
+template <int R>
+constexpr int Chains() {
+#if HWY_TARGET == HWY_AVX3_DL
+  return R == 1 ? 4 : (R <= 3 ? 2 : 1);
+#else
+  return R == 1 ? 2 : 1;
+#endif
+}
+
+template <int R, int S>
+HWY_INLINE __m256i SumChains(const __m256i (&acc)[R][S], int r) {
+  __m256i a = acc[r][0];
+  for (int s = 1; s < S; ++s) a = _mm256_add_epi32(a, acc[r][s]);
+  return a;
+}
+
+// The 8 rows' fp16 scales of a block as floats (a vector built from scalar
+// loads: scalar stores read back as a vector would stall).
+HWY_INLINE __m256 Scales8(const uint8_t* p, size_t stride) {
+  uint16_t h[8];
+  for (int k = 0; k < 8; ++k) std::memcpy(h + k, p + static_cast<size_t>(k) * stride, 2);
+  return _mm256_cvtph_ps(_mm_setr_epi16(static_cast<short>(h[0]), static_cast<short>(h[1]), static_cast<short>(h[2]),
+                                        static_cast<short>(h[3]), static_cast<short>(h[4]), static_cast<short>(h[5]),
+                                        static_cast<short>(h[6]), static_cast<short>(h[7])));
+}
+
+// Q8_0 over 8 weight rows at once, a row in each int32 lane: the 8 rows'
+// codes of a block transposed in 4-byte units (t[g], lane k: row k's codes
+// 4g..4g+3), each 4 activation bytes broadcast, so that 8 multiply-adds give
+// the 8 rows' exact block totals in one vector and one float update serves
+// the 8 rows (the per-lane layout would convert, scale and add 8 lanes per
+// row and block). Each lane follows RefQ8_0's order: total times (dw dy),
+// added in block order. AVX3_DL multiplies the codes + 128 (unsigned) and
+// takes 128 times the activation block's sum (xs) off; AVX2 / AVX3 take
+// |code| and the activation's bytes signed by the code (pmaddubsw's pairs
+// stay below 2^15). Out: out[8 r + k] for activation row r, weight row k.
+HWY_INLINE void Transpose8x32(__m256i (&c)[8]) {
+  __m256i t[8], u[8];
+  for (int k = 0; k < 8; k += 2) {
+    t[k] = _mm256_unpacklo_epi32(c[k], c[k + 1]);
+    t[k + 1] = _mm256_unpackhi_epi32(c[k], c[k + 1]);
+  }
+  for (int k = 0; k < 8; k += 4) {
+    u[k] = _mm256_unpacklo_epi64(t[k], t[k + 2]);
+    u[k + 1] = _mm256_unpackhi_epi64(t[k], t[k + 2]);
+    u[k + 2] = _mm256_unpacklo_epi64(t[k + 1], t[k + 3]);
+    u[k + 3] = _mm256_unpackhi_epi64(t[k + 1], t[k + 3]);
+  }
+  for (int g = 0; g < 4; ++g) {
+    c[g] = _mm256_permute2x128_si256(u[g], u[g + 4], 0x20);
+    c[g + 4] = _mm256_permute2x128_si256(u[g], u[g + 4], 0x31);
+  }
+}
+
+template <int R>
+KVQ_VNNI void Avx2Q8_0Rows8(const uint8_t* w, size_t rb, const uint8_t* const* ys, const float* const* dys,
+                            const int32_t* const* xs, size_t nb, float* out) {
+  constexpr size_t kW = 34, kY = idot::kQ8_0Bytes;
+  __m256 accf[R];
+  for (int r = 0; r < R; ++r) accf[r] = _mm256_setzero_ps();
+  for (size_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = w + b * kW;
+    __m256i t[8];
+    for (int k = 0; k < 8; ++k) {
+      // 8 rows read side by side: the prefetchers follow them late, so each
+      // row's bytes 16 blocks ahead are asked for here.
+      _mm_prefetch(reinterpret_cast<const char*>(wb + static_cast<size_t>(k) * rb + 16 * kW), _MM_HINT_T0);
+      t[k] = Load32(wb + static_cast<size_t>(k) * rb + 2);
+    }
+    Transpose8x32(t);
+    const __m256 dw = Scales8(wb, rb);
+#if HWY_TARGET == HWY_AVX3_DL
+    __m256i u[8];
+    for (int g = 0; g < 8; ++g) u[g] = _mm256_xor_si256(t[g], _mm256_set1_epi8(static_cast<char>(0x80)));
+#else
+    __m256i u[8];
+    for (int g = 0; g < 8; ++g) u[g] = _mm256_sign_epi8(t[g], t[g]);
+#endif
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* x = ys[r] + b * kY + 2;
+      constexpr int S = Chains<R>();  // independent int32 chains (exact in any order)
+      __m256i a[S];
+      for (int c = 0; c < S; ++c) a[c] = _mm256_setzero_si256();
+      for (int g = 0; g < 8; ++g) {
+        int32_t q;
+        std::memcpy(&q, x + 4 * g, 4);
+        const __m256i xb = _mm256_set1_epi32(q);
+#if HWY_TARGET == HWY_AVX3_DL
+        a[g % S] = AddQuads(a[g % S], u[g], xb);
+#else
+        a[g % S] = AddQuads(a[g % S], u[g], _mm256_sign_epi8(xb, t[g]));
+#endif
+      }
+      __m256i acc = a[0];
+      for (int c = 1; c < S; ++c) acc = _mm256_add_epi32(acc, a[c]);
+#if HWY_TARGET == HWY_AVX3_DL
+      acc = _mm256_sub_epi32(acc, _mm256_set1_epi32(128 * xs[r][b]));
+#else
+      (void)xs;
+#endif
+      const __m256 d = _mm256_mul_ps(dw, _mm256_set1_ps(dys[r][b]));
+      accf[r] = _mm256_add_ps(accf[r], _mm256_mul_ps(_mm256_cvtepi32_ps(acc), d));
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + 8 * r, accf[r]);
+}
+#define KVQ_INT_DOT_Q8_0_ROWS8 1
+
+// Q8_0 for NW weight rows (rb bytes apart) against R <= 2 activation rows
+// (decode): each row read in one stream (Avx2Q8_0Rows8's 8 rows side by side
+// read at 0.6 x this rate from DRAM), 8 blocks at a time: each block's 8
+// lanes summed to its total by a hadd tree, the 8 totals times (dw dy) in one
+// vector, then added into the row's float in block order: RefQ8_0's order,
+// its bits. That order is a chain of float adds; two weight rows (NW = 2)
+// run two chains. Out: out[R n + r].
+template <int NW, int R>
+KVQ_VNNI void Avx2Q8_0Row(const uint8_t* w, size_t rb, const uint8_t* const* ys, const float* const* dys, size_t nb,
+                          float* out) {
+  constexpr size_t kW = 34, kY = idot::kQ8_0Bytes;
+  float sumf[NW][R] = {};
+  size_t b = 0;
+  for (; b + 8 <= nb; b += 8) {
+    for (int n = 0; n < NW; ++n) {
+      const uint8_t* wb = w + static_cast<size_t>(n) * rb + b * kW;
+      const __m256 dw = Scales8(wb, kW);
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* x = ys[r] + b * kY + 2;
+        __m256i h[4];
+        for (int k = 0; k < 8; k += 2) {
+          const __m256i w0 = Load32(wb + static_cast<size_t>(k) * kW + 2);
+          const __m256i w1 = Load32(wb + static_cast<size_t>(k + 1) * kW + 2);
+          h[k / 2] = _mm256_hadd_epi32(DotBlock(_mm256_sign_epi8(w0, w0), w0, x + static_cast<size_t>(k) * kY),
+                                       DotBlock(_mm256_sign_epi8(w1, w1), w1, x + static_cast<size_t>(k + 1) * kY));
+        }
+        const __m256i s0 = _mm256_hadd_epi32(h[0], h[1]), s1 = _mm256_hadd_epi32(h[2], h[3]);
+        const __m256i tot = _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20),
+                                             _mm256_permute2x128_si256(s0, s1, 0x31));
+        const __m256 d = _mm256_mul_ps(dw, _mm256_loadu_ps(dys[r] + b));
+        alignas(32) float p[8];
+        _mm256_store_ps(p, _mm256_mul_ps(_mm256_cvtepi32_ps(tot), d));
+        float acc = sumf[n][r];
+        for (int k = 0; k < 8; ++k) acc += p[k];
+        sumf[n][r] = acc;
+      }
+    }
+  }
+  for (; b < nb; ++b) {
+    for (int n = 0; n < NW; ++n) {
+      const uint8_t* wb = w + static_cast<size_t>(n) * rb + b * kW;
+      const __m256i wv = Load32(wb + 2), aw = _mm256_sign_epi8(wv, wv);
+      const float hw = Half(wb);
+      for (int r = 0; r < R; ++r) {
+        const int32_t isum = Hsum(DotBlock(aw, wv, ys[r] + b * kY + 2));
+        sumf[n][r] += static_cast<float>(isum) * (hw * dys[r][b]);
+      }
+    }
+  }
+  for (int n = 0; n < NW; ++n) {
+    for (int r = 0; r < R; ++r) out[R * n + r] = sumf[n][r];
+  }
 }
 
 // The K-quants' packed 6-bit (scale, min) pairs as 8 scales and 8 mins.
@@ -467,28 +645,6 @@ struct ScaleMasks {
 const ScaleMasks kMasks;
 
 HWY_INLINE __m256i Mask(const uint8_t* m) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(m)); }
-
-// Independent int32 accumulators per activation row in the K-quant kernels.
-// On AVX3_DL each product is added by vpdpwssd into its accumulator, a chain
-// of 8 a super-block at 4-5 cycles each: with one row (decode) the chain, not
-// the loads or the multiplies, set the speed. Integer sums are exact in any
-// order, so splitting them changes no bit. With R rows the R chains already
-// overlap; AVX2 adds with a 1-cycle vpaddd.
-template <int R>
-constexpr int Chains() {
-#if HWY_TARGET == HWY_AVX3_DL
-  return R == 1 ? 4 : (R <= 3 ? 2 : 1);
-#else
-  return R == 1 ? 2 : 1;
-#endif
-}
-
-template <int R, int S>
-HWY_INLINE __m256i SumChains(const __m256i (&acc)[R][S], int r) {
-  __m256i a = acc[r][0];
-  for (int s = 1; s < S; ++s) a = _mm256_add_epi32(a, acc[r][s]);
-  return a;
-}
 
 template <bool kQ5, int R>
 KVQ_VNNI void Avx2Q45_K(const uint8_t* w, const uint8_t* const* ys, const float* const*, size_t nb, float* out) {
@@ -616,21 +772,16 @@ HWY_INLINE float Reduce8(float32x4_t lo, float32x4_t hi) {
   return (vgetq_lane_f32(v, 0) + vgetq_lane_f32(v, 2)) + (vgetq_lane_f32(v, 1) + vgetq_lane_f32(v, 3));
 }
 
-template <bool kQ4, int R>
-void NeonQ4_0Q8_0(const uint8_t* w, const uint8_t* const* ys, const float* const* dys, size_t nb, float* out) {
-  constexpr size_t kW = kQ4 ? 18 : 34, kY = idot::kQ8_0Bytes;
+template <int R>
+void NeonQ4_0(const uint8_t* w, const uint8_t* const* ys, const float* const* dys, size_t nb, float* out) {
+  constexpr size_t kW = 18, kY = idot::kQ8_0Bytes;
   float32x4_t lo[R], hi[R];
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = vdupq_n_f32(0.0f);
   for (size_t b = 0; b < nb; ++b, w += kW) {
-    int8x16_t w0, w1;
-    if (kQ4) {
-      const uint8x16_t q = vld1q_u8(w + 2);
-      const int8x16_t k8 = vdupq_n_s8(8);
-      w0 = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(q, vdupq_n_u8(0x0F))), k8);
-      w1 = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(q, 4)), k8);
-    } else {
-      w0 = vld1q_s8(idot::S8(w + 2)), w1 = vld1q_s8(idot::S8(w + 18));
-    }
+    const uint8x16_t q = vld1q_u8(w + 2);
+    const int8x16_t k8 = vdupq_n_s8(8);
+    const int8x16_t w0 = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(q, vdupq_n_u8(0x0F))), k8);
+    const int8x16_t w1 = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(q, 4)), k8);
     const float32x4_t hw = vdupq_n_f32(idot::Half(w));
     for (int r = 0; r < R; ++r) {
       const Lanes l = Quads(w0, w1, ys[r] + b * kY + 2);
@@ -640,6 +791,24 @@ void NeonQ4_0Q8_0(const uint8_t* w, const uint8_t* const* ys, const float* const
     }
   }
   for (int r = 0; r < R; ++r) out[r] = Reduce8(lo[r], hi[r]);
+}
+
+// Q8_0 in RefQ8_0's order: each block's exact total (the quad sums added
+// across lanes), times (dw dy), added into one float per row.
+template <int R>
+void NeonQ8_0(const uint8_t* w, const uint8_t* const* ys, const float* const* dys, size_t nb, float* out) {
+  constexpr size_t kW = 34, kY = idot::kQ8_0Bytes;
+  float sumf[R] = {};
+  for (size_t b = 0; b < nb; ++b, w += kW) {
+    const int8x16_t w0 = vld1q_s8(idot::S8(w + 2)), w1 = vld1q_s8(idot::S8(w + 18));
+    const float hw = idot::Half(w);
+    for (int r = 0; r < R; ++r) {
+      const Lanes l = Quads(w0, w1, ys[r] + b * kY + 2);
+      const int32_t isum = vaddvq_s32(vaddq_s32(l.lo, l.hi));
+      sumf[r] += static_cast<float>(isum) * (hw * dys[r][b]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = sumf[r];
 }
 
 template <bool kQ5, int R>
@@ -741,14 +910,13 @@ template <int R>
 RowsFn Rows(uint32_t type) {
   switch (static_cast<WeightType>(type)) {
 #ifdef KVQ_INT_DOT_X86
-    case WeightType::kQ4_0: return Avx2Q4_0Q8_0<true, R>;
-    case WeightType::kQ8_0: return Avx2Q4_0Q8_0<false, R>;
+    case WeightType::kQ4_0: return Avx2Q4_0<R>;
     case WeightType::kQ4_K: return Avx2Q45_K<false, R>;
     case WeightType::kQ5_K: return Avx2Q45_K<true, R>;
     case WeightType::kQ6_K: return Avx2Q6_K<R>;
 #elif defined(KVQ_INT_DOT_NEON)
-    case WeightType::kQ4_0: return NeonQ4_0Q8_0<true, R>;
-    case WeightType::kQ8_0: return NeonQ4_0Q8_0<false, R>;
+    case WeightType::kQ4_0: return NeonQ4_0<R>;
+    case WeightType::kQ8_0: return NeonQ8_0<R>;
     case WeightType::kQ4_K: return NeonQ45_K<false, R>;
     case WeightType::kQ5_K: return NeonQ45_K<true, R>;
     case WeightType::kQ6_K: return NeonQ6_K<R>;
@@ -761,8 +929,72 @@ RowsFn Rows(uint32_t type) {
 // out[t * ldo + i - r0] = row i . activation row t (at xq + t * stride) for
 // rows [r0, r1) and T activation rows: blocks of 16 weight rows (in cache)
 // against blocks of up to 4 activation rows (decoded once for the 4).
+#ifdef KVQ_INT_DOT_Q8_0_ROWS8
+// Q8_0 on x86: one or two activation rows through Avx2Q8_0Row, more against
+// weight rows 8 at a time (Avx2Q8_0Rows8), the last r1 - r0 mod 8 through the
+// reference: all RefQ8_0's bits, so a row's numbers do not depend on T.
+using Rows8Fn = void (*)(const uint8_t*, size_t, const uint8_t* const*, const float* const*, const int32_t* const*,
+                         size_t, float*);
+template <int R>
+Rows8Fn Rows8() {
+  return Avx2Q8_0Rows8<R>;
+}
+
+void MatMulQ8_0(const WeightMatrix& w, const uint8_t* xq, size_t stride, size_t T, size_t r0, size_t r1, float* out,
+                size_t ldo) {
+  const size_t nb = w.cols / 32;
+  const Rows8Fn fns[kMaxRows] = {Rows8<1>(), Rows8<2>(), Rows8<3>(), Rows8<4>()
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+                                 , Rows8<5>(), Rows8<6>(), Rows8<7>(), Rows8<8>()
+#endif
+  };
+  thread_local std::vector<float> dy;  // no allocation per call once grown
+  thread_local std::vector<int32_t> xs;
+  if (dy.size() < kMaxRows * nb) dy.resize(kMaxRows * nb), xs.resize(kMaxRows * nb);
+  for (size_t t0 = 0; t0 < T; t0 += kMaxRows) {
+    const size_t R = std::min<size_t>(kMaxRows, T - t0);
+    const uint8_t* ys[kMaxRows];
+    const float* dys[kMaxRows];
+    const int32_t* xss[kMaxRows];
+    for (size_t r = 0; r < R; ++r) {
+      ys[r] = xq + (t0 + r) * stride;
+      for (size_t b = 0; b < nb; ++b) {
+        const uint8_t* y = ys[r] + b * idot::kQ8_0Bytes;
+        dy[r * nb + b] = idot::Half(y);
+        int32_t sum = 0;
+        for (int j = 0; j < 32; ++j) sum += idot::S8(y + 2)[j];
+        xs[r * nb + b] = sum;
+      }
+      dys[r] = dy.data() + r * nb;
+      xss[r] = xs.data() + r * nb;
+    }
+    size_t i = r0;
+    if (R <= 2) {  // decode: a row at a time, read in one stream
+      for (; i < r1; ++i) {
+        float o[2];
+        (R == 1 ? Avx2Q8_0Row<1, 1> : Avx2Q8_0Row<1, 2>)(w.row(i), w.row_bytes, ys, dys, nb, o);
+        for (size_t r = 0; r < R; ++r) out[(t0 + r) * ldo + i - r0] = o[r];
+      }
+    }
+    for (; i + 8 <= r1; i += 8) {
+      float o[8 * kMaxRows];
+      fns[R - 1](w.row(i), w.row_bytes, ys, dys, xss, nb, o);
+      for (size_t r = 0; r < R; ++r) {
+        for (size_t k = 0; k < 8; ++k) out[(t0 + r) * ldo + i + k - r0] = o[8 * r + k];
+      }
+    }
+    for (; i < r1; ++i) {
+      for (size_t r = 0; r < R; ++r) out[(t0 + r) * ldo + i - r0] = idot::RefQ8_0(w.row(i), ys[r], nb);
+    }
+  }
+}
+#endif
+
 void MatMulInt(const WeightMatrix& w, const uint8_t* xq, size_t stride, size_t T, size_t r0, size_t r1, float* out,
                size_t ldo) {
+#ifdef KVQ_INT_DOT_Q8_0_ROWS8
+  if (static_cast<WeightType>(w.type) == WeightType::kQ8_0) return MatMulQ8_0(w, xq, stride, T, r0, r1, out, ldo);
+#endif
   const size_t nb = w.cols / static_cast<size_t>(weight_block(w.type));
   const RowsFn fns[kMaxRows] = {Rows<1>(w.type), Rows<2>(w.type), Rows<3>(w.type), Rows<4>(w.type)
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
@@ -805,6 +1037,7 @@ void MatVecInt(const WeightMatrix& w, const uint8_t* xq, size_t r0, size_t r1, f
   MatMulInt(w, xq, 0, 1, r0, r1, out, 0);
 }
 #undef KVQ_INT_DOT_X86
+#undef KVQ_INT_DOT_Q8_0_ROWS8
 #undef KVQ_INT_DOT_NEON
 #undef KVQ_VNNI
 
