@@ -190,7 +190,11 @@ bool GuardedServer::process_and_close_socket(socket_t sock) {
             "application/json\r\nContent-Length: " +
                 std::to_string(body.size()) + "\r\n\r\n" + body,
             1000);
-    LingeringClose(sock, 0);  // what has arrived is read; no thread waits on this client
+    // What has arrived is read, and up to 100 ms for the rest of a request
+    // on its way: a close with unread bytes sends RST, and a client whose
+    // request crossed the 503 lost the answer with it (a loaded machine's
+    // race). A silent client holds this thread for those 100 ms at most.
+    LingeringClose(sock, 100);
     return false;
   }
   ++open_;

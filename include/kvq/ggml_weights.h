@@ -98,12 +98,12 @@ size_t activation_bytes(uint32_t weight_type, size_t n);
 // clamped codes, never a trap). Never throws.
 void quantize_activation(uint32_t weight_type, const float* x, size_t n, uint8_t* out);
 // out[i - r0] = row i . xq for rows [r0, r1): each block's integer dot
-// product exactly, then float only at the block scales. Q4_0, Q8_0, Q4_K,
+// product exactly, then float only at the block scales. Q4_0, Q4_K,
 // Q5_K and Q6_K sum in 8 lanes (lane k: values 4k..4k+3 of every 32, as the
 // kernels' int32 lanes hold them), each block adding its scaled lane totals
 // into float lanes added in a fixed tree at the row's end; Q3_K scales each
 // block's total once (ggml's generic code keeps 8 float lanes of its own);
-// the other types scale each block's total as ggml's generic
+// the other types (Q8_0 included) scale each block's total as ggml's generic
 // ggml_vec_dot_<type>_q8_<fmt> does (its bits). The same bits on every SIMD
 // target as dot_row_int_ref.
 // Against ggml's own vec_dot on the same activation bytes (its generic C or
