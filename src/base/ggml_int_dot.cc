@@ -514,12 +514,7 @@ KVQ_VNNI void Avx2Q8_0Rows8(const uint8_t* w, size_t rb, const uint8_t* const* y
   for (size_t b = 0; b < nb; ++b) {
     const uint8_t* wb = w + b * kW;
     __m256i t[8];
-    for (int k = 0; k < 8; ++k) {
-      // 8 rows read side by side: the prefetchers follow them late, so each
-      // row's bytes 16 blocks ahead are asked for here.
-      _mm_prefetch(reinterpret_cast<const char*>(wb + static_cast<size_t>(k) * rb + 16 * kW), _MM_HINT_T0);
-      t[k] = Load32(wb + static_cast<size_t>(k) * rb + 2);
-    }
+    for (int k = 0; k < 8; ++k) t[k] = Load32(wb + static_cast<size_t>(k) * rb + 2);
     Transpose8x32(t);
     const __m256 dw = Scales8(wb, rb);
 #if HWY_TARGET == HWY_AVX3_DL
@@ -559,58 +554,50 @@ KVQ_VNNI void Avx2Q8_0Rows8(const uint8_t* w, size_t rb, const uint8_t* const* y
 }
 #define KVQ_INT_DOT_Q8_0_ROWS8 1
 
-// Q8_0 for NW weight rows (rb bytes apart) against R <= 2 activation rows
-// (decode): each row read in one stream (Avx2Q8_0Rows8's 8 rows side by side
-// read at 0.6 x this rate from DRAM), 8 blocks at a time: each block's 8
-// lanes summed to its total by a hadd tree, the 8 totals times (dw dy) in one
-// vector, then added into the row's float in block order: RefQ8_0's order,
-// its bits. That order is a chain of float adds; two weight rows (NW = 2)
-// run two chains. Out: out[R n + r].
-template <int NW, int R>
-KVQ_VNNI void Avx2Q8_0Row(const uint8_t* w, size_t rb, const uint8_t* const* ys, const float* const* dys, size_t nb,
+// Q8_0 for one weight row against R <= 2 activation rows (decode): the row
+// read in one stream (Avx2Q8_0Rows8's 8 rows side by side read at 0.6x this
+// rate from DRAM), 8 blocks at a time: each block's 8 lanes summed to its
+// total by a hadd tree, the 8 totals times (dw dy) in one vector, then added
+// into the row's float in block order: RefQ8_0's order, its bits.
+template <int R>
+KVQ_VNNI void Avx2Q8_0Row(const uint8_t* w, const uint8_t* const* ys, const float* const* dys, size_t nb,
                           float* out) {
   constexpr size_t kW = 34, kY = idot::kQ8_0Bytes;
-  float sumf[NW][R] = {};
+  float sumf[R] = {};
   size_t b = 0;
   for (; b + 8 <= nb; b += 8) {
-    for (int n = 0; n < NW; ++n) {
-      const uint8_t* wb = w + static_cast<size_t>(n) * rb + b * kW;
-      const __m256 dw = Scales8(wb, kW);
-      for (int r = 0; r < R; ++r) {
-        const uint8_t* x = ys[r] + b * kY + 2;
-        __m256i h[4];
-        for (int k = 0; k < 8; k += 2) {
-          const __m256i w0 = Load32(wb + static_cast<size_t>(k) * kW + 2);
-          const __m256i w1 = Load32(wb + static_cast<size_t>(k + 1) * kW + 2);
-          h[k / 2] = _mm256_hadd_epi32(DotBlock(_mm256_sign_epi8(w0, w0), w0, x + static_cast<size_t>(k) * kY),
-                                       DotBlock(_mm256_sign_epi8(w1, w1), w1, x + static_cast<size_t>(k + 1) * kY));
-        }
-        const __m256i s0 = _mm256_hadd_epi32(h[0], h[1]), s1 = _mm256_hadd_epi32(h[2], h[3]);
-        const __m256i tot = _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20),
-                                             _mm256_permute2x128_si256(s0, s1, 0x31));
-        const __m256 d = _mm256_mul_ps(dw, _mm256_loadu_ps(dys[r] + b));
-        alignas(32) float p[8];
-        _mm256_store_ps(p, _mm256_mul_ps(_mm256_cvtepi32_ps(tot), d));
-        float acc = sumf[n][r];
-        for (int k = 0; k < 8; ++k) acc += p[k];
-        sumf[n][r] = acc;
+    const uint8_t* wb = w + b * kW;
+    const __m256 dw = Scales8(wb, kW);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* x = ys[r] + b * kY + 2;
+      __m256i h[4];
+      for (int k = 0; k < 8; k += 2) {
+        const __m256i w0 = Load32(wb + static_cast<size_t>(k) * kW + 2);
+        const __m256i w1 = Load32(wb + static_cast<size_t>(k + 1) * kW + 2);
+        h[k / 2] = _mm256_hadd_epi32(DotBlock(_mm256_sign_epi8(w0, w0), w0, x + static_cast<size_t>(k) * kY),
+                                     DotBlock(_mm256_sign_epi8(w1, w1), w1, x + static_cast<size_t>(k + 1) * kY));
       }
+      const __m256i s0 = _mm256_hadd_epi32(h[0], h[1]), s1 = _mm256_hadd_epi32(h[2], h[3]);
+      const __m256i tot = _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20),
+                                           _mm256_permute2x128_si256(s0, s1, 0x31));
+      const __m256 d = _mm256_mul_ps(dw, _mm256_loadu_ps(dys[r] + b));
+      alignas(32) float p[8];
+      _mm256_store_ps(p, _mm256_mul_ps(_mm256_cvtepi32_ps(tot), d));
+      float acc = sumf[r];
+      for (int k = 0; k < 8; ++k) acc += p[k];
+      sumf[r] = acc;
     }
   }
   for (; b < nb; ++b) {
-    for (int n = 0; n < NW; ++n) {
-      const uint8_t* wb = w + static_cast<size_t>(n) * rb + b * kW;
-      const __m256i wv = Load32(wb + 2), aw = _mm256_sign_epi8(wv, wv);
-      const float hw = Half(wb);
-      for (int r = 0; r < R; ++r) {
-        const int32_t isum = Hsum(DotBlock(aw, wv, ys[r] + b * kY + 2));
-        sumf[n][r] += static_cast<float>(isum) * (hw * dys[r][b]);
-      }
+    const uint8_t* wb = w + b * kW;
+    const __m256i wv = Load32(wb + 2), aw = _mm256_sign_epi8(wv, wv);
+    const float hw = Half(wb);
+    for (int r = 0; r < R; ++r) {
+      const int32_t isum = Hsum(DotBlock(aw, wv, ys[r] + b * kY + 2));
+      sumf[r] += static_cast<float>(isum) * (hw * dys[r][b]);
     }
   }
-  for (int n = 0; n < NW; ++n) {
-    for (int r = 0; r < R; ++r) out[R * n + r] = sumf[n][r];
-  }
+  for (int r = 0; r < R; ++r) out[r] = sumf[r];
 }
 
 // The K-quants' packed 6-bit (scale, min) pairs as 8 scales and 8 mins.
@@ -972,7 +959,7 @@ void MatMulQ8_0(const WeightMatrix& w, const uint8_t* xq, size_t stride, size_t 
     if (R <= 2) {  // decode: a row at a time, read in one stream
       for (; i < r1; ++i) {
         float o[2];
-        (R == 1 ? Avx2Q8_0Row<1, 1> : Avx2Q8_0Row<1, 2>)(w.row(i), w.row_bytes, ys, dys, nb, o);
+        (R == 1 ? Avx2Q8_0Row<1> : Avx2Q8_0Row<2>)(w.row(i), ys, dys, nb, o);
         for (size_t r = 0; r < R; ++r) out[(t0 + r) * ldo + i - r0] = o[r];
       }
     }
