@@ -913,26 +913,26 @@ RowsFn Rows(uint32_t type) {
 }
 
 
-// out[t * ldo + i - r0] = row i . activation row t (at xq + t * stride) for
-// rows [r0, r1) and T activation rows: blocks of 16 weight rows (in cache)
-// against blocks of up to 4 activation rows (decoded once for the 4).
+// A Q8_0 activation row's block scales as floats (dy[b]), converted once for
+// every weight row of a call.
+inline void Q8_0Scales(const uint8_t* y, size_t nb, float* dy) {
+  for (size_t b = 0; b < nb; ++b) dy[b] = idot::Half(y + b * idot::kQ8_0Bytes);
+}
+
 #ifdef KVQ_INT_DOT_Q8_0_ROWS8
-// Q8_0 on x86: one or two activation rows through Avx2Q8_0Row, more against
-// weight rows 8 at a time (Avx2Q8_0Rows8), the last r1 - r0 mod 8 through the
-// reference: all RefQ8_0's bits, so a row's numbers do not depend on T.
+// Q8_0 on x86: one or two activation rows through Avx2Q8_0Row (each weight
+// row read in one stream), three or more against weight rows 8 at a time
+// (Avx2Q8_0Rows8), the last r1 - r0 mod 8 through the reference: all
+// RefQ8_0's bits, so a row's numbers do not depend on T.
 using Rows8Fn = void (*)(const uint8_t*, size_t, const uint8_t* const*, const float* const*, const int32_t* const*,
                          size_t, float*);
-template <int R>
-Rows8Fn Rows8() {
-  return Avx2Q8_0Rows8<R>;
-}
 
 void MatMulQ8_0(const WeightMatrix& w, const uint8_t* xq, size_t stride, size_t T, size_t r0, size_t r1, float* out,
                 size_t ldo) {
   const size_t nb = w.cols / 32;
-  const Rows8Fn fns[kMaxRows] = {Rows8<1>(), Rows8<2>(), Rows8<3>(), Rows8<4>()
+  const Rows8Fn fns[kMaxRows] = {nullptr, nullptr, Avx2Q8_0Rows8<3>, Avx2Q8_0Rows8<4>
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-                                 , Rows8<5>(), Rows8<6>(), Rows8<7>(), Rows8<8>()
+                                 , Avx2Q8_0Rows8<5>, Avx2Q8_0Rows8<6>, Avx2Q8_0Rows8<7>, Avx2Q8_0Rows8<8>
 #endif
   };
   thread_local std::vector<float> dy;  // no allocation per call once grown
@@ -945,24 +945,29 @@ void MatMulQ8_0(const WeightMatrix& w, const uint8_t* xq, size_t stride, size_t 
     const int32_t* xss[kMaxRows];
     for (size_t r = 0; r < R; ++r) {
       ys[r] = xq + (t0 + r) * stride;
-      for (size_t b = 0; b < nb; ++b) {
-        const uint8_t* y = ys[r] + b * idot::kQ8_0Bytes;
-        dy[r * nb + b] = idot::Half(y);
-        int32_t sum = 0;
-        for (int j = 0; j < 32; ++j) sum += idot::S8(y + 2)[j];
-        xs[r * nb + b] = sum;
-      }
+      Q8_0Scales(ys[r], nb, dy.data() + r * nb);
       dys[r] = dy.data() + r * nb;
       xss[r] = xs.data() + r * nb;
     }
-    size_t i = r0;
-    if (R <= 2) {  // decode: a row at a time, read in one stream
-      for (; i < r1; ++i) {
+    if (R <= 2) {  // decode: a weight row at a time, read in one stream
+      for (size_t i = r0; i < r1; ++i) {
         float o[2];
         (R == 1 ? Avx2Q8_0Row<1> : Avx2Q8_0Row<2>)(w.row(i), ys, dys, nb, o);
         for (size_t r = 0; r < R; ++r) out[(t0 + r) * ldo + i - r0] = o[r];
       }
+      continue;
     }
+#if HWY_TARGET == HWY_AVX3_DL  // the activation blocks' sums (the codes + 128 correction)
+    for (size_t r = 0; r < R; ++r) {
+      for (size_t b = 0; b < nb; ++b) {
+        const int8_t* q = idot::S8(ys[r] + b * idot::kQ8_0Bytes + 2);
+        int32_t sum = 0;
+        for (int j = 0; j < 32; ++j) sum += q[j];
+        xs[r * nb + b] = sum;
+      }
+    }
+#endif
+    size_t i = r0;
     for (; i + 8 <= r1; i += 8) {
       float o[8 * kMaxRows];
       fns[R - 1](w.row(i), w.row_bytes, ys, dys, xss, nb, o);
@@ -977,6 +982,9 @@ void MatMulQ8_0(const WeightMatrix& w, const uint8_t* xq, size_t stride, size_t 
 }
 #endif
 
+// out[t * ldo + i - r0] = row i . activation row t (at xq + t * stride) for
+// rows [r0, r1) and T activation rows: blocks of 16 weight rows (in cache)
+// against blocks of up to kMaxRows activation rows (decoded once for them).
 void MatMulInt(const WeightMatrix& w, const uint8_t* xq, size_t stride, size_t T, size_t r0, size_t r1, float* out,
                size_t ldo) {
 #ifdef KVQ_INT_DOT_Q8_0_ROWS8
@@ -1006,7 +1014,7 @@ void MatMulInt(const WeightMatrix& w, const uint8_t* xq, size_t stride, size_t T
     for (size_t r = 0; r < R; ++r) {
       ys[r] = xq + (t0 + r) * stride;
       if (!q8_0) continue;
-      for (size_t b = 0; b < nb; ++b) dy[r * nb + b] = idot::Half(ys[r] + b * idot::kQ8_0Bytes);
+      Q8_0Scales(ys[r], nb, dy.data() + r * nb);
       dys[r] = dy.data() + r * nb;
     }
     for (size_t i0 = r0; i0 < r1; i0 += kRowBlock) {
