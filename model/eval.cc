@@ -408,6 +408,7 @@ EvalReport run_eval(const EvalOptions& o) {
       SchemeResult r;
       r.scheme = v.scheme;
       r.label = v.label;
+      r.resolved = Transformer(ckpt, v.scheme, ctx, v.policy).cache().info().name;
       r.policy = v.policy;
       r.running_ppl = std::move(running);
       r.mean_nll = t.nll / n;
@@ -585,16 +586,23 @@ std::string format_report(const EvalReport& r) {
   }
   os << "bits: every stored bit, in steady state (mean over cache lengths ctx-127..ctx)\n";
   for (const SchemeResult& s : r.results) {
-    const std::string name = s.scheme.info(r.config.head_size()).name;
+    const std::string& name = s.resolved;
     if (s.label != name && s.policy.window == 0) {
       os << "  " << s.label << " = " << name;
+      const std::string plain = s.scheme.info(r.config.head_size()).name;
       const std::string smallest = s.scheme.info().name;
-      if (name != smallest) os << " (at heads of " << r.config.head_size() << "; " << smallest << " at the smallest)";
+      if (name != plain) {  // a preset with layer 0 as token ids
+        os << " (" << r.config.n_layers << " layers, heads of " << r.config.head_size() << ", ctx " << r.ctx
+           << ", the model's token table at most " << kPresetTokenTableBytes / 1048576 << " MiB; " << plain
+           << " without it)";
+      } else if (name != smallest) {
+        os << " (at heads of " << r.config.head_size() << "; " << smallest << " at the smallest)";
+      }
       os << "\n";
     }
   }
   for (const SchemeResult& s : r.results) {
-    if (!s.scheme.info().token_layer) continue;
+    if (s.resolved.rfind("t0+", 0) != 0) continue;
     std::snprintf(buf, sizeof buf,
                   "t0+: layer 0 held as token ids (2 bytes a token, counted) and read through the model's layer-0 "
                   "token table (%d ids x K and V of %d values, fp16: %.1f KiB, model memory shared by every cache, "

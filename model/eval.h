@@ -103,6 +103,10 @@ struct EvalOptions {
 struct SchemeResult {
   CacheScheme scheme;
   std::string label;     // the scheme's name (a preset's), or the windowed variant
+  // The canonical scheme its caches were made in: a preset's resolution at
+  // this model's head size and ctx (with layer 0 as token ids where the
+  // model gives presets its token table: model::cache_token_table).
+  std::string resolved;
   WindowPolicy policy;
   // Stored bits per K/V element in steady state: the mean over cache lengths
   // ctx - 127 .. ctx of what the cache held (windowed variants: at ctx);

@@ -199,6 +199,17 @@ std::shared_ptr<const TokenTable> layer0_token_table(const Checkpoint& ckpt) {
   return slot.table;
 }
 
+std::shared_ptr<const TokenTable> cache_token_table(const Checkpoint& ckpt, const std::string& scheme) {
+  const Config& cfg = ckpt.config();
+  if (describe_kv_scheme(scheme, "kv", cfg.head_size()).token_layer) return layer0_token_table(ckpt);
+  if (grouped_kv_preset(scheme, cfg.head_size()) && presets_take_token_table(cfg)) return layer0_token_table(ckpt);
+  return nullptr;
+}
+
+bool presets_take_token_table(const Config& cfg) {
+  return cfg.n_layers >= 2 && 4.0 * cfg.vocab_size * static_cast<double>(cfg.kv_dim()) <= kPresetTokenTableBytes;
+}
+
 namespace {
 int CheckedMaxSeq(int max_seq, const Config& cfg) {
   KVQ_CHECK_ARG(max_seq > 0 && max_seq <= cfg.seq_len, "max_seq: expected 1..", cfg.seq_len,
@@ -211,8 +222,7 @@ Transformer::Transformer(const Checkpoint& ckpt, const CacheScheme& scheme, int 
     : Transformer(ckpt,
                   KvCache(scheme.name, ckpt.config().n_layers, CheckedMaxSeq(max_seq, ckpt.config()),
                           ckpt.config().n_kv_heads, ckpt.config().head_size(), scheme.ranges.get(),
-                          ckpt.config().rope,
-                          scheme.info(ckpt.config().head_size()).token_layer ? layer0_token_table(ckpt) : nullptr),
+                          ckpt.config().rope, cache_token_table(ckpt, scheme.name)),
                   policy) {}
 
 Transformer::Transformer(const Checkpoint& ckpt, KvCache cache, const WindowPolicy& policy)

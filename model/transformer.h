@@ -196,6 +196,18 @@ class Transformer {
 // first call and kept in the checkpoint for every later one (thread-safe).
 std::shared_ptr<const TokenTable> layer0_token_table(const Checkpoint& ckpt);
 
+// The token table a cache of `scheme` is given: a t0+ scheme's always; a
+// preset's when the model's table (vocab x kv_dim x 4 bytes) takes at most
+// kPresetTokenTableBytes -- the preset then holds layer 0 as token ids and
+// spends the bits they free on the other layers (resolve_kv_preset,
+// kvq/kv_cache.h) -- and none past that (a large vocabulary's table costs
+// more RAM and time to make than layer 0 saves at moderate context);
+// nullptr for every other scheme.
+inline constexpr double kPresetTokenTableBytes = 64.0 * 1024 * 1024;
+std::shared_ptr<const TokenTable> cache_token_table(const Checkpoint& ckpt, const std::string& scheme);
+// Whether presets take the token table of a model of this geometry.
+bool presets_take_token_table(const Config& cfg);
+
 // The BLAS's threads for its own calls (the forward pass runs windows on
 // OpenMP threads and each sgemm on the caller's).
 void set_blas_threads(int n);

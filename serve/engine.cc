@@ -99,8 +99,16 @@ Engine::Engine(const EngineOptions& o) : o_(o), scheme_(std::make_unique<SchemeH
     co.batched = o.calib_batched;
     scheme_->scheme.ranges = std::make_shared<const StaticRanges>(model::calibrate_static_ranges(*ckpt_, co));
   }
+  // A preset resolves once, for the model's context: every sequence and
+  // every stored prefix in the same scheme (with a small token table,
+  // layer 0 as token ids: model::cache_token_table).
+  const std::string asked = scheme_->scheme.name;
+  if (const auto table = model::cache_token_table(*ckpt_, asked); table && grouped_kv_preset(asked, cfg.head_size())) {
+    scheme_->scheme.name =
+        *resolve_kv_preset(asked, cfg.n_layers, cfg.seq_len, cfg.n_kv_heads, cfg.head_size(), table.get());
+  }
   const KvSchemeInfo info = scheme_->scheme.info(cfg.head_size());
-  kv_label_ = info.label == info.name ? info.name : info.label + " = " + info.name;
+  kv_label_ = asked == info.name ? info.name : asked + " = " + info.name;
   budget_ = static_cast<uint64_t>(o.kv_budget_mb * 1048576.0);
   // What one token can add to a cache: a row scheme its token's bytes
   // exactly; a grouped one is given a float32 K and V row a layer (its open

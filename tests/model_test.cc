@@ -222,6 +222,36 @@ TEST(Model, Layer0TokenTableIsWhatTheForwardPassWrites) {
   EXPECT_EQ(t0.cache().layer_bytes(0), 2u * 100u + 32u);
 }
 
+// A preset on a model whose token table is small holds layer 0 as token
+// ids (model::cache_token_table): the cache is the t0+ resolution at its
+// max_seq, labelled with the preset; row and grouped names get no table;
+// a large vocabulary's table (vocab x kv_dim x 4 bytes past 64 MiB) is not
+// made for a preset.
+TEST(Model, PresetsTakeASmallTokenTable) {
+  KVQ_MODEL_FILES();
+  const Checkpoint ckpt(model_path);
+  const Config& cfg = ckpt.config();
+  EXPECT_TRUE(presets_take_token_table(cfg));
+  EXPECT_EQ(cache_token_table(ckpt, "kvq-3.5"), layer0_token_table(ckpt));
+  EXPECT_EQ(cache_token_table(ckpt, "t0+q8_0"), layer0_token_table(ckpt));
+  EXPECT_EQ(cache_token_table(ckpt, "q8_0"), nullptr);
+  EXPECT_EQ(cache_token_table(ckpt, "k3av2g64p8o8r8"), nullptr);
+  CacheScheme s("kvq-3.5");
+  s.ranges = std::make_shared<const StaticRanges>(calibrate_static_ranges(ckpt, CalibrationOptions{}));
+  for (int max_seq : {256, 512}) {
+    const Transformer t(ckpt, s, max_seq);
+    EXPECT_EQ(t.cache().info().label, "kvq-3.5");
+    EXPECT_EQ(t.cache().scheme(), *resolve_kv_preset("kvq-3.5", cfg.n_layers, max_seq, cfg.n_kv_heads,
+                                                     cfg.head_size(), layer0_token_table(ckpt).get()));
+    EXPECT_TRUE(t.cache().info().token_layer);
+  }
+  Config big = cfg;
+  big.vocab_size = 128256, big.n_kv_heads = 8, big.dim = 2048, big.n_heads = 32;  // Llama-3.2-1B: 263 MB
+  EXPECT_FALSE(presets_take_token_table(big));
+  big.vocab_size = 32000, big.n_kv_heads = 6, big.dim = 288, big.n_heads = 6;  // stories15M: 37 MB
+  EXPECT_TRUE(presets_take_token_table(big));
+}
+
 // --kv lists: row and grouped names and presets, "all" = every row scheme
 // then every preset, duplicates (a preset and its expansion) once.
 TEST(Model, CacheSchemeListsTakeGroupedNamesAndAllHasThePresets) {

@@ -57,7 +57,9 @@ def slow_gguf(tmp_path_factory):
     return out
 
 
-def generate(kv, prompt, steps=400):
+def generate(kv, prompt, steps=512):
+    # steps: the cache's capacity; 512, the server's context (stories260K's), by default, since a preset
+    # resolves for its cache's capacity (with layer 0 as token ids, the richest scheme that fits its bits).
     r = subprocess.run([KVQ, "generate", *map(str, stories("--kv", kv, "--prompt", prompt, "--steps", steps))],
                        capture_output=True, text=True, check=True)
     return r.stdout.rstrip("\n")

@@ -10,8 +10,10 @@
 #include <array>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <vector>
 
+#include "kvq/grouped_kv.h"
 #include "kvq/half.h"
 #include "kvq/kv_cache.h"
 #include "kvq/rope.h"
@@ -224,6 +226,79 @@ TEST(TokenLayer, WritesNameTheirTokenAndPrefillEqualsDecoding) {
   // A new sequence (pos 0) drops the old one's tokens.
   d.write(0, 0, rows.k[0], rows.v[0], 5);
   EXPECT_EQ(d.written(0), 1);
+}
+
+// Steady-state bits (kvq eval's count: the mean over the last 128 cache
+// lengths) of a cache holding layer 0 as ids and `inner` elsewhere.
+double TokenLayerBits(const std::string& inner, int L, int max_seq, int H, int D) {
+  double s = 0;
+  const int lo = std::max(1, max_seq - 127);
+  for (int T = lo; T <= max_seq; ++T) {
+    s += 8.0 * ((L - 1) * kv_scheme_layer_bytes(inner, T, H, D) + 2.0 * T) / (2.0 * T * H * D * L);
+  }
+  return s / (max_seq - lo + 1);
+}
+
+// A preset given a token table holds layer 0 as ids and spends the bits
+// they free on the other layers: the best inner scheme of its ladder whose
+// bits fit the name (less the margin), every better one over it; without a
+// table it is the plain preset. Its label stays the preset's, and a saved
+// one restores under the preset's name (and not another's).
+TEST(TokenLayer, PresetsGivenATableHoldLayer0AsTokenIds) {
+  const StaticRanges r = test::Ranges(21);
+  const auto table = Table(22);
+  const test::Rows rows = test::MakeRows(160, 23);
+  const std::vector<int> ids = Ids(160, 24);
+  struct Geometry {
+    int L, max_seq, H, D;
+  };
+  for (const auto& [preset, plain] : grouped_kv_presets()) {
+    SCOPED_TRACE(preset);
+    for (const Geometry& g : {Geometry{2, 200, kH, kD}, Geometry{5, 512, 4, 8}, Geometry{4, 256, 2, 64},
+                              Geometry{32, 16384, 8, 128}, Geometry{32, 256, 8, 128}}) {
+      SCOPED_TRACE(testing::Message() << g.L << " layers, max_seq " << g.max_seq << ", " << g.H << " x " << g.D);
+      const std::string got = *resolve_kv_preset(preset, g.L, g.max_seq, g.H, g.D, table.get());
+      ASSERT_EQ(got.rfind("t0+", 0), 0u) << got;
+      EXPECT_TRUE(kv_preset_admits(preset, got, g.D));
+      EXPECT_EQ(*resolve_kv_preset(preset, g.L, g.max_seq, g.H, g.D, nullptr), grouped_kv_preset(preset, g.D)->name());
+      const GroupedKvPresetLadder ladder = *grouped_kv_preset_token_ladder(preset, g.D);
+      size_t at = 0;
+      while (at < ladder.inner.size() && "t0+" + ladder.inner[at].name() != got) ++at;
+      ASSERT_LT(at, ladder.inner.size());
+      const double fit = ladder.bits - kPresetBitsMargin;
+      if (at + 1 < ladder.inner.size()) EXPECT_LE(TokenLayerBits(ladder.inner[at].name(), g.L, g.max_seq, g.H, g.D), fit);
+      for (size_t i = 0; i < at; ++i) {
+        EXPECT_GT(TokenLayerBits(ladder.inner[i].name(), g.L, g.max_seq, g.H, g.D), fit) << ladder.inner[i].name();
+      }
+    }
+    // At long context on a 32-layer model every preset fits its name.
+    const std::string big = *resolve_kv_preset(preset, 32, 16384, 8, 128, table.get());
+    EXPECT_LE(TokenLayerBits(big.substr(3), 32, 16384, 8, 128), std::stod(preset.substr(4)) - kPresetBitsMargin);
+    EXPECT_FALSE(kv_preset_admits(preset, "t0+q4_0", kD));
+    EXPECT_FALSE(kv_preset_admits(preset, "k4v3g64r16", kD));
+    // The cache: resolved, labelled, saved and restored under the name.
+    KvCache c(preset, kL, 200, kH, kD, &r, {}, table);
+    EXPECT_EQ(c.scheme(), *resolve_kv_preset(preset, kL, 200, kH, kD, table.get()));
+    EXPECT_TRUE(c.info().token_layer);
+    EXPECT_EQ(c.info().label, preset);
+    EXPECT_EQ(KvCache(preset, kL, 200, kH, kD, &r).scheme(), plain.name());
+    for (int t = 0; t < 160; ++t) {
+      for (int l = 0; l < kL; ++l) {
+        c.write(l, t, rows.k[static_cast<size_t>(t)], rows.v[static_cast<size_t>(t)], ids[static_cast<size_t>(t)]);
+      }
+    }
+    KvCacheExpect e;
+    e.scheme = preset;
+    e.max_seq = 200;
+    e.token_table = [&] { return table; };
+    const KvCache d = KvCache::from_bytes(c.to_bytes(), e);
+    EXPECT_EQ(d.scheme(), c.scheme());
+    EXPECT_EQ(d.info().label, preset);
+    EXPECT_EQ(d.to_bytes(), c.to_bytes());
+    e.scheme = preset == "kvq-6.5" ? "kvq-2.5" : "kvq-6.5";
+    EXPECT_NE(ErrorOf([&] { KvCache::from_bytes(c.to_bytes(), e); }).find("saved KV cache: the scheme is"),
+              std::string::npos);
+  }
 }
 
 TEST(TokenLayer, SavedCachesAndRangesRestoreBitwiseAgainstTheirTable) {

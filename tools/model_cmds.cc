@@ -221,7 +221,7 @@ nlohmann::json EvalJson(const EvalCliOptions& o, const model::EvalReport& r) {
   }
   j["results"] = nlohmann::json::array();
   for (const auto& s : r.results) {
-    j["results"].push_back({{"scheme", s.scheme.info(r.config.head_size()).name},
+    j["results"].push_back({{"scheme", s.resolved},
                             {"label", s.label},
                             {"window", s.policy.window},
                             {"sinks", s.policy.window ? s.policy.sinks : 0},

@@ -181,6 +181,15 @@ const std::vector<std::pair<std::string, GroupedKvScheme>>& grouped_kv_presets()
 // resolve to other parameters per head size; 0: the smallest heads');
 // nullopt when `name` is no preset.
 std::optional<GroupedKvScheme> grouped_kv_preset(const std::string& name, int head_dim);
+// What a preset may hold when layer 0 is held as token ids (t0+; the choice
+// is resolve_kv_preset's, kvq/kv_cache.h): the bits its name promises and
+// the inner schemes for heads of `head_dim` channels in order of preference
+// (the first whose bits fit is taken). nullopt when `name` is no preset.
+struct GroupedKvPresetLadder {
+  double bits = 0;
+  std::vector<GroupedKvScheme> inner;
+};
+std::optional<GroupedKvPresetLadder> grouped_kv_preset_token_ladder(const std::string& name, int head_dim);
 // The grammar, for error messages.
 const char* grouped_kv_grammar();
 

@@ -84,6 +84,22 @@ KvSchemeInfo describe_kv_scheme(const std::string& name, const char* arg = "kv",
 // (A preset as it resolves at head_dim; a t0+ scheme: its inner scheme's,
 // which layer 0's token ids take less than.)
 double kv_scheme_layer_bytes(const std::string& name, int64_t tokens, int n_kv_heads, int head_dim);
+// The scheme a preset stands for in a cache of this geometry (nullopt when
+// `name` is no preset). Without a token table: the preset as it resolves
+// at head_dim (grouped_kv_preset). With one, layer 0 is held as token ids
+// and the name's bits go to the other layers: "t0+" and the first of the
+// preset's inner schemes (grouped_kv_preset_token_ladder, in order of preference)
+// whose steady-state bits -- the mean over cache lengths max_seq - 127 ..
+// max_seq of every stored bit, layer 0's ids included -- are within the
+// name's less kPresetBitsMargin (the units a scheme holds outside its
+// grid add to its count: up to 0.035 bit measured on heads of 64 without
+// `m`, more with it); the last when none is.
+inline constexpr double kPresetBitsMargin = 0.04;
+std::optional<std::string> resolve_kv_preset(const std::string& name, int n_layers, int max_seq, int n_kv_heads,
+                                             int head_dim, const TokenTable* token_table);
+// Whether `scheme` (canonical) is something the preset may resolve to at
+// heads of head_dim: its plain scheme or "t0+" one of its token ladder's.
+bool kv_preset_admits(const std::string& preset, const std::string& scheme, int head_dim);
 // Every row scheme, then every preset (what "all" means to kvq eval).
 std::vector<std::string> all_kv_scheme_names();
 
@@ -123,7 +139,9 @@ class KvCache {
   // Throws kvq::Error on an unknown scheme, a bad geometry for it, or a
   // scheme that needs calibrated ranges without them (ranges are copied),
   // or a t0+ scheme without a token table of its geometry (shared, not
-  // copied; other schemes ignore it).
+  // copied; row and grouped schemes ignore it). A preset given a token
+  // table holds layer 0 as ids (resolve_kv_preset); its label stays the
+  // preset's name.
   KvCache(const std::string& scheme, int n_layers, int max_seq, int n_kv_heads, int head_dim,
           const StaticRanges* ranges = nullptr, const RopeConfig& rope = {},
           std::shared_ptr<const TokenTable> token_table = nullptr);

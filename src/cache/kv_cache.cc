@@ -154,9 +154,63 @@ double kv_scheme_layer_bytes(const std::string& name, int64_t tokens, int n_kv_h
   return FamilyOf(info).least_layer_bytes(info, {1, 1, n_kv_heads, head_dim, {}, nullptr}, tokens);
 }
 
+std::optional<std::string> resolve_kv_preset(const std::string& name, int n_layers, int max_seq, int n_kv_heads,
+                                             int head_dim, const TokenTable* token_table) {
+  const std::optional<GroupedKvScheme> plain = grouped_kv_preset(name, head_dim);
+  if (!plain) return std::nullopt;
+  if (token_table == nullptr || n_layers < 2) return plain->name();
+  const std::optional<GroupedKvPresetLadder> ladder = grouped_kv_preset_token_ladder(name, head_dim);
+  KVQ_ASSERT(ladder && !ladder->inner.empty());
+  // Steady-state bits as kvq eval counts them (the mean over the last 128
+  // cache lengths), from the fewest bytes each length takes.
+  const int lo = std::max(1, max_seq - 127);
+  const double elements = 2.0 * n_kv_heads * head_dim * n_layers;
+  const auto bits = [&](const GroupedKvScheme& g) {
+    double s = 0;
+    for (int T = lo; T <= max_seq; ++T) {
+      const double bytes = static_cast<double>(n_layers - 1) * static_cast<double>(g.layer_bytes(T, n_kv_heads, head_dim)) +
+                           static_cast<double>(T) * token_table->id_bytes();
+      s += 8.0 * bytes / (static_cast<double>(T) * elements);
+    }
+    return s / (max_seq - lo + 1);
+  };
+  for (const GroupedKvScheme& g : ladder->inner) {
+    if (bits(g) <= ladder->bits - kPresetBitsMargin) return "t0+" + g.name();
+  }
+  return "t0+" + ladder->inner.back().name();
+}
+
+bool kv_preset_admits(const std::string& preset, const std::string& scheme, int head_dim) {
+  const std::optional<GroupedKvScheme> plain = grouped_kv_preset(preset, head_dim);
+  if (!plain) return false;
+  if (scheme == plain->name()) return true;
+  const std::optional<GroupedKvPresetLadder> ladder = grouped_kv_preset_token_ladder(preset, head_dim);
+  for (const GroupedKvScheme& g : ladder->inner) {
+    if (scheme == "t0+" + g.name()) return true;
+  }
+  return false;
+}
+
+namespace {
+// The scheme a cache is made in: a preset given a token table resolves to
+// a t0+ scheme, labelled with the preset's name.
+KvSchemeInfo DescribeCacheScheme(const std::string& scheme, int n_layers, int max_seq, int n_kv_heads, int head_dim,
+                                 const TokenTable* token_table) {
+  if (token_table != nullptr && n_layers >= 1 && max_seq >= 1 && n_kv_heads >= 1 && head_dim >= 1) {
+    const std::optional<std::string> r = resolve_kv_preset(scheme, n_layers, max_seq, n_kv_heads, head_dim, token_table);
+    if (r && r->rfind("t0+", 0) == 0) {
+      KvSchemeInfo info = describe_kv_scheme(*r, "scheme", head_dim);
+      info.label = scheme;
+      return info;
+    }
+  }
+  return describe_kv_scheme(scheme, "scheme", std::max(head_dim, 1));
+}
+}  // namespace
+
 KvCache::KvCache(const std::string& scheme, int n_layers, int max_seq, int n_kv_heads, int head_dim,
                  const StaticRanges* ranges, const RopeConfig& rope, std::shared_ptr<const TokenTable> token_table)
-    : info_(describe_kv_scheme(scheme, "scheme", std::max(head_dim, 1))),
+    : info_(DescribeCacheScheme(scheme, n_layers, max_seq, n_kv_heads, head_dim, token_table.get())),
       n_layers_(n_layers),
       max_seq_(max_seq),
       n_kv_heads_(n_kv_heads),
@@ -358,10 +412,14 @@ KvCache KvCache::from_bytes(std::span<const uint8_t> bytes, const KvCacheExpect&
   if (info.name != name) r.corrupt("the scheme name '" + name + "', not in its canonical form '" + info.name + "'");
   const int L = static_cast<int>(geo[0]), H = static_cast<int>(geo[1]), hd = static_cast<int>(geo[2]);
   // What the caller's model must match.
+  std::string label = info.label;
   if (expect.scheme) {
     const KvSchemeInfo want = describe_kv_scheme(*expect.scheme, "expected scheme");
-    KVQ_CHECK_ARG(want.name == info.name, "saved KV cache: the scheme is ", info.label, " (", info.name,
+    // A preset admits whatever it resolves to at the saved head size.
+    const bool preset = kv_preset_admits(*expect.scheme, info.name, hd);
+    KVQ_CHECK_ARG(preset || want.name == info.name, "saved KV cache: the scheme is ", info.label, " (", info.name,
                   "), expected ", want.label, " (", want.name, ")");
+    if (preset) label = *expect.scheme;
   }
   const auto same = [&](const std::optional<int>& e, int got, const char* field) {
     KVQ_CHECK_ARG(!e || *e == got, "saved KV cache: ", field, " is ", got, ", the model has ", e ? *e : 0);
@@ -412,6 +470,7 @@ KvCache KvCache::from_bytes(std::span<const uint8_t> bytes, const KvCacheExpect&
   r.expect_end();
   KvCache c;
   c.info_ = info;
+  c.info_.label = label;
   c.n_layers_ = L, c.max_seq_ = max_seq, c.n_kv_heads_ = H, c.head_dim_ = hd;
   c.rope_ = rope;
   c.table_ = g.token_table;

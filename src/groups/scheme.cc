@@ -2,6 +2,7 @@
 #include "kvq/grouped_kv.h"
 
 #include <algorithm>
+#include <array>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -190,12 +191,18 @@ GroupedKvScheme Named(const char* name) {
 namespace {
 // A preset's scheme per head size: `scheme` below `wide_from` channels a
 // head, `wide` from there on (empty: the same). Chosen on both models and
-// both protocols (docs/schemes.md).
+// both protocols (docs/schemes.md). `bits`: what the name promises.
+// `token`/`token_wide`: the inner schemes it may take when layer 0 is held
+// as token ids (t0+, kvq/kv_cache.h resolve_kv_preset), in order of
+// preference (the first whose bits fit is taken; the last when none does).
 struct PresetEntry {
   const char* name;
+  double bits;
   const char* scheme;
   int wide_from;
   const char* wide;
+  std::array<const char*, 4> token;       // unused slots nullptr
+  std::array<const char*, 4> token_wide;  // all nullptr: the same as token
 };
 // Chosen on stories260K's dev text at ctx 512 (see README): per quality
 // tier, few steady-state bits with a margin under both of its bounds.
@@ -206,12 +213,27 @@ struct PresetEntry {
 // of the 4-bit grid (and costs 16 bits a value) far more often than one of
 // 8 (stories-hd64: 2.65 bits with o4, 2.48 with o3, ΔPPL +0.8% and +0.04%
 // on the two protocols), and at K = 2 bits `a` has no bits to move.
-constexpr PresetEntry kPresets[] = {
-    {"kvq-6.5", "k6av5g128o8x16r8", 0, ""},
-    {"kvq-4.5", "k4av3g64p8o8r16", 0, ""},
-    {"kvq-3.5", "k3av2g64p8o8r8", 0, ""},
-    {"kvq-2.5", "k2av2g96p8mo4w4r3", 64, "k2v2g96p8mo3w4r3"},
+// The token ladders were measured with layer 0 as ids on both models, both
+// protocols, at ctx 256 and 512 (docs/schemes.md "Presets with layer 0 as
+// token ids"): layer 0 was where foreign text broke the plain presets, and
+// the bits its ids free go to the other layers.
+const PresetEntry kPresets[] = {
+    {"kvq-6.5", 6.5, "k6av5g128o8x16r8", 0, "", {"k6av5g128o8x16r8", "k6av5g64o8x16r8"}, {}},
+    {"kvq-4.5", 4.5, "k4av3g64p8o8r16", 0, "",
+     {"k5av4g64p8o8r16", "k4av4g64p8o8r16", "k4av3g64p8o8r16", "k4av3g32p8o8r8"}, {}},
+    {"kvq-3.5", 3.5, "k3av2g64p8o8r8", 0, "",
+     {"k4av3g64p8o8r8", "k3av3g64p8o8r8", "k3av3g32p8o8r6", "k3av2g64p8o8r8"}, {}},
+    {"kvq-2.5", 2.5, "k2av2g96p8mo4w4r3", 64, "k2v2g96p8mo3w4r3",
+     {"k3av2g96p8mo4w4r3", "k2av2g96p8mo4w4r3"},
+     {"k3av2g64p8o4w4r3", "k3v2g96p8mo3w4r3", "k2v2g96p8mo3w4r3"}},
 };
+
+const PresetEntry* FindPreset(const std::string& name) {
+  for (const PresetEntry& e : kPresets) {
+    if (name == e.name) return &e;
+  }
+  return nullptr;
+}
 }  // namespace
 
 const std::vector<std::pair<std::string, GroupedKvScheme>>& grouped_kv_presets() {
@@ -224,11 +246,21 @@ const std::vector<std::pair<std::string, GroupedKvScheme>>& grouped_kv_presets()
 }
 
 std::optional<GroupedKvScheme> grouped_kv_preset(const std::string& name, int head_dim) {
-  for (const PresetEntry& e : kPresets) {
-    if (name != e.name) continue;
-    return Named(e.wide_from > 0 && head_dim >= e.wide_from ? e.wide : e.scheme);
+  const PresetEntry* e = FindPreset(name);
+  if (e == nullptr) return std::nullopt;
+  return Named(e->wide_from > 0 && head_dim >= e->wide_from ? e->wide : e->scheme);
+}
+
+std::optional<GroupedKvPresetLadder> grouped_kv_preset_token_ladder(const std::string& name, int head_dim) {
+  const PresetEntry* e = FindPreset(name);
+  if (e == nullptr) return std::nullopt;
+  GroupedKvPresetLadder l;
+  l.bits = e->bits;
+  const bool wide = e->wide_from > 0 && head_dim >= e->wide_from && e->token_wide[0] != nullptr;
+  for (const char* s : wide ? e->token_wide : e->token) {
+    if (s != nullptr) l.inner.push_back(Named(s));
   }
-  return std::nullopt;
+  return l;
 }
 
 const char* grouped_kv_grammar() {
