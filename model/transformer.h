@@ -51,7 +51,13 @@ struct CacheScheme {
   // head_dim > 0: as a cache of heads that size resolves it (a preset may
   // resolve per head size).
   KvSchemeInfo info(int head_dim = 0) const { return describe_kv_scheme(name, "kv", head_dim); }
-  bool operator==(const CacheScheme& o) const { return info().name == o.info().name; }
+  // The same cache: the same canonical scheme, except that a preset is only
+  // itself (on a model it may resolve to something other than its plain
+  // scheme: model::cache_token_table).
+  bool operator==(const CacheScheme& o) const {
+    const bool a = grouped_kv_preset(name, 0).has_value(), b = grouped_kv_preset(o.name, 0).has_value();
+    return a || b ? name == o.name : info().name == o.info().name;
+  }
 };
 
 // How the passes multiply by a quantized (block-type) weight matrix.

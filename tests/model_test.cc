@@ -253,7 +253,7 @@ TEST(Model, PresetsTakeASmallTokenTable) {
 }
 
 // --kv lists: row and grouped names and presets, "all" = every row scheme
-// then every preset, duplicates (a preset and its expansion) once.
+// then every preset, each name once (a preset and its plain scheme are two).
 TEST(Model, CacheSchemeListsTakeGroupedNamesAndAllHasThePresets) {
   const std::vector<CacheScheme> all = parse_cache_schemes("all");
   ASSERT_EQ(all.size(), all_kv_schemes().size() + grouped_kv_presets().size());
@@ -263,12 +263,15 @@ TEST(Model, CacheSchemeListsTakeGroupedNamesAndAllHasThePresets) {
     EXPECT_EQ(s.info().name, grouped_kv_presets()[i].second.name());
     EXPECT_EQ(cache_scheme_label(s), grouped_kv_presets()[i].first);
   }
-  const std::vector<CacheScheme> l = parse_cache_schemes("q4_0,k4av3g64p8o8r16,kvq-4.5,k2v2c,q4_0");
-  ASSERT_EQ(l.size(), 3u);
+  // A preset and its plain scheme are two configurations (on a model the
+  // preset may hold layer 0 as token ids); each once.
+  const std::vector<CacheScheme> l = parse_cache_schemes("q4_0,k4av3g64p8o8r16,kvq-4.5,k2v2c,q4_0,kvq-4.5");
+  ASSERT_EQ(l.size(), 4u);
   EXPECT_EQ(l[0].name, "q4_0");
-  EXPECT_EQ(cache_scheme_label(l[1]), "kvq-4.5");
-  EXPECT_EQ(l[2].info().name, "k2v2c");
-  EXPECT_TRUE(l[2].info().needs_ranges);
+  EXPECT_EQ(cache_scheme_label(l[1]), "k4av3g64p8o8r16");
+  EXPECT_EQ(cache_scheme_label(l[2]), "kvq-4.5");
+  EXPECT_EQ(l[3].info().name, "k2v2c");
+  EXPECT_TRUE(l[3].info().needs_ranges);
   EXPECT_NE(test::ErrorOf([] { parse_cache_schemes("k4v4g24", "--kv"); }).find("--kv"), std::string::npos);
   EXPECT_NE(test::ErrorOf([] { parse_cache_schemes("int3", "--kv"); }).find("int3"), std::string::npos);
 }

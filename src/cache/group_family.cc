@@ -85,10 +85,9 @@ bool Describe(const std::string& name, const char* arg, KvSchemeInfo& info) {
   const GroupedKvScheme& g = *found;
   info.parsed = std::make_shared<GroupedDescription>(g);
   info.name = g.name();
+  // A preset prints as the preset, a scheme as itself, even where it is a
+  // preset's plain scheme (on a model a preset may hold another).
   info.label = name;
-  for (const auto& [preset, s] : grouped_kv_presets()) {
-    if (s.name() == info.name) info.label = preset;  // a preset's own scheme prints as the preset
-  }
   info.family = "groups";
   info.needs_ranges = g.needs_ranges();
   return true;

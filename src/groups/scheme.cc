@@ -201,8 +201,8 @@ struct PresetEntry {
   const char* scheme;
   int wide_from;
   const char* wide;
-  std::array<const char*, 4> token;       // unused slots nullptr
-  std::array<const char*, 4> token_wide;  // all nullptr: the same as token
+  std::array<const char*, 6> token;       // unused slots nullptr
+  std::array<const char*, 6> token_wide;  // all nullptr: the same as token
 };
 // Chosen on stories260K's dev text at ctx 512 (see README): per quality
 // tier, few steady-state bits with a margin under both of its bounds.
@@ -218,7 +218,9 @@ struct PresetEntry {
 // token ids"): layer 0 was where foreign text broke the plain presets, and
 // the bits its ids free go to the other layers.
 const PresetEntry kPresets[] = {
-    {"kvq-6.5", 6.5, "k6av5g128o8x16r8", 0, "", {"k6av5g128o8x16r8", "k6av5g64o8x16r8"}, {}},
+    {"kvq-6.5", 6.5, "k6av5g128o8x16r8", 0, "",
+     {"k8av7g128o8x16r8", "k8av6g128o8x16r8", "k7av6g128o8x16r8", "k6av6g128o8x16r8", "k6av5g128o8x16r8"},
+     {}},
     {"kvq-4.5", 4.5, "k4av3g64p8o8r16", 0, "",
      {"k5av4g64p8o8r16", "k4av4g64p8o8r16", "k4av3g64p8o8r16", "k4av3g32p8o8r8"}, {}},
     {"kvq-3.5", 3.5, "k3av2g64p8o8r8", 0, "",
