@@ -227,7 +227,7 @@ const PresetEntry kPresets[] = {
      {"k4av3g64p8o8r8", "k3av3g64p8o8r8", "k3av3g32p8o8r6", "k3av2g64p8o8r8"}, {}},
     {"kvq-2.5", 2.5, "k2av2g96p8mo4w4r3", 64, "k2v2g96p8mo3w4r3",
      {"k3av2g96p8mo4w4r3", "k2av2g96p8mo4w4r3"},
-     {"k3av2g64p8o4w4r3", "k3v2g96p8mo3w4r3", "k2v2g96p8mo3w4r3"}},
+     {"k3av2g64p8o8r4", "k3av2g64p8o4w4r3", "k3v2g96p8mo3w4r3", "k2v2g96p8mo3w4r3"}},
 };
 
 const PresetEntry* FindPreset(const std::string& name) {
