@@ -408,7 +408,7 @@ EvalReport run_eval(const EvalOptions& o) {
       SchemeResult r;
       r.scheme = v.scheme;
       r.label = v.label;
-      r.resolved = Transformer(ckpt, v.scheme, ctx, v.policy).cache().info().name;
+      r.resolved = resolved_cache_scheme(ckpt, v.scheme, ctx);
       r.policy = v.policy;
       r.running_ppl = std::move(running);
       r.mean_nll = t.nll / n;

@@ -206,6 +206,15 @@ std::shared_ptr<const TokenTable> cache_token_table(const Checkpoint& ckpt, cons
   return nullptr;
 }
 
+std::string resolved_cache_scheme(const Checkpoint& ckpt, const CacheScheme& scheme, int max_seq) {
+  const Config& cfg = ckpt.config();
+  if (grouped_kv_preset(scheme.name, cfg.head_size())) {
+    return *resolve_kv_preset(scheme.name, cfg.n_layers, max_seq, cfg.n_kv_heads, cfg.head_size(),
+                              cache_token_table(ckpt, scheme.name).get());
+  }
+  return scheme.info(cfg.head_size()).name;
+}
+
 bool presets_take_token_table(const Config& cfg) {
   return cfg.n_layers >= 2 && 4.0 * cfg.vocab_size * static_cast<double>(cfg.kv_dim()) <= kPresetTokenTableBytes;
 }

@@ -213,6 +213,11 @@ inline constexpr double kPresetTokenTableBytes = 64.0 * 1024 * 1024;
 std::shared_ptr<const TokenTable> cache_token_table(const Checkpoint& ckpt, const std::string& scheme);
 // Whether presets take the token table of a model of this geometry.
 bool presets_take_token_table(const Config& cfg);
+// The canonical scheme a cache of `scheme` with max_seq positions is made in
+// on this model (what Transformer's cache holds, without making one): a
+// preset's resolution (resolve_kv_preset, with cache_token_table's table),
+// any other name's canonical form.
+std::string resolved_cache_scheme(const Checkpoint& ckpt, const CacheScheme& scheme, int max_seq);
 
 // The BLAS's threads for its own calls (the forward pass runs windows on
 // OpenMP threads and each sgemm on the caller's).

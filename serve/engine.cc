@@ -103,10 +103,7 @@ Engine::Engine(const EngineOptions& o) : o_(o), scheme_(std::make_unique<SchemeH
   // every stored prefix in the same scheme (with a small token table,
   // layer 0 as token ids: model::cache_token_table).
   const std::string asked = scheme_->scheme.name;
-  if (const auto table = model::cache_token_table(*ckpt_, asked); table && grouped_kv_preset(asked, cfg.head_size())) {
-    scheme_->scheme.name =
-        *resolve_kv_preset(asked, cfg.n_layers, cfg.seq_len, cfg.n_kv_heads, cfg.head_size(), table.get());
-  }
+  scheme_->scheme.name = model::resolved_cache_scheme(*ckpt_, scheme_->scheme, cfg.seq_len);
   const KvSchemeInfo info = scheme_->scheme.info(cfg.head_size());
   kv_label_ = asked == info.name ? info.name : asked + " = " + info.name;
   budget_ = static_cast<uint64_t>(o.kv_budget_mb * 1048576.0);

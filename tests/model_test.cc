@@ -244,7 +244,10 @@ TEST(Model, PresetsTakeASmallTokenTable) {
     EXPECT_EQ(t.cache().scheme(), *resolve_kv_preset("kvq-3.5", cfg.n_layers, max_seq, cfg.n_kv_heads,
                                                      cfg.head_size(), layer0_token_table(ckpt).get()));
     EXPECT_TRUE(t.cache().info().token_layer);
+    EXPECT_EQ(resolved_cache_scheme(ckpt, s, max_seq), t.cache().scheme());  // without making the cache
   }
+  EXPECT_EQ(resolved_cache_scheme(ckpt, CacheScheme("int8"), 256), "int8");
+  EXPECT_EQ(resolved_cache_scheme(ckpt, CacheScheme("t0+kvq-3.5"), 256), "t0+k3av2g64p8o8r8");
   Config big = cfg;
   big.vocab_size = 128256, big.n_kv_heads = 8, big.dim = 2048, big.n_heads = 32;  // Llama-3.2-1B: 263 MB
   EXPECT_FALSE(presets_take_token_table(big));

@@ -289,6 +289,15 @@ TEST(TokenLayer, PresetsGivenATableHoldLayer0AsTokenIds) {
         c.write(l, t, rows.k[static_cast<size_t>(t)], rows.v[static_cast<size_t>(t)], ids[static_cast<size_t>(t)]);
       }
     }
+    // Resident: no more than its inner scheme holds over every layer, plus
+    // the ids (layer 0's ids take the place of a coded layer; the token and
+    // RoPE tables are shared, not per cache).
+    KvCache whole(c.scheme().substr(3), kL, 200, kH, kD, &r);
+    for (int t = 0; t < 160; ++t) {
+      for (int l = 0; l < kL; ++l) whole.write(l, t, rows.k[static_cast<size_t>(t)], rows.v[static_cast<size_t>(t)]);
+    }
+    EXPECT_LE(c.allocated_bytes(), whole.allocated_bytes() + 4 * 160 + 32);
+    EXPECT_LT(c.bytes(), whole.bytes());
     KvCacheExpect e;
     e.scheme = preset;
     e.max_seq = 200;

@@ -214,8 +214,8 @@ struct PresetEntry {
 // 8 (stories-hd64: 2.65 bits with o4, 2.48 with o3, ΔPPL +0.8% and +0.04%
 // on the two protocols), and at K = 2 bits `a` has no bits to move.
 // The token ladders were measured with layer 0 as ids on both models, both
-// protocols, at ctx 256 and 512 (docs/schemes.md "Presets with layer 0 as
-// token ids"): layer 0 was where foreign text broke the plain presets, and
+// protocols, at ctx 256 and 512 (docs/schemes.md "How a preset resolves on
+// a model"): layer 0 was where foreign text broke the plain presets, and
 // the bits its ids free go to the other layers.
 const PresetEntry kPresets[] = {
     {"kvq-6.5", 6.5, "k6av5g128o8x16r8", 0, "",
