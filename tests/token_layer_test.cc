@@ -244,6 +244,31 @@ double TokenLayerBits(const std::string& inner, int L, int max_seq, int H, int D
 // bits fit the name (less the margin), every better one over it; without a
 // table it is the plain preset. Its label stays the preset's, and a saved
 // one restores under the preset's name (and not another's).
+// From heads of 64, kvq-4.5 and kvq-3.5 first try their own steps (groups
+// of 128, the last open tokens fp16); their plain schemes stay the same for
+// every head size. stories260K's geometry (5 layers, 4 x 8) keeps the
+// shared ladder; stories-hd64's (4 layers, 2 x 64) at ctx 512 takes the
+// heads-of-64 step, at ctx 256 a shared one.
+TEST(TokenLayer, PresetLaddersFromHeadsOf64) {
+  const auto table = Table(22);
+  for (const char* p : {"kvq-4.5", "kvq-3.5"}) {
+    SCOPED_TRACE(p);
+    EXPECT_EQ(grouped_kv_preset(p, 64)->name(), grouped_kv_preset(p, 8)->name());
+    const GroupedKvPresetLadder narrow = *grouped_kv_preset_token_ladder(p, 32),
+                                wide = *grouped_kv_preset_token_ladder(p, 64);
+    EXPECT_EQ(wide.inner.size(), narrow.inner.size() + 1);
+    for (size_t i = 0; i < narrow.inner.size(); ++i) EXPECT_EQ(wide.inner[i + 1].name(), narrow.inner[i].name());
+    EXPECT_NE(*resolve_kv_preset(p, 5, 512, 4, 8, table.get()), "t0+" + wide.inner[0].name());
+    EXPECT_EQ(*resolve_kv_preset(p, 4, 512, 2, 64, table.get()), "t0+" + wide.inner[0].name());
+    EXPECT_NE(*resolve_kv_preset(p, 4, 256, 2, 64, table.get()), "t0+" + wide.inner[0].name());
+  }
+  // 32 layers of 8 x 128 at 16K (docs/schemes.md): the shared steps.
+  EXPECT_EQ(*resolve_kv_preset("kvq-4.5", 32, 16384, 8, 128, table.get()), "t0+k4av4g64p8o8r16");
+  EXPECT_EQ(*resolve_kv_preset("kvq-3.5", 32, 16384, 8, 128, table.get()), "t0+k3av3g64p8o8r8");
+  EXPECT_EQ(grouped_kv_preset_token_ladder("kvq-4.5", 64)->inner[0].name(), "k5av5g128o8x8r8");
+  EXPECT_EQ(grouped_kv_preset_token_ladder("kvq-3.5", 128)->inner[0].name(), "k4av3g128o8x4r8");
+}
+
 TEST(TokenLayer, PresetsGivenATableHoldLayer0AsTokenIds) {
   const StaticRanges r = test::Ranges(21);
   const auto table = Table(22);
@@ -255,7 +280,7 @@ TEST(TokenLayer, PresetsGivenATableHoldLayer0AsTokenIds) {
   for (const auto& [preset, plain] : grouped_kv_presets()) {
     SCOPED_TRACE(preset);
     for (const Geometry& g : {Geometry{2, 200, kH, kD}, Geometry{5, 512, 4, 8}, Geometry{4, 256, 2, 64},
-                              Geometry{32, 16384, 8, 128}, Geometry{32, 256, 8, 128}}) {
+                              Geometry{4, 512, 2, 64}, Geometry{32, 16384, 8, 128}, Geometry{32, 256, 8, 128}}) {
       SCOPED_TRACE(testing::Message() << g.L << " layers, max_seq " << g.max_seq << ", " << g.H << " x " << g.D);
       const std::string got = *resolve_kv_preset(preset, g.L, g.max_seq, g.H, g.D, table.get());
       ASSERT_EQ(got.rfind("t0+", 0), 0u) << got;
