@@ -202,7 +202,7 @@ struct PresetEntry {
   int wide_from;
   const char* wide;
   std::array<const char*, 6> token;       // unused slots nullptr
-  std::array<const char*, 6> token_wide;  // all nullptr: the same as token
+  std::array<const char*, 6> token_wide;  // from wide_from channels a head; all nullptr: the same as token
 };
 // Chosen on stories260K's dev text at ctx 512 (see README): per quality
 // tier, few steady-state bits with a margin under both of its bounds.
