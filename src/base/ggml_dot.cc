@@ -7,8 +7,10 @@
 // reference, give the same bits.
 //
 // Highway kernels decode Q4_0, Q8_0, Q4_K, Q5_K and Q6_K in vectors of up to
-// 16 floats (x86, NEON); the other types, and the scalable and scalar
-// targets, decode a block with the reference and accumulate its values.
+// 16 floats (x86, NEON), two rows at a time; on AVX-512 a 4- or 5-bit code's
+// value is a lookup in a table of its sub-block's values. The other types,
+// and the scalable and scalar targets, decode a block with the reference and
+// accumulate its values.
 #include <algorithm>
 #include <cstring>
 
@@ -20,6 +22,7 @@
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "src/base/ggml_dot.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/cache_control.h"
 #include "hwy/highway.h"
 
 #ifndef KVQ_BASE_GGML_DOT_ONCE
@@ -81,21 +84,26 @@ constexpr size_t kN = hn::MaxLanes(DF());
 constexpr size_t kK = fused::kLanes / kN;  // vectors of partial sums
 static_assert(kN * kK == fused::kLanes, "16 partial sums in whole vectors");
 
-// Partial sum j mod 16 of the row lives in lane (j mod 16) mod N of
-// acc[(j mod 16) / N]; elements arrive in order, N at a time.
+// kR rows side by side, each with its own 16 partial sums: sum j mod 16 of
+// row r lives in lane (j mod 16) mod N of v[r][(j mod 16) / N]; elements
+// arrive in order, N at a time. The rows' add chains are independent, and
+// everything here is inlined so that the sums stay in registers.
+template <size_t kR>
 struct Acc {
-  VF v[kK];
-  Acc() {
-    for (size_t k = 0; k < kK; ++k) v[k] = hn::Zero(DF());
+  VF v[kR][kK];
+  HWY_INLINE Acc() {
+    for (size_t r = 0; r < kR; ++r) {
+      for (size_t k = 0; k < kK; ++k) v[r][k] = hn::Zero(DF());
+    }
   }
-  // values of elements [e, e + N), e a multiple of N.
-  HWY_INLINE void Add(size_t e, VF values, const float* x) {
-    VF& a = v[(e % fused::kLanes) / kN];
-    a = hn::Add(a, hn::Mul(values, hn::LoadU(DF(), x + e)));
+  // values of row r's elements [e, e + N), e a multiple of N; xe = x[e, e + N).
+  HWY_INLINE void Add(size_t r, size_t e, VF values, VF xe) {
+    VF& a = v[r][(e % fused::kLanes) / kN];
+    a = hn::Add(a, hn::Mul(values, xe));
   }
-  float Reduce() {
+  HWY_INLINE float Reduce(size_t r) const {
     HWY_ALIGN float s[fused::kLanes];
-    for (size_t k = 0; k < kK; ++k) hn::Store(v[k], DF(), s + k * kN);
+    for (size_t k = 0; k < kK; ++k) hn::Store(v[r][k], DF(), s + k * kN);
     return fused::Reduce(s);
   }
 };
@@ -106,103 +114,227 @@ HWY_INLINE VI SBytes(const uint8_t* p) {
   return hn::PromoteTo(DI(), hn::LoadU(hn::Rebind<int8_t, DF>(), reinterpret_cast<const int8_t*>(p)));
 }
 HWY_INLINE VF F(VI v) { return hn::ConvertTo(DF(), v); }
+HWY_INLINE VF X(const float* x, size_t e) { return hn::LoadU(DF(), x + e); }
 
-// The reference decode of one block, then its values accumulated.
-void BlockRef(uint32_t type, const uint8_t* b, size_t block, size_t e, const float* x, Acc& acc) {
-  HWY_ALIGN float v[256];
-  dequantize(type, b, block, v);
-  for (size_t m = 0; m < block; m += kN) acc.Add(e + m, hn::Load(DF(), v + m), x);
+// With 16 lanes (AVX-512), a 4-bit code's value is one lookup in a table of
+// its 16 values, each computed by the same float operations as the decode
+// (so the same bits); vpermps reads only the index's low 4 bits, and
+// vpermt2ps the low 5 of 32 values.
+#if HWY_TARGET <= HWY_AVX3
+constexpr bool kTables = true;
+HWY_INLINE VF Lut16(VF table, VI idx) { return VF{_mm512_permutexvar_ps(idx.raw, table.raw)}; }
+HWY_INLINE VF Lut32(VF lo, VF hi, VI idx) { return VF{_mm512_permutex2var_ps(lo.raw, idx.raw, hi.raw)}; }
+#else
+constexpr bool kTables = false;
+#endif
+
+// The reference decode of one block per row, then its values accumulated.
+template <size_t kR>
+HWY_INLINE void BlockRef(uint32_t type, const uint8_t* const* b, size_t block, size_t e, const float* x, Acc<kR>& acc) {
+  HWY_ALIGN float v[kR][256];
+  for (size_t r = 0; r < kR; ++r) dequantize(type, b[r], block, v[r]);
+  for (size_t m = 0; m < block; m += kN) {
+    const VF xe = X(x, e + m);
+    for (size_t r = 0; r < kR; ++r) acc.Add(r, e + m, hn::Load(DF(), v[r] + m), xe);
+  }
 }
 
 // Q4_0: (nibble - 8) d.
-void BlockQ4_0(const uint8_t* b, size_t e, const float* x, Acc& acc) {
-  const VF d = hn::Set(DF(), fused::Half(b));
-  const VI k15 = hn::Set(DI(), 15), k8 = hn::Set(DI(), 8);
-  for (size_t m = 0; m < 16; m += kN) {
-    const VI q = Bytes(b + 2 + m);
-    acc.Add(e + m, hn::Mul(F(hn::Sub(hn::And(q, k15), k8)), d), x);
-  }
-  for (size_t m = 0; m < 16; m += kN) {
-    const VI q = Bytes(b + 2 + m);
-    acc.Add(e + 16 + m, hn::Mul(F(hn::Sub(hn::ShiftRight<4>(q), k8)), d), x);
+template <size_t kR>
+HWY_INLINE void BlockQ4_0(const uint8_t* const* b, size_t e, const float* x, Acc<kR>& acc) {
+  VF d[kR];
+  for (size_t r = 0; r < kR; ++r) d[r] = hn::Set(DF(), fused::Half(b[r]));
+  if constexpr (kTables) {
+    VF t[kR];
+    const VF codes = hn::Sub(hn::Iota(DF(), 0), hn::Set(DF(), 8.0f));
+    for (size_t r = 0; r < kR; ++r) t[r] = hn::Mul(codes, d[r]);
+    const VF x0 = X(x, e), x1 = X(x, e + 16);
+    for (size_t r = 0; r < kR; ++r) {
+      const VI q = Bytes(b[r] + 2);
+      acc.Add(r, e, Lut16(t[r], q), x0);
+      acc.Add(r, e + 16, Lut16(t[r], hn::ShiftRight<4>(q)), x1);
+    }
+  } else {
+    const VI k15 = hn::Set(DI(), 15), k8 = hn::Set(DI(), 8);
+    for (size_t m = 0; m < 16; m += kN) {
+      const VF x0 = X(x, e + m), x1 = X(x, e + 16 + m);
+      for (size_t r = 0; r < kR; ++r) {
+        const VI q = Bytes(b[r] + 2 + m);
+        acc.Add(r, e + m, hn::Mul(F(hn::Sub(hn::And(q, k15), k8)), d[r]), x0);
+        acc.Add(r, e + 16 + m, hn::Mul(F(hn::Sub(hn::ShiftRight<4>(q), k8)), d[r]), x1);
+      }
+    }
   }
 }
 
 // Q8_0: q d.
-void BlockQ8_0(const uint8_t* b, size_t e, const float* x, Acc& acc) {
-  const VF d = hn::Set(DF(), fused::Half(b));
-  for (size_t m = 0; m < 32; m += kN) acc.Add(e + m, hn::Mul(F(SBytes(b + 2 + m)), d), x);
+template <size_t kR>
+HWY_INLINE void BlockQ8_0(const uint8_t* const* b, size_t e, const float* x, Acc<kR>& acc) {
+  VF d[kR];
+  for (size_t r = 0; r < kR; ++r) d[r] = hn::Set(DF(), fused::Half(b[r]));
+  for (size_t m = 0; m < 32; m += kN) {
+    const VF xe = X(x, e + m);
+    for (size_t r = 0; r < kR; ++r) acc.Add(r, e + m, hn::Mul(F(SBytes(b[r] + 2 + m)), d[r]), xe);
+  }
 }
 
-using blocks::ScaleMinK4;
-
 // Q4_K / Q5_K: (d sc) q - (dmin m) per 32 values; Q5_K's fifth bit from qh.
-template <bool kQ5>
-void BlockQ45_K(const uint8_t* b, size_t e, const float* x, Acc& acc) {
-  const float d = fused::Half(b), dmin = fused::Half(b + 2);
-  const uint8_t* scales = b + 4;
-  const uint8_t* qh = b + 16;
-  const uint8_t* q = kQ5 ? b + 48 : b + 16;
-  const VI k15 = hn::Set(DI(), 15), k1 = hn::Set(DI(), 1);
-  for (int is = 0; is < 8; is += 2, q += 32, e += 64) {
-    uint8_t sc, mn;
-    ScaleMinK4(is, scales, &sc, &mn);
-    const VF d1 = hn::Set(DF(), d * static_cast<float>(sc)), m1 = hn::Set(DF(), dmin * static_cast<float>(mn));
-    ScaleMinK4(is + 1, scales, &sc, &mn);
-    const VF d2 = hn::Set(DF(), d * static_cast<float>(sc)), m2 = hn::Set(DF(), dmin * static_cast<float>(mn));
-    for (size_t m = 0; m < 32; m += kN) {
-      VI c = hn::And(Bytes(q + m), k15);
-      if (kQ5) c = hn::Or(c, hn::ShiftLeft<4>(hn::And(hn::ShiftRightSame(Bytes(qh + m), is), k1)));
-      acc.Add(e + m, hn::Sub(hn::Mul(d1, F(c)), m1), x);
+template <bool kQ5, size_t kR>
+HWY_INLINE void BlockQ45_K(const uint8_t* const* b, size_t e, const float* x, Acc<kR>& acc) {
+  // Row r's sub-block j: d sc_j at dm[r][j], dmin m_j at dm[r][8 + j].
+  HWY_ALIGN float dm[kR][16];
+  for (size_t r = 0; r < kR; ++r) {
+    HWY_ALIGN uint8_t sm[16];
+    blocks::ScalesMinsK4(b[r] + 4, sm);
+    const float d = fused::Half(b[r]), dmin = fused::Half(b[r] + 2);
+    for (size_t k = 0; k < 16; k += kN) {
+      const VF s = kN == 16 ? hn::IfThenElse(hn::FirstN(DF(), 8), hn::Set(DF(), d), hn::Set(DF(), dmin))
+                            : hn::Set(DF(), k < 8 ? d : dmin);
+      hn::Store(hn::Mul(s, F(Bytes(sm + k))), DF(), dm[r] + k);
     }
-    for (size_t m = 0; m < 32; m += kN) {
-      VI c = hn::ShiftRight<4>(Bytes(q + m));
-      if (kQ5) c = hn::Or(c, hn::ShiftLeft<4>(hn::And(hn::ShiftRightSame(Bytes(qh + m), is + 1), k1)));
-      acc.Add(e + 32 + m, hn::Sub(hn::Mul(d2, F(c)), m2), x);
+  }
+  const VI k15 = hn::Set(DI(), 15), k1 = hn::Set(DI(), 1);
+  const VF iota = hn::Iota(DF(), 0);
+  for (size_t is = 0; is < 8; is += 2, e += 64) {
+    VF d1[kR], m1[kR], d2[kR], m2[kR];
+    for (size_t r = 0; r < kR; ++r) {
+      d1[r] = hn::Set(DF(), dm[r][is]), m1[r] = hn::Set(DF(), dm[r][8 + is]);
+      d2[r] = hn::Set(DF(), dm[r][is + 1]), m2[r] = hn::Set(DF(), dm[r][9 + is]);
+    }
+    const size_t qoff = (kQ5 ? 48 : 16) + is * 16;
+    if constexpr (kTables) {
+      // Values of codes 0..15 (and 16..31 for Q5_K) of both sub-blocks.
+      VF t1[kR], t2[kR], u1[kR], u2[kR];
+      for (size_t r = 0; r < kR; ++r) {
+        t1[r] = hn::Sub(hn::Mul(d1[r], iota), m1[r]), t2[r] = hn::Sub(hn::Mul(d2[r], iota), m2[r]);
+        if (kQ5) {
+          const VF iota16 = hn::Add(iota, hn::Set(DF(), 16.0f));
+          u1[r] = hn::Sub(hn::Mul(d1[r], iota16), m1[r]), u2[r] = hn::Sub(hn::Mul(d2[r], iota16), m2[r]);
+        }
+      }
+      // Each partial sum takes its elements in order: the low nibbles' 32, then the high.
+      for (size_t m = 0; m < 32; m += kN) {
+        const VF xe = X(x, e + m);
+        for (size_t r = 0; r < kR; ++r) {
+          const VI q = Bytes(b[r] + qoff + m);
+          if constexpr (kQ5) {
+            const VI h = hn::ShiftRightSame(Bytes(b[r] + 16 + m), static_cast<int>(is));
+            acc.Add(r, e + m, Lut32(t1[r], u1[r], hn::Or(hn::And(q, k15), hn::ShiftLeft<4>(hn::And(h, k1)))), xe);
+          } else {
+            acc.Add(r, e + m, Lut16(t1[r], q), xe);
+          }
+        }
+      }
+      for (size_t m = 0; m < 32; m += kN) {
+        const VF xe = X(x, e + 32 + m);
+        for (size_t r = 0; r < kR; ++r) {
+          const VI q = hn::ShiftRight<4>(Bytes(b[r] + qoff + m));
+          if constexpr (kQ5) {
+            const VI h = hn::ShiftRightSame(Bytes(b[r] + 16 + m), static_cast<int>(is) + 1);
+            acc.Add(r, e + 32 + m, Lut32(t2[r], u2[r], hn::Or(q, hn::ShiftLeft<4>(hn::And(h, k1)))), xe);
+          } else {
+            acc.Add(r, e + 32 + m, Lut16(t2[r], q), xe);
+          }
+        }
+      }
+    } else {
+      for (size_t m = 0; m < 32; m += kN) {
+        const VF xe = X(x, e + m);
+        for (size_t r = 0; r < kR; ++r) {
+          VI c = hn::And(Bytes(b[r] + qoff + m), k15);
+          if (kQ5) c = hn::Or(c, hn::ShiftLeft<4>(hn::And(hn::ShiftRightSame(Bytes(b[r] + 16 + m), static_cast<int>(is)), k1)));
+          acc.Add(r, e + m, hn::Sub(hn::Mul(d1[r], F(c)), m1[r]), xe);
+        }
+      }
+      for (size_t m = 0; m < 32; m += kN) {
+        const VF xe = X(x, e + 32 + m);
+        for (size_t r = 0; r < kR; ++r) {
+          VI c = hn::ShiftRight<4>(Bytes(b[r] + qoff + m));
+          if (kQ5) c = hn::Or(c, hn::ShiftLeft<4>(hn::And(hn::ShiftRightSame(Bytes(b[r] + 16 + m), static_cast<int>(is) + 1), k1)));
+          acc.Add(r, e + 32 + m, hn::Sub(hn::Mul(d2[r], F(c)), m2[r]), xe);
+        }
+      }
     }
   }
 }
 
 // Q6_K: (d sc) (q - 32) per 16 values.
-void BlockQ6_K(const uint8_t* b, size_t e, const float* x, Acc& acc) {
-  const uint8_t* ql = b;
-  const uint8_t* qh = b + 128;
-  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-  const float d = fused::Half(b + 208);
+template <size_t kR>
+HWY_INLINE void BlockQ6_K(const uint8_t* const* b, size_t e, const float* x, Acc<kR>& acc) {
   const VI k15 = hn::Set(DI(), 15), k3 = hn::Set(DI(), 3), k32 = hn::Set(DI(), 32);
-  for (int n = 0; n < 2; ++n, ql += 64, qh += 32, sc += 8, e += 128) {
+  // Row r's 16 scales times d.
+  HWY_ALIGN float ds[kR][16];
+  for (size_t r = 0; r < kR; ++r) {
+    const VF d = hn::Set(DF(), fused::Half(b[r] + 208));
+    for (size_t k = 0; k < 16; k += kN) hn::Store(hn::Mul(d, F(SBytes(b[r] + 192 + k))), DF(), ds[r] + k);
+  }
+  for (size_t n = 0; n < 2; ++n, e += 128) {
     // values l (0..31) + 32 s for s = 0..3: ql nibble (s odd: high), qh bits 2s, 2s + 1.
     for (int s = 0; s < 4; ++s) {
-      const uint8_t* lo = ql + (s & 1) * 32;
       for (size_t m = 0; m < 32; m += kN) {
-        const VI qlv = Bytes(lo + m);
-        const VI low = s < 2 ? hn::And(qlv, k15) : hn::ShiftRight<4>(qlv);
-        const VI high = hn::And(hn::ShiftRightSame(Bytes(qh + m), 2 * s), k3);
-        const VI c = hn::Sub(hn::Or(low, hn::ShiftLeft<4>(high)), k32);
-        const VF dl = hn::Set(DF(), d * static_cast<float>(sc[static_cast<int>(m / 16) + 2 * s]));
-        acc.Add(e + 32 * static_cast<size_t>(s) + m, hn::Mul(dl, F(c)), x);
+        const size_t at = e + 32 * static_cast<size_t>(s) + m;
+        const VF xe = X(x, at);
+        for (size_t r = 0; r < kR; ++r) {
+          const uint8_t* ql = b[r] + 64 * n + (s & 1) * 32;
+          const uint8_t* qh = b[r] + 128 + 32 * n;
+          const VI qlv = Bytes(ql + m);
+          const VI low = s < 2 ? hn::And(qlv, k15) : hn::ShiftRight<4>(qlv);
+          const VI high = hn::And(hn::ShiftRightSame(Bytes(qh + m), 2 * s), k3);
+          const VI c = hn::Sub(hn::Or(low, hn::ShiftLeft<4>(high)), k32);
+          const VF dl = hn::Set(DF(), ds[r][8 * n + m / 16 + 2 * static_cast<size_t>(s)]);
+          acc.Add(r, at, hn::Mul(dl, F(c)), xe);
+        }
       }
     }
   }
 }
 
-void MatVecFused(const WeightMatrix& w, const float* x, size_t r0, size_t r1, float* out) {
+// Rows [i, i + kR) of one type.
+template <WeightType kT, size_t kR>
+HWY_INLINE void Rows(const WeightMatrix& w, const float* x, size_t i, size_t block, size_t bytes, float* out) {
+  const uint8_t* b[kR];
+  for (size_t r = 0; r < kR; ++r) b[r] = w.row(i + r);
+  Acc<kR> acc;
+  const size_t ahead = kR * w.row_bytes;
+  for (size_t j = 0; j < w.cols; j += block) {
+    if constexpr (kT == WeightType::kQ4_0) BlockQ4_0(b, j, x, acc);
+    else if constexpr (kT == WeightType::kQ8_0) BlockQ8_0(b, j, x, acc);
+    else if constexpr (kT == WeightType::kQ4_K) BlockQ45_K<false>(b, j, x, acc);
+    else if constexpr (kT == WeightType::kQ5_K) BlockQ45_K<true>(b, j, x, acc);
+    else if constexpr (kT == WeightType::kQ6_K) BlockQ6_K(b, j, x, acc);
+    else BlockRef(w.type, b, block, j, x, acc);
+    for (size_t r = 0; r < kR; ++r) {
+      if (kR > 1) {
+        for (size_t o = 0; o < bytes; o += 64) hwy::Prefetch(b[r] + ahead + o);
+      }
+      b[r] += bytes;
+    }
+  }
+  for (size_t r = 0; r < kR; ++r) out[r] = acc.Reduce(r);
+}
+
+// Two rows at a time (independent add chains, one load of x for both), the
+// next two rows prefetched as these are read: side by side, two rows are two
+// short streams, which the hardware prefetcher alone followed at about 0.6x
+// the speed of one (AMD Zen 4); with the prefetch, 1.0-1.3x one row at a time
+// on AVX-512 and 1.4-1.6x on AVX2 there.
+template <WeightType kT>
+HWY_NOINLINE void MatVecType(const WeightMatrix& w, const float* x, size_t r0, size_t r1, float* out) {
   const size_t block = static_cast<size_t>(weight_block(w.type)),
                bytes = static_cast<size_t>(weight_block_bytes(w.type));
-  for (size_t i = r0; i < r1; ++i) {
-    const uint8_t* r = w.row(i);
-    Acc acc;
-    for (size_t j = 0; j < w.cols; j += block, r += bytes) {
-      switch (static_cast<WeightType>(w.type)) {
-        case WeightType::kQ4_0: BlockQ4_0(r, j, x, acc); break;
-        case WeightType::kQ8_0: BlockQ8_0(r, j, x, acc); break;
-        case WeightType::kQ4_K: BlockQ45_K<false>(r, j, x, acc); break;
-        case WeightType::kQ5_K: BlockQ45_K<true>(r, j, x, acc); break;
-        case WeightType::kQ6_K: BlockQ6_K(r, j, x, acc); break;
-        default: BlockRef(w.type, r, block, j, x, acc);
-      }
-    }
-    out[i - r0] = acc.Reduce();
+  size_t i = r0;
+  for (; i + 2 <= r1; i += 2) Rows<kT, 2>(w, x, i, block, bytes, out + (i - r0));
+  if (i < r1) Rows<kT, 1>(w, x, i, block, bytes, out + (i - r0));
+}
+
+void MatVecFused(const WeightMatrix& w, const float* x, size_t r0, size_t r1, float* out) {
+  switch (static_cast<WeightType>(w.type)) {
+    case WeightType::kQ4_0: return MatVecType<WeightType::kQ4_0>(w, x, r0, r1, out);
+    case WeightType::kQ8_0: return MatVecType<WeightType::kQ8_0>(w, x, r0, r1, out);
+    case WeightType::kQ4_K: return MatVecType<WeightType::kQ4_K>(w, x, r0, r1, out);
+    case WeightType::kQ5_K: return MatVecType<WeightType::kQ5_K>(w, x, r0, r1, out);
+    case WeightType::kQ6_K: return MatVecType<WeightType::kQ6_K>(w, x, r0, r1, out);
+    default: return MatVecType<WeightType::kF32>(w, x, r0, r1, out);  // Rows: BlockRef
   }
 }
 

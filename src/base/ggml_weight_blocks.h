@@ -30,6 +30,19 @@ inline void ScaleMinK4(int j, const uint8_t* q, uint8_t* d, uint8_t* m) {
   }
 }
 
+// All 8 pairs at once: scales to out[0..8), mins to out[8..16) (ScaleMinK4
+// for j = 0..7, four bytes at a time).
+inline void ScalesMinsK4(const uint8_t* q, uint8_t* out) {
+  uint32_t a[3], o[4];
+  std::memcpy(a, q, 12);
+  const uint32_t k6 = 0x3F3F3F3Fu, k4 = 0x0F0F0F0Fu, k2 = 0x03030303u;
+  o[0] = a[0] & k6;
+  o[1] = (a[2] & k4) | (((a[0] >> 6) & k2) << 4);
+  o[2] = a[1] & k6;
+  o[3] = ((a[2] >> 4) & k4) | (((a[1] >> 6) & k2) << 4);
+  std::memcpy(out, o, 16);
+}
+
 // Q5_0 / Q5_1's 32 five-bit codes (0..31): the nibbles of qs[16] (low:
 // values 0..15, high: 16..31) with their fifth bits from the 32-bit mask at qh_at.
 inline void Codes5(const uint8_t* qh_at, const uint8_t* qs, int* c) {

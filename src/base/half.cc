@@ -125,18 +125,6 @@ uint16_t f32_to_f16_ref(float f) {
   return sign | static_cast<uint16_t>(std::nearbyint(units));
 }
 
-float f16_to_f32_ref(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t e = (h >> 10) & 0x1Fu;
-  const uint32_t m = h & 0x3FFu;
-  if (e == 0x1F) return std::bit_cast<float>(sign | 0x7F800000u | (m << 13));
-  if (e == 0) {
-    const float v = static_cast<float>(m) * 5.9604644775390625e-08f;  // 2^-24
-    return sign ? -v : v;
-  }
-  return std::bit_cast<float>(sign | ((e + 112u) << 23) | (m << 13));
-}
-
 uint16_t f32_to_bf16_ref(float f) {
   const uint32_t x = std::bit_cast<uint32_t>(f);
   if ((x & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);
