@@ -360,23 +360,24 @@ std::span<const float> Transformer::forward_batched(std::span<const int> tokens)
 
 std::span<const float> Transformer::forward_window_into(Transformer& seq, std::span<const int> tokens) {
   KVQ_CHECK_ARG(&seq.w_ == &w_, "seq: expected a sequence of this checkpoint");
-  return run(tokens, 0, Pass::kWindow, false, &seq);
+  return run(tokens, 0, Pass::kWindow, Logits::kAll, &seq);
 }
 
 std::span<const float> Transformer::forward_batched_into(Transformer& seq, std::span<const int> tokens) {
   KVQ_CHECK_ARG(&seq.w_ == &w_, "seq: expected a sequence of this checkpoint");
-  return run(tokens, 0, Pass::kBlas, false, &seq);
+  return run(tokens, 0, Pass::kBlas, Logits::kAll, &seq);
 }
 
 std::span<const float> Transformer::prefill(std::span<const int> tokens, int pos0) {
   return prefill_into(*this, tokens, pos0);
 }
 
-std::span<const float> Transformer::prefill_into(Transformer& seq, std::span<const int> tokens, int pos0) {
+std::span<const float> Transformer::prefill_into(Transformer& seq, std::span<const int> tokens, int pos0,
+                                                 bool logits) {
   KVQ_CHECK_ARG(&seq.w_ == &w_, "seq: expected a sequence of this checkpoint");
   KVQ_CHECK_ARG(pos0 == 0 || pos0 == seq.tokens_, "pos0: expected 0 (a new sequence) or the sequence's length ",
                 seq.tokens_, ", got ", pos0);
-  return run(tokens, pos0, Pass::kBlas, /*last_logits=*/true, &seq);
+  return run(tokens, pos0, Pass::kBlas, logits ? Logits::kLast : Logits::kNone, &seq);
 }
 
 void Transformer::CheckRows(std::span<const Row> rows, bool at_length) const {
@@ -402,7 +403,7 @@ void Transformer::set_attention_threads(int n) {
   attention_threads_ = n;
 }
 
-std::span<const float> Transformer::run(std::span<const int> tokens, int pos0, Pass pass, bool last_logits,
+std::span<const float> Transformer::run(std::span<const int> tokens, int pos0, Pass pass, Logits logits,
                                         Transformer* seq) {
   if (seq == nullptr) seq = this;
   const int T = static_cast<int>(tokens.size());
@@ -411,7 +412,7 @@ std::span<const float> Transformer::run(std::span<const int> tokens, int pos0, P
                 " exceed the cache size ", seq->max_seq_);
   std::vector<Row> rows(static_cast<size_t>(T));
   for (int t = 0; t < T; ++t) rows[static_cast<size_t>(t)] = {seq, tokens[static_cast<size_t>(t)], pos0 + t};
-  return Run(rows, pass, last_logits);
+  return Run(rows, pass, logits);
 }
 
 std::span<const float> Transformer::forward_many(std::span<Transformer* const> seqs, std::span<const int> tokens,
@@ -429,7 +430,7 @@ std::span<const float> Transformer::forward_many(std::span<Transformer* const> s
 // run of positions, or with forward_many and forward_rows several, one row
 // each). This object's buffers hold the activations; each row's K/V go to
 // its own sequence's cache.
-std::span<const float> Transformer::Run(std::span<const Row> rows, Pass pass, bool last_logits) {
+std::span<const float> Transformer::Run(std::span<const Row> rows, Pass pass, Logits logits) {
   const int T = static_cast<int>(rows.size());
   for (const Row& r : rows) {
     KVQ_CHECK_ARG(r.token >= 0 && r.token < cfg_.vocab_size, "token: expected 0..", cfg_.vocab_size - 1, ", got ",
@@ -462,8 +463,9 @@ std::span<const float> Transformer::Run(std::span<const Row> rows, Pass pass, bo
   ensure(hb_, hid), ensure(hb2_, hid);
   // A prompt's prefill computes its last token's logits only: one row (a
   // 512-token prefill of a 128K vocabulary would otherwise zero 256 MiB).
-  if (logits_.size() < (last_logits ? 1 : uT) * static_cast<size_t>(vocab)) {
-    logits_.resize((last_logits ? 1 : uT) * static_cast<size_t>(vocab));
+  const size_t logit_rows = logits == Logits::kAll ? uT : 1;
+  if (logits_.size() < logit_rows * static_cast<size_t>(vocab)) {
+    logits_.resize(logit_rows * static_cast<size_t>(vocab));
   }
   const float eps = cfg_.norm_eps;
   // The batched pass hands a layer's block to KvCache::prefill (caches read
@@ -544,7 +546,8 @@ std::span<const float> Transformer::Run(std::span<const Row> rows, Pass pass, bo
   if (prefill) {
     for (int t = 0; t < T; ++t) one.bytes_at_[static_cast<size_t>(pos0 + t)] = one.cache_.bytes(pos0 + t + 1);
   }
-  if (last_logits) {  // a prompt's prefill: only its last token's logits
+  if (logits == Logits::kNone) return {};
+  if (logits == Logits::kLast) {  // a prompt's prefill: only its last token's logits
     RmsNorm(xb_.data(), row(x_, T - 1, dim), w_.rms_final, dim, eps);
     if (dot_ == WeightDot::kInt8 && ggml::fused_type(w_.wcls.type)) {
       MatMulInt8(logits_.data(), xb_.data(), w_.wcls, 1, xq_);

@@ -111,8 +111,11 @@ class Transformer {
   std::span<const float> prefill(std::span<const int> tokens, int pos0);
   // prefill() of another sequence `seq` (a Transformer of this checkpoint)
   // on this object's activation buffers: a server keeps one set of buffers
-  // for its passes and only a cache (and its RoPE table) per sequence.
-  std::span<const float> prefill_into(Transformer& seq, std::span<const int> tokens, int pos0);
+  // for its passes and only a cache (and its RoPE table) per sequence. With
+  // logits = false no logits are computed (an empty span is returned): a
+  // server that decodes the prompt's last token in its next step skips a
+  // vocabulary-sized product per prefill.
+  std::span<const float> prefill_into(Transformer& seq, std::span<const int> tokens, int pos0, bool logits = true);
   // One decoding step of several sequences at their own lengths, on this
   // object's buffers: rows[b].seq (a Transformer of this checkpoint without
   // a window, each at most once) takes rows[b].token at position
@@ -169,9 +172,11 @@ class Transformer {
   // Rows of several sequences of this checkpoint without a window, each at
   // most once, at a position inside its cache; at_length: its length.
   void CheckRows(std::span<const Row> rows, bool at_length) const;
-  std::span<const float> run(std::span<const int> tokens, int pos0, Pass pass, bool last_logits = false,
+  // Which rows' logits a pass computes.
+  enum class Logits { kAll, kLast, kNone };
+  std::span<const float> run(std::span<const int> tokens, int pos0, Pass pass, Logits logits = Logits::kAll,
                              Transformer* seq = nullptr);
-  std::span<const float> Run(std::span<const Row> rows, Pass pass, bool last_logits = false);
+  std::span<const float> Run(std::span<const Row> rows, Pass pass, Logits logits = Logits::kAll);
   void attention(int layer, int pos, const float* q, float* out);
   void BankChunk(int layer, int t0, int t1);
   const Config& cfg_;

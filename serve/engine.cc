@@ -498,8 +498,9 @@ bool Engine::Step() {
   const auto t_prefill = Clock::now();
   uint64_t prefilled = 0;
   for (const Chunk& c : chunks) {
+    // No logits: a prompt's last token is decoded by a step (the plan above).
     driver_->prefill_into(*c.s->tf, std::span(c.s->ids).subspan(static_cast<size_t>(c.pos), static_cast<size_t>(c.n)),
-                          c.pos);
+                          c.pos, /*logits=*/false);
     prefilled += static_cast<uint64_t>(c.n);
     StoreIfDue(*c.s);
   }

@@ -386,6 +386,23 @@ TEST(Model, RowsAtTheirOwnLengthsOnOneDriverAreTheSequencesAlone) {
       EXPECT_EQ(seq[b]->length(), P[b]);
       EXPECT_EQ(seq[b]->cache().bytes(), alone[b]->cache().bytes());
     }
+    // A prefill without logits: nothing returned, the same cache, and the
+    // next step's logits bit for bit (kvq serve prefills so).
+    {
+      Transformer quiet(ckpt, CacheScheme(scheme), 64);
+      std::vector<int> prompt;
+      for (int t = 0; t < P[1]; ++t) prompt.push_back(1 + (37 * t + 11) % (V - 1));
+      EXPECT_TRUE(driver.prefill_into(quiet, prompt, 0, /*logits=*/false).empty());
+      EXPECT_EQ(quiet.length(), P[1]);
+      EXPECT_EQ(quiet.cache().bytes(), seq[1]->cache().bytes());
+      Transformer twin(ckpt, CacheScheme(scheme), 64);
+      twin.prefill(prompt, 0);
+      const Transformer::SeqToken row[1] = {{&quiet, 42, P[1]}};
+      const auto got = driver.forward_rows(row);
+      const std::vector<float> g(got.begin(), got.end());
+      const auto want = twin.forward(42, P[1]);
+      ASSERT_EQ(std::vector<float>(want.begin(), want.end()), g);
+    }
     // One row: forward() bit for bit.
     {
       const Transformer::SeqToken row[1] = {{seq[0].get(), 42, P[0]}};

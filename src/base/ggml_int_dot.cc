@@ -600,20 +600,6 @@ KVQ_VNNI void Avx2Q8_0Row(const uint8_t* w, const uint8_t* const* ys, const floa
   for (int r = 0; r < R; ++r) out[r] = sumf[r];
 }
 
-// The K-quants' packed 6-bit (scale, min) pairs as 8 scales and 8 mins.
-HWY_INLINE void ScalesMinsK4(const uint8_t* q, uint8_t* sc, uint8_t* mn) {
-  uint32_t u[4];
-  std::memcpy(u, q, 12);
-  const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
-  u[3] = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4);
-  const uint32_t mins_lo = u[1] & m6;
-  u[1] = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);
-  u[0] &= m6;
-  u[2] = mins_lo;
-  std::memcpy(sc, u, 8);
-  std::memcpy(mn, u + 2, 8);
-}
-
 // pshufb masks: mask c repeats int16 lane c of a 128-bit half (its two
 // bytes), in both halves; Q6_K's mask s takes lane 2s in the low half and
 // 2s + 1 in the high half.
@@ -640,8 +626,9 @@ KVQ_VNNI void Avx2Q45_K(const uint8_t* w, const uint8_t* const* ys, const float*
   __m256 accf[R];
   for (int r = 0; r < R; ++r) accf[r] = _mm256_setzero_ps();
   for (size_t b = 0; b < nb; ++b, w += bytes) {
-    alignas(16) uint8_t sc[8], mn[8];
-    ScalesMinsK4(w + 4, sc, mn);
+    alignas(16) uint8_t sm[16];  // 8 scales, then 8 mins
+    blocks::ScalesMinsK4(w + 4, sm);
+    const uint8_t *sc = sm, *mn = sm + 8;
     const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
     const uint8_t* q = kQ5 ? w + 48 : w + 16;
     const __m256i qh = kQ5 ? Load32(w + 16) : _mm256_setzero_si256();
