@@ -402,6 +402,31 @@ HWY_INLINE __m128 Halves4(const uint8_t* p, size_t stride) {
   return _mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<int64_t>(bits)));
 }
 
+// v's 16-bit lanes shifted left by n (right by -n), n a constant in -3..4.
+HWY_INLINE __m256i ShiftLeft16(__m256i v, int n) {
+  return n > 0 ? _mm256_slli_epi16(v, n) : (n < 0 ? _mm256_srli_epi16(v, -n) : v);
+}
+
+// The two fp16 fields at p (lanes 0 and 1; 2 and 3 are 0).
+HWY_INLINE __m128 Halves2(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(bits)));
+}
+
+// blocks::ScalesMinsK4 in a vector: the 12 packed bytes at q (16 read; a
+// K-quant block has them) to the 8 scales (bytes 0..7) and 8 mins (8..15).
+HWY_INLINE __m128i ScalesMinsK4(const uint8_t* q) {
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));  // a0 a1 a2 -
+  // Lanes a0 & k6, a2 & k4, a1 & k6, (a2 >> 4) & k4 ...
+  const __m128i lo = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(a, _MM_SHUFFLE(2, 1, 2, 0)), _mm_set_epi32(4, 0, 0, 0)),
+                                   _mm_set_epi32(0x0F0F0F0F, 0x3F3F3F3F, 0x0F0F0F0F, 0x3F3F3F3F));
+  // ... with the top two bits of a0's and a1's bytes as bits 4..5 of lanes 1 and 3.
+  const __m128i hi = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(a, _MM_SHUFFLE(1, 1, 0, 0)), 2),
+                                   _mm_set_epi32(0x30303030, 0, 0x30303030, 0));
+  return _mm_or_si128(lo, hi);
+}
+
 // Signed int8 codes w times the activation x (32 each), summed in 8 int32 lanes.
 HWY_INLINE __m256i DotSigned(__m256i w, __m256i x) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1));
@@ -600,15 +625,15 @@ KVQ_VNNI void Avx2Q8_0Row(const uint8_t* w, const uint8_t* const* ys, const floa
   for (int r = 0; r < R; ++r) out[r] = sumf[r];
 }
 
-// pshufb masks: mask c repeats int16 lane c of a 128-bit half (its two
-// bytes), in both halves; Q6_K's mask s takes lane 2s in the low half and
-// 2s + 1 in the high half.
+// pshufb masks: mask c zero-extends byte c of a 128-bit half into every
+// int16 lane, in both halves (the K-quants' scale c, unpacked); Q6_K's mask
+// s takes int16 lane 2s in the low half and 2s + 1 in the high half.
 struct ScaleMasks {
   alignas(32) uint8_t k4[8][32];
   alignas(32) uint8_t k6[4][32];
   ScaleMasks() {
     for (int c = 0; c < 8; ++c) {
-      for (int i = 0; i < 32; ++i) k4[c][i] = static_cast<uint8_t>(2 * c + (i & 1));
+      for (int i = 0; i < 32; ++i) k4[c][i] = (i & 1) ? 0x80 : static_cast<uint8_t>(c);
     }
     for (int s = 0; s < 4; ++s) {
       for (int i = 0; i < 32; ++i) k6[s][i] = static_cast<uint8_t>(2 * (2 * s + (i >= 16 ? 1 : 0)) + (i & 1));
@@ -622,14 +647,12 @@ HWY_INLINE __m256i Mask(const uint8_t* m) { return _mm256_load_si256(reinterpret
 template <bool kQ5, int R>
 KVQ_VNNI void Avx2Q45_K(const uint8_t* w, const uint8_t* const* ys, const float* const*, size_t nb, float* out) {
   const size_t bytes = kQ5 ? 176 : 144;
-  const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+  const __m256i m4 = _mm256_set1_epi8(0x0F), b4 = _mm256_set1_epi8(0x10);
   __m256 accf[R];
   for (int r = 0; r < R; ++r) accf[r] = _mm256_setzero_ps();
   for (size_t b = 0; b < nb; ++b, w += bytes) {
-    alignas(16) uint8_t sm[16];  // 8 scales, then 8 mins
-    blocks::ScalesMinsK4(w + 4, sm);
-    const uint8_t *sc = sm, *mn = sm + 8;
-    const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
+    const __m128i sm = ScalesMinsK4(w + 4);
+    const __m256i scales = _mm256_broadcastsi128_si256(sm);
     const uint8_t* q = kQ5 ? w + 48 : w + 16;
     const __m256i qh = kQ5 ? Load32(w + 16) : _mm256_setzero_si256();
     constexpr int S = Chains<R>();
@@ -640,10 +663,9 @@ KVQ_VNNI void Avx2Q45_K(const uint8_t* w, const uint8_t* const* ys, const float*
     for (int j = 0; j < 4; ++j) {
       const __m256i c = Load32(q + 32 * j);
       __m256i lo = _mm256_and_si256(c, m4), hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), m4);
-      if (kQ5) {
-        const __m256i h = _mm256_srli_epi16(qh, 2 * j);
-        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(h, one), 4));
-        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
+      if (kQ5) {  // bits 2j and 2j + 1 of qh to bit 4 (one 16-bit shift each, then a mask)
+        lo = _mm256_or_si256(lo, _mm256_and_si256(ShiftLeft16(qh, 4 - 2 * j), b4));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(ShiftLeft16(qh, 3 - 2 * j), b4));
       }
       const __m256i slo = _mm256_shuffle_epi8(scales, Mask(kMasks.k4[2 * j]));
       const __m256i shi = _mm256_shuffle_epi8(scales, Mask(kMasks.k4[2 * j + 1]));
@@ -655,14 +677,13 @@ KVQ_VNNI void Avx2Q45_K(const uint8_t* w, const uint8_t* const* ys, const float*
         ahi = MulAddPairs(ahi, _mm256_maddubs_epi16(hi, Load32(x + 64 * j + 32)), shi);
       }
     }
-    const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn));
-    const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));  // min of each 16 values
-    const __m256 hd = _mm256_set1_ps(Half(w)), hdmin = _mm256_set1_ps(Half(w + 2));
+    const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm));  // min of each 16 values
+    const __m128 hdd = Halves2(w);                                           // d, dmin
     for (int r = 0; r < R; ++r) {
       const uint8_t* y = ys[r] + b * idot::kQ8_KBytes;
       const __m256i summ = _mm256_madd_epi16(Load32(y + 260), mins);
-      const __m256 yd = _mm256_broadcast_ss(reinterpret_cast<const float*>(y));
-      const __m256 d = _mm256_mul_ps(hd, yd), dmin = _mm256_mul_ps(hdmin, yd);
+      const __m128 ddm = _mm_mul_ps(hdd, _mm_broadcast_ss(reinterpret_cast<const float*>(y)));
+      const __m256 d = _mm256_broadcastss_ps(ddm), dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(ddm));
       accf[r] = _mm256_add_ps(accf[r], _mm256_sub_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(SumChains(acc, r))),
                                                      _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(summ))));
     }
@@ -672,7 +693,7 @@ KVQ_VNNI void Avx2Q45_K(const uint8_t* w, const uint8_t* const* ys, const float*
 
 template <int R>
 KVQ_VNNI void Avx2Q6_K(const uint8_t* w, const uint8_t* const* ys, const float* const*, size_t nb, float* out) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
   __m256 accf[R];
   for (int r = 0; r < R; ++r) accf[r] = _mm256_setzero_ps();
   for (size_t b = 0; b < nb; ++b, w += 210) {
@@ -686,14 +707,14 @@ KVQ_VNNI void Avx2Q6_K(const uint8_t* w, const uint8_t* const* ys, const float* 
       const __m256i scales =
           _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 192 + 8 * n))));
       const __m256i l0 = Load32(ql), l1 = Load32(ql + 32), qh = Load32(w + 128 + 32 * n);
+      // Each code's two high bits moved to bits 4..5 by one 16-bit shift
+      // (or none) and a mask: the bits a shift brings in from the
+      // neighbouring byte fall outside it.
       __m256i c[4];
-      c[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4));
-      c[1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
-                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4));
-      c[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4));
-      c[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4));
+      c[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+      c[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+      c[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m30));
+      c[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
       for (int s = 0; s < 4; ++s) {
         const __m256i sv = _mm256_shuffle_epi8(scales, Mask(kMasks.k6[s]));
         for (int r = 0; r < R; ++r) {
