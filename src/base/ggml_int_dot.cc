@@ -444,24 +444,48 @@ KVQ_VNNI HWY_INLINE __m256i DotBlock(__m256i aw, __m256i wv, const uint8_t* x) {
   return AddQuads(_mm256_setzero_si256(), aw, _mm256_sign_epi8(Load32(x), wv));
 }
 
-// Q4_0 with its Q8_0 activation: the codes (nibble - 8) as int8, in the
-// reference's lanes (int32 lane k: values 4k..4k+3). R activation rows share
-// each weight block's decoding; dys[r][b] is row r's block-b scale as float
-// (the kernel's caller converts them once). Row r's result goes to out[r],
-// the same bits as a call with that row alone.
+// Q4_0 with its Q8_0 activation, in the reference's lanes (int32 lane k:
+// values 4k..4k+3). One or two activation rows (decode): the nibbles
+// multiply the activation unsigned (one vpdpbusd, or pmaddubsw + pmaddwd)
+// into lanes that start at -8 times the lane's activation sum (xs[r], 8 per
+// block, made once per call by the caller): (nibble - 8) x, exactly. More
+// rows: the codes (nibble - 8) as int8, |code| times the activation signed
+// by the code (the lane sums would stream another 32 bytes a block and row
+// through the cache, and the matmul is bound by that). R activation rows
+// share each weight block's decoding; dys[r][b] is row r's block-b scale as
+// float (also the caller's). Row r's result goes to out[r], the same bits
+// as a call with that row alone.
 template <int R>
-KVQ_VNNI void Avx2Q4_0(const uint8_t* w, const uint8_t* const* ys, const float* const* dys, size_t nb, float* out) {
+constexpr bool Q4_0LaneSums() {
+  return R <= 2;
+}
+
+template <int R>
+KVQ_VNNI void Avx2Q4_0(const uint8_t* w, const uint8_t* const* ys, const float* const* dys, const int32_t* const* xs,
+                       size_t nb, float* out) {
   constexpr size_t kW = 18, kY = idot::kQ8_0Bytes;
   const __m256i m4 = _mm256_set1_epi8(0x0F), k8 = _mm256_set1_epi8(8);
   __m256 accf[R];
   for (int r = 0; r < R; ++r) accf[r] = _mm256_setzero_ps();
   for (size_t b = 0; b < nb; ++b, w += kW) {
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2));
-    const __m256i wv = _mm256_sub_epi8(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4), k8);
-    const __m256i aw = _mm256_sign_epi8(wv, wv);
-    const __m256 hw = _mm256_set1_ps(Half(w));
+    const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4);
+    uint16_t h;
+    std::memcpy(&h, w, 2);
+    const __m256 hw = _mm256_cvtph_ps(_mm_set1_epi16(static_cast<int16_t>(h)));
+    __m256i wv = nib, aw = nib;
+    if constexpr (!Q4_0LaneSums<R>()) {
+      wv = _mm256_sub_epi8(nib, k8);
+      aw = _mm256_sign_epi8(wv, wv);
+    }
     for (int r = 0; r < R; ++r) {
-      const __m256i lanes = DotBlock(aw, wv, ys[r] + b * kY + 2);
+      const uint8_t* x = ys[r] + b * kY + 2;
+      __m256i lanes;
+      if constexpr (Q4_0LaneSums<R>()) {
+        lanes = AddQuads(Load32(reinterpret_cast<const uint8_t*>(xs[r] + 8 * b)), nib, Load32(x));
+      } else {
+        lanes = DotBlock(aw, wv, x);
+      }
       const __m256 d = _mm256_mul_ps(hw, _mm256_broadcast_ss(dys[r] + b));
       accf[r] = _mm256_add_ps(accf[r], _mm256_mul_ps(_mm256_cvtepi32_ps(lanes), d));
     }
@@ -645,7 +669,8 @@ const ScaleMasks kMasks;
 HWY_INLINE __m256i Mask(const uint8_t* m) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(m)); }
 
 template <bool kQ5, int R>
-KVQ_VNNI void Avx2Q45_K(const uint8_t* w, const uint8_t* const* ys, const float* const*, size_t nb, float* out) {
+KVQ_VNNI void Avx2Q45_K(const uint8_t* w, const uint8_t* const* ys, const float* const*, const int32_t* const*, size_t nb,
+                        float* out) {
   const size_t bytes = kQ5 ? 176 : 144;
   const __m256i m4 = _mm256_set1_epi8(0x0F), b4 = _mm256_set1_epi8(0x10);
   __m256 accf[R];
@@ -692,7 +717,8 @@ KVQ_VNNI void Avx2Q45_K(const uint8_t* w, const uint8_t* const* ys, const float*
 }
 
 template <int R>
-KVQ_VNNI void Avx2Q6_K(const uint8_t* w, const uint8_t* const* ys, const float* const*, size_t nb, float* out) {
+KVQ_VNNI void Avx2Q6_K(const uint8_t* w, const uint8_t* const* ys, const float* const*, const int32_t* const*, size_t nb,
+                       float* out) {
   const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
   __m256 accf[R];
   for (int r = 0; r < R; ++r) accf[r] = _mm256_setzero_ps();
@@ -768,7 +794,8 @@ HWY_INLINE float Reduce8(float32x4_t lo, float32x4_t hi) {
 }
 
 template <int R>
-void NeonQ4_0(const uint8_t* w, const uint8_t* const* ys, const float* const* dys, size_t nb, float* out) {
+void NeonQ4_0(const uint8_t* w, const uint8_t* const* ys, const float* const* dys, const int32_t* const*, size_t nb,
+              float* out) {
   constexpr size_t kW = 18, kY = idot::kQ8_0Bytes;
   float32x4_t lo[R], hi[R];
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = vdupq_n_f32(0.0f);
@@ -791,7 +818,8 @@ void NeonQ4_0(const uint8_t* w, const uint8_t* const* ys, const float* const* dy
 // Q8_0 in RefQ8_0's order: each block's exact total (the quad sums added
 // across lanes), times (dw dy), added into one float per row.
 template <int R>
-void NeonQ8_0(const uint8_t* w, const uint8_t* const* ys, const float* const* dys, size_t nb, float* out) {
+void NeonQ8_0(const uint8_t* w, const uint8_t* const* ys, const float* const* dys, const int32_t* const*, size_t nb,
+              float* out) {
   constexpr size_t kW = 34, kY = idot::kQ8_0Bytes;
   float sumf[R] = {};
   for (size_t b = 0; b < nb; ++b, w += kW) {
@@ -807,7 +835,8 @@ void NeonQ8_0(const uint8_t* w, const uint8_t* const* ys, const float* const* dy
 }
 
 template <bool kQ5, int R>
-void NeonQ45_K(const uint8_t* w, const uint8_t* const* ys, const float* const*, size_t nb, float* out) {
+void NeonQ45_K(const uint8_t* w, const uint8_t* const* ys, const float* const*, const int32_t* const*, size_t nb,
+               float* out) {
   const size_t bytes = kQ5 ? 176 : 144;
   float32x4_t flo[R], fhi[R];
   for (int r = 0; r < R; ++r) flo[r] = fhi[r] = vdupq_n_f32(0.0f);
@@ -849,7 +878,8 @@ void NeonQ45_K(const uint8_t* w, const uint8_t* const* ys, const float* const*, 
 }
 
 template <int R>
-void NeonQ6_K(const uint8_t* w, const uint8_t* const* ys, const float* const*, size_t nb, float* out) {
+void NeonQ6_K(const uint8_t* w, const uint8_t* const* ys, const float* const*, const int32_t* const*, size_t nb,
+              float* out) {
   float32x4_t flo[R], fhi[R];
   for (int r = 0; r < R; ++r) flo[r] = fhi[r] = vdupq_n_f32(0.0f);
   const uint8x16_t m4 = vdupq_n_u8(0x0F), m3 = vdupq_n_u8(3);
@@ -899,8 +929,10 @@ void NeonQ6_K(const uint8_t* w, const uint8_t* const* ys, const float* const*, s
 constexpr size_t kMaxRows = HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL ? 8 : 4;
 
 // A kernel over R activation rows at once (out[r] for ys[r]; the Q8_0
-// activations' block scales as float in dys[r]).
-using RowsFn = void (*)(const uint8_t*, const uint8_t* const*, const float* const*, size_t, float*);
+// activations' block scales as float in dys[r]; Q4_0's -8 times each
+// block's lane sums in xs[r] on x86).
+using RowsFn = void (*)(const uint8_t*, const uint8_t* const*, const float* const*, const int32_t* const*, size_t,
+                        float*);
 template <int R>
 RowsFn Rows(uint32_t type) {
   switch (static_cast<WeightType>(type)) {
@@ -1013,23 +1045,38 @@ void MatMulInt(const WeightMatrix& w, const uint8_t* xq, size_t stride, size_t T
   }
   constexpr size_t kRowBlock = 16;
   const bool q8_0 = activation_type(w.type) == 8;
+#ifdef KVQ_INT_DOT_X86
+  const bool lane_sums = static_cast<WeightType>(w.type) == WeightType::kQ4_0;
+#else
+  const bool lane_sums = false;
+#endif
   thread_local std::vector<float> dy;  // no allocation per call once grown
+  thread_local std::vector<int32_t> xs;
   if (q8_0 && dy.size() < kMaxRows * nb) dy.resize(kMaxRows * nb);
+  if (lane_sums && xs.size() < kMaxRows * nb * 8) xs.resize(kMaxRows * nb * 8);
   for (size_t t0 = 0; t0 < T; t0 += kMaxRows) {
     const size_t R = std::min<size_t>(kMaxRows, T - t0);
     const uint8_t* ys[kMaxRows];
     const float* dys[kMaxRows] = {};
+    const int32_t* xss[kMaxRows] = {};
     for (size_t r = 0; r < R; ++r) {
       ys[r] = xq + (t0 + r) * stride;
       if (!q8_0) continue;
       Q8_0Scales(ys[r], nb, dy.data() + r * nb);
       dys[r] = dy.data() + r * nb;
+      if (!lane_sums || R > 2) continue;  // Q4_0LaneSums
+      int32_t* x = xs.data() + r * nb * 8;
+      for (size_t b = 0; b < nb; ++b) {
+        const int8_t* q = idot::S8(ys[r] + b * idot::kQ8_0Bytes + 2);
+        for (int k = 0; k < 8; ++k) x[8 * b + k] = -8 * (q[4 * k] + q[4 * k + 1] + q[4 * k + 2] + q[4 * k + 3]);
+      }
+      xss[r] = x;
     }
     for (size_t i0 = r0; i0 < r1; i0 += kRowBlock) {
       const size_t i1 = std::min(r1, i0 + kRowBlock);
       for (size_t i = i0; i < i1; ++i) {
         float o[kMaxRows];
-        fns[R - 1](w.row(i), ys, dys, nb, o);
+        fns[R - 1](w.row(i), ys, dys, xss, nb, o);
         for (size_t r = 0; r < R; ++r) out[(t0 + r) * ldo + i - r0] = o[r];
       }
     }
