@@ -22,12 +22,19 @@ for b in "$@"; do
 done
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT
+# One process per benchmark: Google Benchmark's CSV reporter aborts when a
+# run's counters differ from the first run's (BM_weight_matvec_int8's
+# weights/s beside BM_weight_matmul_int8's MAC/s).
+mapfile -t names < <("$1" --benchmark_filter="$filter" --benchmark_list_tests 2>/dev/null)
 for ((r = 0; r < rounds; ++r)); do
-  i=0
-  for b in "$@"; do
-    "$b" --benchmark_filter="$filter" --benchmark_min_time=0.5 --benchmark_format=csv 2>/dev/null |
-      awk -F, -v b="$i" '$1 ~ /^"BM_/ {gsub(/"/, "", $1); print b, $1, $3, $5}' >>"$out"
-    i=$((i + 1))
+  for name in "${names[@]}"; do
+    exact="^$(printf '%s' "$name" | sed 's/[][\.*^$()+?{}|]/\\&/g')\$"
+    i=0
+    for b in "$@"; do
+      "$b" --benchmark_filter="$exact" --benchmark_min_time=0.5 --benchmark_format=csv 2>/dev/null |
+        awk -F, -v b="$i" '$1 ~ /^"BM_/ {gsub(/"/, "", $1); print b, $1, $3, $5}' >>"$out"
+      i=$((i + 1))
+    done
   done
 done
 [[ -s $out ]] || { echo "no benchmark matched '$filter'" >&2; exit 1; }
