@@ -39,6 +39,9 @@ constexpr int kQKK = 256;
 // d times the sum of qs) | qs[32]; Q8_K = d (float32) | qs[256] | bsums[16]
 // (int16: sums of 16 qs).
 constexpr size_t kQ8_0Bytes = 34, kQ8_1Bytes = 36, kQ8_KBytes = 292;
+// The activation rows up to which the x86 Q4_0 kernel takes precomputed
+// lane sums (MatMulInt makes them for exactly those calls).
+constexpr size_t kQ4_0SumRows = 2;
 
 inline float F32(const uint8_t* p) {
   float f;
@@ -456,15 +459,11 @@ KVQ_VNNI HWY_INLINE __m256i DotBlock(__m256i aw, __m256i wv, const uint8_t* x) {
 // float (also the caller's). Row r's result goes to out[r], the same bits
 // as a call with that row alone.
 template <int R>
-constexpr bool Q4_0LaneSums() {
-  return R <= 2;
-}
-
-template <int R>
 KVQ_VNNI void Avx2Q4_0(const uint8_t* w, const uint8_t* const* ys, const float* const* dys, const int32_t* const* xs,
                        size_t nb, float* out) {
   constexpr size_t kW = 18, kY = idot::kQ8_0Bytes;
   const __m256i m4 = _mm256_set1_epi8(0x0F), k8 = _mm256_set1_epi8(8);
+  constexpr bool kSums = static_cast<size_t>(R) <= idot::kQ4_0SumRows;
   __m256 accf[R];
   for (int r = 0; r < R; ++r) accf[r] = _mm256_setzero_ps();
   for (size_t b = 0; b < nb; ++b, w += kW) {
@@ -474,14 +473,14 @@ KVQ_VNNI void Avx2Q4_0(const uint8_t* w, const uint8_t* const* ys, const float* 
     std::memcpy(&h, w, 2);
     const __m256 hw = _mm256_cvtph_ps(_mm_set1_epi16(static_cast<int16_t>(h)));
     __m256i wv = nib, aw = nib;
-    if constexpr (!Q4_0LaneSums<R>()) {
+    if constexpr (!kSums) {
       wv = _mm256_sub_epi8(nib, k8);
       aw = _mm256_sign_epi8(wv, wv);
     }
     for (int r = 0; r < R; ++r) {
       const uint8_t* x = ys[r] + b * kY + 2;
       __m256i lanes;
-      if constexpr (Q4_0LaneSums<R>()) {
+      if constexpr (kSums) {
         lanes = AddQuads(Load32(reinterpret_cast<const uint8_t*>(xs[r] + 8 * b)), nib, Load32(x));
       } else {
         lanes = DotBlock(aw, wv, x);
@@ -1064,7 +1063,7 @@ void MatMulInt(const WeightMatrix& w, const uint8_t* xq, size_t stride, size_t T
       if (!q8_0) continue;
       Q8_0Scales(ys[r], nb, dy.data() + r * nb);
       dys[r] = dy.data() + r * nb;
-      if (!lane_sums || R > 2) continue;  // Q4_0LaneSums
+      if (!lane_sums || R > idot::kQ4_0SumRows) continue;
       int32_t* x = xs.data() + r * nb * 8;
       for (size_t b = 0; b < nb; ++b) {
         const int8_t* q = idot::S8(ys[r] + b * idot::kQ8_0Bytes + 2);
