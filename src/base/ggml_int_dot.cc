@@ -39,9 +39,6 @@ constexpr int kQKK = 256;
 // d times the sum of qs) | qs[32]; Q8_K = d (float32) | qs[256] | bsums[16]
 // (int16: sums of 16 qs).
 constexpr size_t kQ8_0Bytes = 34, kQ8_1Bytes = 36, kQ8_KBytes = 292;
-// The activation rows up to which the x86 Q4_0 kernel takes precomputed
-// lane sums (MatMulInt makes them for exactly those calls).
-constexpr size_t kQ4_0SumRows = 2;
 
 inline float F32(const uint8_t* p) {
   float f;
@@ -65,22 +62,17 @@ inline const int8_t* S8(const uint8_t* p) { return reinterpret_cast<const int8_t
 // The 8 float lanes of Q4_0, Q8_0 and the K-quants added at a row's end.
 inline float Reduce8(const float* a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
 
-// Q4_0 sums in 8 lanes, as the x86 kernels' int32 lanes do: lane k of a
-// block holds its values 4k..4k+3 (exactly); each block adds the lane's
-// total times dw dy into a float lane; Reduce8 at the row's end.
+// Q4_0: each block's exact integer total times dw dy, as ggml's generic
+// dot, added into float lane b mod 8 (block b), Reduce8 at the row's end:
+// the kernels take 8 blocks' totals at once and scale and add them as one
+// vector (a float step per block and row ran at 0.4-0.5 of the read rate).
 float RefQ4_0(const uint8_t* w, const uint8_t* y, size_t nb) {
   float acc[8] = {};
   for (size_t b = 0; b < nb; ++b, w += 18, y += kQ8_0Bytes) {
     const int8_t* q8 = S8(y + 2);
-    const float d = Half(w) * Half(y);
-    for (int k = 0; k < 8; ++k) {
-      int t = 0;
-      for (int e = 4 * k; e < 4 * k + 4; ++e) {
-        const int code = (e < 16 ? (w[2 + e] & 0x0F) : (w[2 + e - 16] >> 4)) - 8;
-        t += code * q8[e];
-      }
-      acc[k] += static_cast<float>(t) * d;
-    }
+    int t = 0;
+    for (int e = 0; e < kQK; ++e) t += ((e < 16 ? (w[2 + e] & 0x0F) : (w[2 + e - 16] >> 4)) - 8) * q8[e];
+    acc[b % 8] += static_cast<float>(t) * (Half(w) * Half(y));
   }
   return Reduce8(acc);
 }
@@ -447,46 +439,79 @@ KVQ_VNNI HWY_INLINE __m256i DotBlock(__m256i aw, __m256i wv, const uint8_t* x) {
   return AddQuads(_mm256_setzero_si256(), aw, _mm256_sign_epi8(Load32(x), wv));
 }
 
-// Q4_0 with its Q8_0 activation, in the reference's lanes (int32 lane k:
-// values 4k..4k+3). One or two activation rows (decode): the nibbles
-// multiply the activation unsigned (one vpdpbusd, or pmaddubsw + pmaddwd)
-// into lanes that start at -8 times the lane's activation sum (xs[r], 8 per
-// block, made once per call by the caller): (nibble - 8) x, exactly. More
-// rows: the codes (nibble - 8) as int8, |code| times the activation signed
-// by the code (the lane sums would stream another 32 bytes a block and row
-// through the cache, and the matmul is bound by that). R activation rows
-// share each weight block's decoding; dys[r][b] is row r's block-b scale as
-// float (also the caller's). Row r's result goes to out[r], the same bits
-// as a call with that row alone.
+// 8 fp16 fields `stride` apart (8 rows' or 8 blocks' scales) as floats (a
+// vector built from scalar loads: scalar stores read back as a vector would
+// stall).
+HWY_INLINE __m256 Scales8(const uint8_t* p, size_t stride) {
+  uint16_t h[8];
+  for (int k = 0; k < 8; ++k) std::memcpy(h + k, p + static_cast<size_t>(k) * stride, 2);
+  return _mm256_cvtph_ps(_mm_setr_epi16(static_cast<short>(h[0]), static_cast<short>(h[1]), static_cast<short>(h[2]),
+                                        static_cast<short>(h[3]), static_cast<short>(h[4]), static_cast<short>(h[5]),
+                                        static_cast<short>(h[6]), static_cast<short>(h[7])));
+}
+
+// The 8 int32 lanes of u x s (u unsigned bytes, s signed; pmaddubsw's
+// pairs stay below 2^15 here): one vpdpbusd, or pmaddubsw + pmaddwd.
+KVQ_VNNI HWY_INLINE __m256i Quads(__m256i u, __m256i s) {
+#if HWY_TARGET == HWY_AVX3_DL
+  return AddQuads(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+// Lane k: the sum of v[k]'s 8 lanes (a hadd tree, 9 shuffles for 8 vectors).
+HWY_INLINE __m256i Totals8(const __m256i (&v)[8]) {
+  const __m256i s0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i s1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20), _mm256_permute2x128_si256(s0, s1, 0x31));
+}
+
+// Q4_0 with its Q8_0 activation in RefQ4_0's order: a block's total is the
+// unsigned nibbles times the activation (Quads, summed) less 8 times the
+// activation block's sum (bs[r][b], made once per call by the caller); 8
+// blocks' totals come out of one hadd tree, are scaled by their 8 dw dy in
+// one vector and added into float lane b mod 8; the last nb mod 8 blocks
+// go one at a time into their lanes (the same float operations). R
+// activation rows share the nibbles' decoding; dys[r][b] is row r's block-b
+// scale as float (the caller's). Row r's result goes to out[r], the same
+// bits as a call with that row alone.
 template <int R>
-KVQ_VNNI void Avx2Q4_0(const uint8_t* w, const uint8_t* const* ys, const float* const* dys, const int32_t* const* xs,
+KVQ_VNNI void Avx2Q4_0(const uint8_t* w, const uint8_t* const* ys, const float* const* dys, const int32_t* const* bs,
                        size_t nb, float* out) {
   constexpr size_t kW = 18, kY = idot::kQ8_0Bytes;
-  const __m256i m4 = _mm256_set1_epi8(0x0F), k8 = _mm256_set1_epi8(8);
-  constexpr bool kSums = static_cast<size_t>(R) <= idot::kQ4_0SumRows;
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const auto nibbles = [&](const uint8_t* blk) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4);
+  };
   __m256 accf[R];
   for (int r = 0; r < R; ++r) accf[r] = _mm256_setzero_ps();
-  for (size_t b = 0; b < nb; ++b, w += kW) {
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2));
-    const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4);
-    uint16_t h;
-    std::memcpy(&h, w, 2);
-    const __m256 hw = _mm256_cvtph_ps(_mm_set1_epi16(static_cast<int16_t>(h)));
-    __m256i wv = nib, aw = nib;
-    if constexpr (!kSums) {
-      wv = _mm256_sub_epi8(nib, k8);
-      aw = _mm256_sign_epi8(wv, wv);
-    }
+  size_t b = 0;
+  for (; b + 8 <= nb; b += 8) {
+    const uint8_t* wb = w + b * kW;
+    __m256i nib[8];
+    for (int k = 0; k < 8; ++k) nib[k] = nibbles(wb + static_cast<size_t>(k) * kW);
+    const __m256 dw = Scales8(wb, kW);
     for (int r = 0; r < R; ++r) {
       const uint8_t* x = ys[r] + b * kY + 2;
-      __m256i lanes;
-      if constexpr (kSums) {
-        lanes = AddQuads(Load32(reinterpret_cast<const uint8_t*>(xs[r] + 8 * b)), nib, Load32(x));
-      } else {
-        lanes = DotBlock(aw, wv, x);
+      __m256i v[8];
+      for (int k = 0; k < 8; ++k) v[k] = Quads(nib[k], Load32(x + static_cast<size_t>(k) * kY));
+      const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs[r] + b));
+      const __m256i tot = _mm256_sub_epi32(Totals8(v), _mm256_slli_epi32(sums, 3));
+      const __m256 d = _mm256_mul_ps(dw, _mm256_loadu_ps(dys[r] + b));
+      accf[r] = _mm256_add_ps(accf[r], _mm256_mul_ps(_mm256_cvtepi32_ps(tot), d));
+    }
+  }
+  if (b < nb) {
+    for (int r = 0; r < R; ++r) {
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, accf[r]);
+      for (size_t c = b; c < nb; ++c) {
+        const int32_t t = Hsum(Quads(nibbles(w + c * kW), Load32(ys[r] + c * kY + 2))) - 8 * bs[r][c];
+        lanes[c % 8] += static_cast<float>(t) * (Half(w + c * kW) * dys[r][c]);
       }
-      const __m256 d = _mm256_mul_ps(hw, _mm256_broadcast_ss(dys[r] + b));
-      accf[r] = _mm256_add_ps(accf[r], _mm256_mul_ps(_mm256_cvtepi32_ps(lanes), d));
+      accf[r] = _mm256_load_ps(lanes);
     }
   }
   for (int r = 0; r < R; ++r) out[r] = Reduce8(accf[r]);
@@ -513,16 +538,6 @@ HWY_INLINE __m256i SumChains(const __m256i (&acc)[R][S], int r) {
   __m256i a = acc[r][0];
   for (int s = 1; s < S; ++s) a = _mm256_add_epi32(a, acc[r][s]);
   return a;
-}
-
-// The 8 rows' fp16 scales of a block as floats (a vector built from scalar
-// loads: scalar stores read back as a vector would stall).
-HWY_INLINE __m256 Scales8(const uint8_t* p, size_t stride) {
-  uint16_t h[8];
-  for (int k = 0; k < 8; ++k) std::memcpy(h + k, p + static_cast<size_t>(k) * stride, 2);
-  return _mm256_cvtph_ps(_mm_setr_epi16(static_cast<short>(h[0]), static_cast<short>(h[1]), static_cast<short>(h[2]),
-                                        static_cast<short>(h[3]), static_cast<short>(h[4]), static_cast<short>(h[5]),
-                                        static_cast<short>(h[6]), static_cast<short>(h[7])));
 }
 
 // Q8_0 over 8 weight rows at once, a row in each int32 lane: the 8 rows'
@@ -792,26 +807,25 @@ HWY_INLINE float Reduce8(float32x4_t lo, float32x4_t hi) {
   return (vgetq_lane_f32(v, 0) + vgetq_lane_f32(v, 2)) + (vgetq_lane_f32(v, 1) + vgetq_lane_f32(v, 3));
 }
 
+// Q4_0 in RefQ4_0's order: each block's exact total (the quad sums added
+// across lanes), times dw dy, into float lane b mod 8.
 template <int R>
 void NeonQ4_0(const uint8_t* w, const uint8_t* const* ys, const float* const* dys, const int32_t* const*, size_t nb,
               float* out) {
   constexpr size_t kW = 18, kY = idot::kQ8_0Bytes;
-  float32x4_t lo[R], hi[R];
-  for (int r = 0; r < R; ++r) lo[r] = hi[r] = vdupq_n_f32(0.0f);
+  float acc[R][8] = {};
   for (size_t b = 0; b < nb; ++b, w += kW) {
     const uint8x16_t q = vld1q_u8(w + 2);
     const int8x16_t k8 = vdupq_n_s8(8);
     const int8x16_t w0 = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(q, vdupq_n_u8(0x0F))), k8);
     const int8x16_t w1 = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(q, 4)), k8);
-    const float32x4_t hw = vdupq_n_f32(idot::Half(w));
+    const float hw = idot::Half(w);
     for (int r = 0; r < R; ++r) {
       const Lanes l = Quads(w0, w1, ys[r] + b * kY + 2);
-      const float32x4_t d = vmulq_f32(hw, vdupq_n_f32(dys[r][b]));
-      lo[r] = vaddq_f32(lo[r], vmulq_f32(vcvtq_f32_s32(l.lo), d));
-      hi[r] = vaddq_f32(hi[r], vmulq_f32(vcvtq_f32_s32(l.hi), d));
+      acc[r][b % 8] += static_cast<float>(vaddvq_s32(vaddq_s32(l.lo, l.hi))) * (hw * dys[r][b]);
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = Reduce8(lo[r], hi[r]);
+  for (int r = 0; r < R; ++r) out[r] = idot::Reduce8(acc[r]);
 }
 
 // Q8_0 in RefQ8_0's order: each block's exact total (the quad sums added
@@ -928,8 +942,8 @@ void NeonQ6_K(const uint8_t* w, const uint8_t* const* ys, const float* const*, c
 constexpr size_t kMaxRows = HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL ? 8 : 4;
 
 // A kernel over R activation rows at once (out[r] for ys[r]; the Q8_0
-// activations' block scales as float in dys[r]; Q4_0's -8 times each
-// block's lane sums in xs[r] on x86).
+// activations' block scales as float in dys[r]; Q4_0's activation block
+// sums in xs[r] on x86).
 using RowsFn = void (*)(const uint8_t*, const uint8_t* const*, const float* const*, const int32_t* const*, size_t,
                         float*);
 template <int R>
@@ -1045,14 +1059,14 @@ void MatMulInt(const WeightMatrix& w, const uint8_t* xq, size_t stride, size_t T
   constexpr size_t kRowBlock = 16;
   const bool q8_0 = activation_type(w.type) == 8;
 #ifdef KVQ_INT_DOT_X86
-  const bool lane_sums = static_cast<WeightType>(w.type) == WeightType::kQ4_0;
+  const bool block_sums = static_cast<WeightType>(w.type) == WeightType::kQ4_0;
 #else
-  const bool lane_sums = false;
+  const bool block_sums = false;
 #endif
   thread_local std::vector<float> dy;  // no allocation per call once grown
   thread_local std::vector<int32_t> xs;
   if (q8_0 && dy.size() < kMaxRows * nb) dy.resize(kMaxRows * nb);
-  if (lane_sums && xs.size() < kMaxRows * nb * 8) xs.resize(kMaxRows * nb * 8);
+  if (block_sums && xs.size() < kMaxRows * nb) xs.resize(kMaxRows * nb);
   for (size_t t0 = 0; t0 < T; t0 += kMaxRows) {
     const size_t R = std::min<size_t>(kMaxRows, T - t0);
     const uint8_t* ys[kMaxRows];
@@ -1063,11 +1077,13 @@ void MatMulInt(const WeightMatrix& w, const uint8_t* xq, size_t stride, size_t T
       if (!q8_0) continue;
       Q8_0Scales(ys[r], nb, dy.data() + r * nb);
       dys[r] = dy.data() + r * nb;
-      if (!lane_sums || R > idot::kQ4_0SumRows) continue;
-      int32_t* x = xs.data() + r * nb * 8;
+      if (!block_sums) continue;
+      int32_t* x = xs.data() + r * nb;
       for (size_t b = 0; b < nb; ++b) {
         const int8_t* q = idot::S8(ys[r] + b * idot::kQ8_0Bytes + 2);
-        for (int k = 0; k < 8; ++k) x[8 * b + k] = -8 * (q[4 * k] + q[4 * k + 1] + q[4 * k + 2] + q[4 * k + 3]);
+        int32_t sum = 0;
+        for (int j = 0; j < 32; ++j) sum += q[j];
+        x[b] = sum;
       }
       xss[r] = x;
     }
