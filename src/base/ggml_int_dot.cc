@@ -972,6 +972,18 @@ inline void Q8_0Scales(const uint8_t* y, size_t nb, float* dy) {
   for (size_t b = 0; b < nb; ++b) dy[b] = idot::Half(y + b * idot::kQ8_0Bytes);
 }
 
+// The sums of a Q8_0 activation row's blocks' 32 codes (sum[b]): the
+// correction of kernels that multiply shifted weight codes (Q8_0's + 128 on
+// AVX3_DL, Q4_0's unsigned nibbles).
+inline void Q8_0BlockSums(const uint8_t* y, size_t nb, int32_t* sum) {
+  for (size_t b = 0; b < nb; ++b) {
+    const int8_t* q = idot::S8(y + b * idot::kQ8_0Bytes + 2);
+    int32_t s = 0;
+    for (int j = 0; j < 32; ++j) s += q[j];
+    sum[b] = s;
+  }
+}
+
 #ifdef KVQ_INT_DOT_Q8_0_ROWS8
 // Q8_0 on x86: one or two activation rows through Avx2Q8_0Row (each weight
 // row read in one stream), three or more against weight rows 8 at a time
@@ -1011,14 +1023,7 @@ void MatMulQ8_0(const WeightMatrix& w, const uint8_t* xq, size_t stride, size_t 
       continue;
     }
 #if HWY_TARGET == HWY_AVX3_DL  // the activation blocks' sums (the codes + 128 correction)
-    for (size_t r = 0; r < R; ++r) {
-      for (size_t b = 0; b < nb; ++b) {
-        const int8_t* q = idot::S8(ys[r] + b * idot::kQ8_0Bytes + 2);
-        int32_t sum = 0;
-        for (int j = 0; j < 32; ++j) sum += q[j];
-        xs[r * nb + b] = sum;
-      }
-    }
+    for (size_t r = 0; r < R; ++r) Q8_0BlockSums(ys[r], nb, xs.data() + r * nb);
 #endif
     size_t i = r0;
     for (; i + 8 <= r1; i += 8) {
@@ -1078,14 +1083,8 @@ void MatMulInt(const WeightMatrix& w, const uint8_t* xq, size_t stride, size_t T
       Q8_0Scales(ys[r], nb, dy.data() + r * nb);
       dys[r] = dy.data() + r * nb;
       if (!block_sums) continue;
-      int32_t* x = xs.data() + r * nb;
-      for (size_t b = 0; b < nb; ++b) {
-        const int8_t* q = idot::S8(ys[r] + b * idot::kQ8_0Bytes + 2);
-        int32_t sum = 0;
-        for (int j = 0; j < 32; ++j) sum += q[j];
-        x[b] = sum;
-      }
-      xss[r] = x;
+      Q8_0BlockSums(ys[r], nb, xs.data() + r * nb);
+      xss[r] = xs.data() + r * nb;
     }
     for (size_t i0 = r0; i0 < r1; i0 += kRowBlock) {
       const size_t i1 = std::min(r1, i0 + kRowBlock);
