@@ -79,12 +79,17 @@ void MatMulInt8(float* out, const float* x, const ggml::WeightMatrix& w, int T, 
   const size_t bytes = ggml::activation_bytes(w.type, w.cols), uT = static_cast<size_t>(T);
   if (xq.size() < uT * bytes) xq.resize(uT * bytes);
   for (size_t t = 0; t < uT; ++t) ggml::quantize_activation(w.type, x + t * w.cols, w.cols, xq.data() + t * bytes);
-  const int64_t rows = static_cast<int64_t>(w.rows), per = 64;
+  // One call a thread (a call converts the activation rows' block scales
+  // once for all its weight rows), each a contiguous range of whole 64-row
+  // blocks.
+  const bool par = !omp_in_parallel() && uT * w.rows * w.cols >= (size_t{1} << 20);
+  const int parts = par ? omp_get_max_threads() : 1;
+  const size_t per = (w.rows + 64 * static_cast<size_t>(parts) - 1) / (64 * static_cast<size_t>(parts)) * 64;
   const uint8_t* q = xq.data();
-#pragma omp parallel for schedule(static) if (!omp_in_parallel() && uT * w.rows * w.cols >= (size_t{1} << 20))
-  for (int64_t a = 0; a < rows; a += per) {
-    const size_t b = static_cast<size_t>(std::min(rows, a + per));
-    ggml::matmul_int(w, q, uT, static_cast<size_t>(a), b, out + a, w.rows);
+#pragma omp parallel for schedule(static) num_threads(parts) if (par)
+  for (int p = 0; p < parts; ++p) {
+    const size_t a = std::min(w.rows, static_cast<size_t>(p) * per), b = std::min(w.rows, a + per);
+    if (a < b) ggml::matmul_int(w, q, uT, a, b, out + a, w.rows);
   }
 }
 

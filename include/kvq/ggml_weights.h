@@ -97,6 +97,9 @@ size_t activation_bytes(uint32_t weight_type, size_t n);
 // zero sums, which ggml leaves unwritten; non-finite values give zero or
 // clamped codes, never a trap). Never throws.
 void quantize_activation(uint32_t weight_type, const float* x, size_t n, uint8_t* out);
+// quantize_activation's scalar reference (Q8_0 / Q8_1 are vectorised there;
+// the same bytes on every target).
+void quantize_activation_ref(uint32_t weight_type, const float* x, size_t n, uint8_t* out);
 // out[i - r0] = row i . xq for rows [r0, r1): each block's integer dot
 // product exactly, then float only at the block scales. Q4_0, Q4_K,
 // Q5_K and Q6_K sum in 8 lanes (lane k: values 4k..4k+3 of every 32, as the

@@ -322,6 +322,52 @@ HWY_BEFORE_NAMESPACE();
 namespace kvq::ggml {
 namespace HWY_NAMESPACE {
 
+namespace hn = hwy::HWY_NAMESPACE;
+
+// Q8_0 (or Q8_1, with_sum) blocks of x, the reference's bytes (QuantizeQ8_0
+// below): amax of the block's non-NaN |x|, d = amax / 127, each code
+// x / d rounded half away from zero as roundf (the truncation, plus one away
+// from zero where the exact fraction reaches a half), NaN as 0, clamped to
+// +-127. A vector a step where the reference's scalar loop was 6% of a
+// prompt's prefill on Q4_0 weights.
+void QuantizeQ8_0Rows(const float* HWY_RESTRICT x, size_t n, uint8_t* HWY_RESTRICT y, bool with_sum) {
+  const hn::CappedTag<float, 8> df;  // 1, 2, 4 or 8 lanes: a divisor of 32
+  const hn::RebindToSigned<decltype(df)> di;
+  const hn::Rebind<int8_t, decltype(df)> d8;
+  const size_t N = hn::Lanes(df), bytes = with_sum ? idot::kQ8_1Bytes : idot::kQ8_0Bytes;
+  for (size_t b = 0; b < n / 32; ++b, x += 32, y += bytes) {
+    auto vmax = hn::Zero(df);
+    for (size_t j = 0; j < 32; j += N) {
+      const auto v = hn::LoadU(df, x + j);
+      vmax = hn::Max(vmax, hn::IfThenElseZero(hn::Eq(v, v), hn::Abs(v)));
+    }
+    const float amax = hn::GetLane(hn::MaxOfLanes(df, vmax));
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    const uint16_t hd = f32_to_f16_ref(d);
+    std::memcpy(y, &hd, 2);
+    int8_t* qs = reinterpret_cast<int8_t*>(y + (with_sum ? 4 : 2));
+    const auto vid = hn::Set(df, id), lo = hn::Set(df, -127.0f), hi = hn::Set(df, 127.0f);
+    const auto half = hn::Set(df, 0.5f), mhalf = hn::Set(df, -0.5f);
+    const auto one = hn::Set(di, 1);
+    auto vsum = hn::Zero(di);
+    for (size_t j = 0; j < 32; j += N) {
+      auto v = hn::Mul(hn::LoadU(df, x + j), vid);
+      v = hn::Min(hi, hn::Max(lo, hn::IfThenElseZero(hn::Eq(v, v), v)));
+      const auto t = hn::ConvertTo(di, v);  // truncation
+      const auto f = hn::Sub(v, hn::ConvertTo(df, t));
+      auto q = hn::IfThenElse(hn::RebindMask(di, hn::Ge(f, half)), hn::Add(t, one), t);
+      q = hn::IfThenElse(hn::RebindMask(di, hn::Le(f, mhalf)), hn::Sub(q, one), q);
+      vsum = hn::Add(vsum, q);
+      hn::StoreU(hn::DemoteTo(d8, q), d8, qs + j);
+    }
+    if (with_sum) {
+      const int32_t sum = hn::GetLane(hn::SumOfLanes(di, vsum));
+      const uint16_t hs = f32_to_f16_ref(static_cast<float>(sum) * d);
+      std::memcpy(y + 2, &hs, 2);
+    }
+  }
+}
+
 #if HWY_HAVE_SCALABLE || HWY_TARGET == HWY_SCALAR
 
 void MatMulInt(const WeightMatrix& w, const uint8_t* xq, size_t stride, size_t T, size_t r0, size_t r1, float* out,
@@ -468,7 +514,7 @@ HWY_INLINE __m256i Totals8(const __m256i (&v)[8]) {
 }
 
 // Q4_0 with its Q8_0 activation in RefQ4_0's order: a block's total is the
-// unsigned nibbles times the activation (Quads, summed) less 8 times the
+// unsigned nibbles times the activation (Quads, summed) plus -8 times the
 // activation block's sum (bs[r][b], made once per call by the caller); 8
 // blocks' totals come out of one hadd tree, are scaled by their 8 dw dy in
 // one vector and added into float lane b mod 8; the last nb mod 8 blocks
@@ -498,7 +544,7 @@ KVQ_VNNI void Avx2Q4_0(const uint8_t* w, const uint8_t* const* ys, const float* 
       __m256i v[8];
       for (int k = 0; k < 8; ++k) v[k] = Quads(nib[k], Load32(x + static_cast<size_t>(k) * kY));
       const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs[r] + b));
-      const __m256i tot = _mm256_sub_epi32(Totals8(v), _mm256_slli_epi32(sums, 3));
+      const __m256i tot = _mm256_add_epi32(Totals8(v), sums);
       const __m256 d = _mm256_mul_ps(dw, _mm256_loadu_ps(dys[r] + b));
       accf[r] = _mm256_add_ps(accf[r], _mm256_mul_ps(_mm256_cvtepi32_ps(tot), d));
     }
@@ -508,7 +554,7 @@ KVQ_VNNI void Avx2Q4_0(const uint8_t* w, const uint8_t* const* ys, const float* 
       alignas(32) float lanes[8];
       _mm256_store_ps(lanes, accf[r]);
       for (size_t c = b; c < nb; ++c) {
-        const int32_t t = Hsum(Quads(nibbles(w + c * kW), Load32(ys[r] + c * kY + 2))) - 8 * bs[r][c];
+        const int32_t t = Hsum(Quads(nibbles(w + c * kW), Load32(ys[r] + c * kY + 2))) + bs[r][c];
         lanes[c % 8] += static_cast<float>(t) * (Half(w + c * kW) * dys[r][c]);
       }
       accf[r] = _mm256_load_ps(lanes);
@@ -547,7 +593,7 @@ HWY_INLINE __m256i SumChains(const __m256i (&acc)[R][S], int r) {
 // the 8 rows (the per-lane layout would convert, scale and add 8 lanes per
 // row and block). Each lane follows RefQ8_0's order: total times (dw dy),
 // added in block order. AVX3_DL multiplies the codes + 128 (unsigned) and
-// takes 128 times the activation block's sum (xs) off; AVX2 / AVX3 take
+// adds -128 times the activation block's sum (xs); AVX2 / AVX3 take
 // |code| and the activation's bytes signed by the code (pmaddubsw's pairs
 // stay below 2^15). Out: out[8 r + k] for activation row r, weight row k.
 HWY_INLINE void Transpose8x32(__m256i (&c)[8]) {
@@ -605,7 +651,7 @@ KVQ_VNNI void Avx2Q8_0Rows8(const uint8_t* w, size_t rb, const uint8_t* const* y
       __m256i acc = a[0];
       for (int c = 1; c < S; ++c) acc = _mm256_add_epi32(acc, a[c]);
 #if HWY_TARGET == HWY_AVX3_DL
-      acc = _mm256_sub_epi32(acc, _mm256_set1_epi32(128 * xs[r][b]));
+      acc = _mm256_add_epi32(acc, _mm256_set1_epi32(xs[r][b]));
 #else
       (void)xs;
 #endif
@@ -615,7 +661,78 @@ KVQ_VNNI void Avx2Q8_0Rows8(const uint8_t* w, size_t rb, const uint8_t* const* y
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + 8 * r, accf[r]);
 }
-#define KVQ_INT_DOT_Q8_0_ROWS8 1
+
+// Q4_0 over 8 weight rows at once (prefill), a row in each int32 lane, as
+// Avx2Q8_0Rows8: a block's 8 rows of 16 nibble bytes transposed as 8 x 4
+// dwords (12 shuffles for the 8 rows, where the per-row kernel's hadd tree
+// takes 9 per row and block), their low and high nibbles the 8 groups of 4
+// codes (u[g], lane k: row k's codes 4g..4g+3, unsigned), each times 4
+// activation bytes broadcast; the int32 sum starts at bs, -8 times the
+// activation block's sum, so it ends at the 8 rows' exact block totals. Float lane
+// j of RefQ4_0 (blocks j, j + 8, ...) is lanes[j] (in memory: 8 R vectors do
+// not fit in registers; a pass per lane with them in registers ran at 0.9x);
+// the 8 lanes are added at the end in Reduce8's tree across vectors:
+// RefQ4_0's order for every row. Out: out[8 r + k] for
+// activation row r, weight row k.
+template <int R>
+KVQ_VNNI void Avx2Q4_0Rows8(const uint8_t* w, size_t rb, const uint8_t* const* ys, const float* const* dys,
+                            const int32_t* const* bs, size_t nb, float* out) {
+  constexpr size_t kW = 18, kY = idot::kQ8_0Bytes;
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  alignas(32) float lanes[8][R][8];
+  for (size_t j = 0; j < 8; ++j) {
+    for (int r = 0; r < R; ++r) _mm256_store_ps(lanes[j][r], _mm256_setzero_ps());
+  }
+  for (size_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = w + b * kW;
+    const auto half_row = [&](int k) {
+      return _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + static_cast<size_t>(k) * rb + 2));
+    };
+    __m256i p[4], u[8];
+    for (int k = 0; k < 4; ++k) p[k] = _mm256_set_m128i(half_row(k + 4), half_row(k));  // rows k | k + 4
+    const __m256i t0 = _mm256_unpacklo_epi32(p[0], p[1]), t1 = _mm256_unpackhi_epi32(p[0], p[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(p[2], p[3]), t3 = _mm256_unpackhi_epi32(p[2], p[3]);
+    const __m256i d[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                          _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+    for (int g = 0; g < 4; ++g) {
+      u[g] = _mm256_and_si256(d[g], m4);
+      u[g + 4] = _mm256_and_si256(_mm256_srli_epi16(d[g], 4), m4);
+    }
+    const __m256 dw = Scales8(wb, rb);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* x = ys[r] + b * kY + 2;
+      const auto xg = [&](int g) {
+        int32_t q;
+        std::memcpy(&q, x + 4 * g, 4);
+        return _mm256_set1_epi32(q);
+      };
+#if HWY_TARGET == HWY_AVX3_DL
+      // Two chains of 4 (exact in any order): 8 vpdpbusd in one chain
+      // waited on their latency (0.9x).
+      __m256i a0 = _mm256_set1_epi32(bs[r][b]), a1 = _mm256_setzero_si256();
+      for (int g = 0; g < 8; g += 2) a0 = AddQuads(a0, u[g], xg(g)), a1 = AddQuads(a1, u[g + 1], xg(g + 1));
+      const __m256i tot = _mm256_add_epi32(a0, a1);
+#else
+      // pmaddubsw's pairs added in int16 across the 8 groups (16 products
+      // of a nibble and a code: |sum| <= 16 * 15 * 128 < 2^15), one pmaddwd.
+      __m256i h[8];
+      for (int g = 0; g < 8; ++g) h[g] = _mm256_maddubs_epi16(u[g], xg(g));
+      const __m256i h16 = _mm256_add_epi16(_mm256_add_epi16(_mm256_add_epi16(h[0], h[1]), _mm256_add_epi16(h[2], h[3])),
+                                           _mm256_add_epi16(_mm256_add_epi16(h[4], h[5]), _mm256_add_epi16(h[6], h[7])));
+      const __m256i tot = _mm256_add_epi32(_mm256_madd_epi16(h16, _mm256_set1_epi16(1)), _mm256_set1_epi32(bs[r][b]));
+#endif
+      const __m256 dd = _mm256_mul_ps(dw, _mm256_set1_ps(dys[r][b]));
+      float* acc = lanes[b % 8][r];
+      _mm256_store_ps(acc, _mm256_add_ps(_mm256_load_ps(acc), _mm256_mul_ps(_mm256_cvtepi32_ps(tot), dd)));
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const auto l = [&](int j) { return _mm256_load_ps(lanes[j][r]); };
+    const __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(l(0), l(4)), _mm256_add_ps(l(2), l(6))),
+                                   _mm256_add_ps(_mm256_add_ps(l(1), l(5)), _mm256_add_ps(l(3), l(7))));
+    _mm256_storeu_ps(out + 8 * r, s);
+  }
+}
 
 // Q8_0 for one weight row against R <= 2 activation rows (decode): the row
 // read in one stream (Avx2Q8_0Rows8's 8 rows side by side read at 0.6x this
@@ -623,8 +740,8 @@ KVQ_VNNI void Avx2Q8_0Rows8(const uint8_t* w, size_t rb, const uint8_t* const* y
 // total by a hadd tree, the 8 totals times (dw dy) in one vector, then added
 // into the row's float in block order: RefQ8_0's order, its bits.
 template <int R>
-KVQ_VNNI void Avx2Q8_0Row(const uint8_t* w, const uint8_t* const* ys, const float* const* dys, size_t nb,
-                          float* out) {
+KVQ_VNNI void Avx2Q8_0Row(const uint8_t* w, const uint8_t* const* ys, const float* const* dys, const int32_t* const*,
+                          size_t nb, float* out) {
   constexpr size_t kW = 34, kY = idot::kQ8_0Bytes;
   float sumf[R] = {};
   size_t b = 0;
@@ -942,8 +1059,8 @@ void NeonQ6_K(const uint8_t* w, const uint8_t* const* ys, const float* const*, c
 constexpr size_t kMaxRows = HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL ? 8 : 4;
 
 // A kernel over R activation rows at once (out[r] for ys[r]; the Q8_0
-// activations' block scales as float in dys[r]; Q4_0's activation block
-// sums in xs[r] on x86).
+// activations' block scales as float in dys[r]; the activation block sums
+// times -8 (Q4_0) or -128 (Q8_0's 8-row kernel on AVX3_DL) in xs[r] on x86).
 using RowsFn = void (*)(const uint8_t*, const uint8_t* const*, const float* const*, const int32_t* const*, size_t,
                         float*);
 template <int R>
@@ -951,6 +1068,7 @@ RowsFn Rows(uint32_t type) {
   switch (static_cast<WeightType>(type)) {
 #ifdef KVQ_INT_DOT_X86
     case WeightType::kQ4_0: return Avx2Q4_0<R>;
+    case WeightType::kQ8_0: return Avx2Q8_0Row<R>;
     case WeightType::kQ4_K: return Avx2Q45_K<false, R>;
     case WeightType::kQ5_K: return Avx2Q45_K<true, R>;
     case WeightType::kQ6_K: return Avx2Q6_K<R>;
@@ -972,86 +1090,52 @@ inline void Q8_0Scales(const uint8_t* y, size_t nb, float* dy) {
   for (size_t b = 0; b < nb; ++b) dy[b] = idot::Half(y + b * idot::kQ8_0Bytes);
 }
 
-// The sums of a Q8_0 activation row's blocks' 32 codes (sum[b]): the
-// correction of kernels that multiply shifted weight codes (Q8_0's + 128 on
-// AVX3_DL, Q4_0's unsigned nibbles).
-inline void Q8_0BlockSums(const uint8_t* y, size_t nb, int32_t* sum) {
+// -shift times the sums of a Q8_0 activation row's blocks' 32 codes
+// (sum[b]): the correction of kernels that multiply weight codes + shift
+// (Q8_0's + 128 on AVX3_DL, Q4_0's unsigned nibbles, + 8), added.
+inline void Q8_0BlockSums(const uint8_t* y, size_t nb, int32_t shift, int32_t* sum) {
   for (size_t b = 0; b < nb; ++b) {
     const int8_t* q = idot::S8(y + b * idot::kQ8_0Bytes + 2);
     int32_t s = 0;
     for (int j = 0; j < 32; ++j) s += q[j];
-    sum[b] = s;
+    sum[b] = -shift * s;
   }
 }
 
-#ifdef KVQ_INT_DOT_Q8_0_ROWS8
-// Q8_0 on x86: one or two activation rows through Avx2Q8_0Row (each weight
-// row read in one stream), three or more against weight rows 8 at a time
-// (Avx2Q8_0Rows8), the last r1 - r0 mod 8 through the reference: all
-// RefQ8_0's bits, so a row's numbers do not depend on T.
+// A kernel over 8 weight rows (at w, rb bytes apart) and R activation rows
+// at once: out[8 r + k] for activation row r, weight row k.
 using Rows8Fn = void (*)(const uint8_t*, size_t, const uint8_t* const*, const float* const*, const int32_t* const*,
                          size_t, float*);
-
-void MatMulQ8_0(const WeightMatrix& w, const uint8_t* xq, size_t stride, size_t T, size_t r0, size_t r1, float* out,
-                size_t ldo) {
-  const size_t nb = w.cols / 32;
-  const Rows8Fn fns[kMaxRows] = {nullptr, nullptr, Avx2Q8_0Rows8<3>, Avx2Q8_0Rows8<4>
-#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-                                 , Avx2Q8_0Rows8<5>, Avx2Q8_0Rows8<6>, Avx2Q8_0Rows8<7>, Avx2Q8_0Rows8<8>
+template <int R>
+Rows8Fn Rows8(uint32_t type) {
+  switch (static_cast<WeightType>(type)) {
+#ifdef KVQ_INT_DOT_X86
+    case WeightType::kQ4_0: return Avx2Q4_0Rows8<R>;
+    case WeightType::kQ8_0: return Avx2Q8_0Rows8<R>;
 #endif
-  };
-  thread_local std::vector<float> dy;  // no allocation per call once grown
-  thread_local std::vector<int32_t> xs;
-  if (dy.size() < kMaxRows * nb) dy.resize(kMaxRows * nb), xs.resize(kMaxRows * nb);
-  for (size_t t0 = 0; t0 < T; t0 += kMaxRows) {
-    const size_t R = std::min<size_t>(kMaxRows, T - t0);
-    const uint8_t* ys[kMaxRows];
-    const float* dys[kMaxRows];
-    const int32_t* xss[kMaxRows];
-    for (size_t r = 0; r < R; ++r) {
-      ys[r] = xq + (t0 + r) * stride;
-      Q8_0Scales(ys[r], nb, dy.data() + r * nb);
-      dys[r] = dy.data() + r * nb;
-      xss[r] = xs.data() + r * nb;
-    }
-    if (R <= 2) {  // decode: a weight row at a time, read in one stream
-      for (size_t i = r0; i < r1; ++i) {
-        float o[2];
-        (R == 1 ? Avx2Q8_0Row<1> : Avx2Q8_0Row<2>)(w.row(i), ys, dys, nb, o);
-        for (size_t r = 0; r < R; ++r) out[(t0 + r) * ldo + i - r0] = o[r];
-      }
-      continue;
-    }
-#if HWY_TARGET == HWY_AVX3_DL  // the activation blocks' sums (the codes + 128 correction)
-    for (size_t r = 0; r < R; ++r) Q8_0BlockSums(ys[r], nb, xs.data() + r * nb);
-#endif
-    size_t i = r0;
-    for (; i + 8 <= r1; i += 8) {
-      float o[8 * kMaxRows];
-      fns[R - 1](w.row(i), w.row_bytes, ys, dys, xss, nb, o);
-      for (size_t r = 0; r < R; ++r) {
-        for (size_t k = 0; k < 8; ++k) out[(t0 + r) * ldo + i + k - r0] = o[8 * r + k];
-      }
-    }
-    for (; i < r1; ++i) {
-      for (size_t r = 0; r < R; ++r) out[(t0 + r) * ldo + i - r0] = idot::RefQ8_0(w.row(i), ys[r], nb);
-    }
+    default: return nullptr;
   }
 }
-#endif
 
 // out[t * ldo + i - r0] = row i . activation row t (at xq + t * stride) for
-// rows [r0, r1) and T activation rows: blocks of 16 weight rows (in cache)
-// against blocks of up to kMaxRows activation rows (decoded once for them).
+// rows [r0, r1) and T activation rows, up to kMaxRows activation rows at a
+// time (decoded once for them). With one or two (decode) each weight row is
+// read in one stream (8 rows side by side read at 0.6x that rate from DRAM);
+// with three or more, the types that have an 8-row kernel (Q4_0, Q8_0 on
+// x86) take weight rows 8 at a time and a block's last rows mod 8 one at a
+// time. Every kernel has its reference's bits, so a row's numbers do not
+// depend on T or on the split.
 void MatMulInt(const WeightMatrix& w, const uint8_t* xq, size_t stride, size_t T, size_t r0, size_t r1, float* out,
                size_t ldo) {
-#ifdef KVQ_INT_DOT_Q8_0_ROWS8
-  if (static_cast<WeightType>(w.type) == WeightType::kQ8_0) return MatMulQ8_0(w, xq, stride, T, r0, r1, out, ldo);
-#endif
   const size_t nb = w.cols / static_cast<size_t>(weight_block(w.type));
   const RowsFn fns[kMaxRows] = {Rows<1>(w.type), Rows<2>(w.type), Rows<3>(w.type), Rows<4>(w.type)
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
                                 , Rows<5>(w.type), Rows<6>(w.type), Rows<7>(w.type), Rows<8>(w.type)
+#endif
+  };
+  const Rows8Fn fns8[kMaxRows] = {nullptr, nullptr, Rows8<3>(w.type), Rows8<4>(w.type)
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+                                  , Rows8<5>(w.type), Rows8<6>(w.type), Rows8<7>(w.type), Rows8<8>(w.type)
 #endif
   };
   if (fns[0] == nullptr) {
@@ -1061,37 +1145,56 @@ void MatMulInt(const WeightMatrix& w, const uint8_t* xq, size_t stride, size_t T
     }
     return;
   }
-  constexpr size_t kRowBlock = 16;
   const bool q8_0 = activation_type(w.type) == 8;
+  // The activation block sums: Q4_0's unsigned nibbles on x86, and AVX3_DL's
+  // Q8_0 8-row kernel (codes + 128).
 #ifdef KVQ_INT_DOT_X86
-  const bool block_sums = static_cast<WeightType>(w.type) == WeightType::kQ4_0;
+  const bool q4_0_sums = static_cast<WeightType>(w.type) == WeightType::kQ4_0;
+  const bool q8_0_sums = HWY_TARGET == HWY_AVX3_DL && static_cast<WeightType>(w.type) == WeightType::kQ8_0 && T > 2;
 #else
-  const bool block_sums = false;
+  const bool q4_0_sums = false, q8_0_sums = false;
 #endif
+  const bool sums = q4_0_sums || q8_0_sums;
+  // Every activation row's block scales as float (and block sums), made once
+  // for every weight row of the call.
   thread_local std::vector<float> dy;  // no allocation per call once grown
   thread_local std::vector<int32_t> xs;
-  if (q8_0 && dy.size() < kMaxRows * nb) dy.resize(kMaxRows * nb);
-  if (block_sums && xs.size() < kMaxRows * nb) xs.resize(kMaxRows * nb);
-  for (size_t t0 = 0; t0 < T; t0 += kMaxRows) {
-    const size_t R = std::min<size_t>(kMaxRows, T - t0);
-    const uint8_t* ys[kMaxRows];
-    const float* dys[kMaxRows] = {};
-    const int32_t* xss[kMaxRows] = {};
-    for (size_t r = 0; r < R; ++r) {
-      ys[r] = xq + (t0 + r) * stride;
-      if (!q8_0) continue;
-      Q8_0Scales(ys[r], nb, dy.data() + r * nb);
-      dys[r] = dy.data() + r * nb;
-      if (!block_sums) continue;
-      Q8_0BlockSums(ys[r], nb, xs.data() + r * nb);
-      xss[r] = xs.data() + r * nb;
-    }
-    for (size_t i0 = r0; i0 < r1; i0 += kRowBlock) {
-      const size_t i1 = std::min(r1, i0 + kRowBlock);
-      for (size_t i = i0; i < i1; ++i) {
+  if (q8_0 && dy.size() < T * nb) dy.resize(T * nb);
+  if (sums && xs.size() < T * nb) xs.resize(T * nb);
+  for (size_t t = 0; t < T && q8_0; ++t) {
+    Q8_0Scales(xq + t * stride, nb, dy.data() + t * nb);
+    if (sums) Q8_0BlockSums(xq + t * stride, nb, q4_0_sums ? 8 : 128, xs.data() + t * nb);
+  }
+  // Blocks of kRowBlock weight rows (kept in cache) against every group of
+  // up to kMaxRows activation rows in turn.
+  constexpr size_t kRowBlock = 64;
+  for (size_t i0 = r0; i0 < r1; i0 += kRowBlock) {
+    const size_t i1 = std::min(r1, i0 + kRowBlock);
+    for (size_t t0 = 0; t0 < T; t0 += kMaxRows) {
+      const size_t R = std::min<size_t>(kMaxRows, T - t0);
+      const uint8_t* ys[kMaxRows];
+      const float* dys[kMaxRows] = {};
+      const int32_t* xss[kMaxRows] = {};
+      for (size_t r = 0; r < R; ++r) {
+        ys[r] = xq + (t0 + r) * stride;
+        if (q8_0) dys[r] = dy.data() + (t0 + r) * nb;
+        if (sums) xss[r] = xs.data() + (t0 + r) * nb;
+      }
+      float* o0 = out + t0 * ldo;  // o0[r * ldo + i - r0]: row i against activation row t0 + r
+      size_t i = i0;
+      if (const Rows8Fn fn8 = fns8[R - 1]) {
+        for (; i + 8 <= i1; i += 8) {
+          float o[8 * kMaxRows];
+          fn8(w.row(i), w.row_bytes, ys, dys, xss, nb, o);
+          for (size_t r = 0; r < R; ++r) {
+            for (size_t k = 0; k < 8; ++k) o0[r * ldo + i + k - r0] = o[8 * r + k];
+          }
+        }
+      }
+      for (; i < i1; ++i) {
         float o[kMaxRows];
         fns[R - 1](w.row(i), ys, dys, xss, nb, o);
-        for (size_t r = 0; r < R; ++r) out[(t0 + r) * ldo + i - r0] = o[r];
+        for (size_t r = 0; r < R; ++r) o0[r * ldo + i - r0] = o[r];
       }
     }
   }
@@ -1101,7 +1204,6 @@ void MatVecInt(const WeightMatrix& w, const uint8_t* xq, size_t r0, size_t r1, f
   MatMulInt(w, xq, 0, 1, r0, r1, out, 0);
 }
 #undef KVQ_INT_DOT_X86
-#undef KVQ_INT_DOT_Q8_0_ROWS8
 #undef KVQ_INT_DOT_NEON
 #undef KVQ_VNNI
 
@@ -1115,6 +1217,7 @@ HWY_AFTER_NAMESPACE();
 namespace kvq::ggml {
 
 HWY_EXPORT(MatMulInt);
+HWY_EXPORT(QuantizeQ8_0Rows);
 
 namespace {
 
@@ -1126,10 +1229,15 @@ int NearestInt(float f) {
   return (i & 0x007fffff) - 0x00400000;
 }
 
-// roundf to an int8 code; a NaN (a non-finite activation) becomes 0.
-int8_t Round8(float v) {
-  if (!(std::fabs(v) <= 127.0f)) return v != v ? 0 : (v > 0 ? 127 : -127);
-  return static_cast<int8_t>(std::round(v));
+// roundf to an int8 code, clamped to +-127; a NaN (a non-finite activation)
+// becomes 0. Within +-127 roundf is the truncation plus one away from zero
+// where the fraction (exact: v - its truncation) reaches a half: no libm
+// call and no branch, so that a block's 32 codes vectorise.
+inline int8_t Round8(float v) {
+  v = v != v ? 0.0f : std::min(127.0f, std::max(-127.0f, v));
+  const int i = static_cast<int>(v);
+  const float f = v - static_cast<float>(i);
+  return static_cast<int8_t>(i + (f >= 0.5f ? 1 : 0) - (f <= -0.5f ? 1 : 0));
 }
 
 void QuantizeQ8_0(const float* x, size_t n, uint8_t* y, bool with_sum) {
@@ -1201,6 +1309,16 @@ size_t activation_bytes(uint32_t type, size_t n) {
 }
 
 void quantize_activation(uint32_t type, const float* x, size_t n, uint8_t* out) {
+  const uint32_t a = activation_type(type);
+  KVQ_ASSERT(a != 0 && n % static_cast<size_t>(weight_block(type)) == 0);
+  if (a == 15) {
+    QuantizeQ8_K(x, n, out);
+  } else {
+    HWY_DYNAMIC_DISPATCH(QuantizeQ8_0Rows)(x, n, out, a == 9);
+  }
+}
+
+void quantize_activation_ref(uint32_t type, const float* x, size_t n, uint8_t* out) {
   const uint32_t a = activation_type(type);
   KVQ_ASSERT(a != 0 && n % static_cast<size_t>(weight_block(type)) == 0);
   if (a == 15) {
