@@ -31,7 +31,8 @@ void Blocks(const uint8_t* data, size_t size) {
     if (!kvq::ggml::fused_type(type)) continue;
     const size_t block = static_cast<size_t>(kvq::ggml::weight_block(type)),
                  bytes = static_cast<size_t>(kvq::ggml::weight_block_bytes(type));
-    const size_t per_row = block == 32 ? 8 : 1, rows = std::min<size_t>(4, size / (per_row * bytes));
+    // Up to 12 rows: past 8, the batched kernels that take 8 weight rows at a time.
+    const size_t per_row = block == 32 ? 8 : 1, rows = std::min<size_t>(12, size / (per_row * bytes));
     if (rows == 0) continue;
     kvq::ggml::WeightMatrix w;
     w.type = type;
@@ -47,14 +48,17 @@ void Blocks(const uint8_t* data, size_t size) {
       std::memcpy(&a, &out[i], 4), std::memcpy(&b, &ref, 4);
       if (a != b && !(out[i] != out[i] && ref != ref)) __builtin_trap();  // equal bits, or both NaN
     }
-    // The integer path: matvec_int and matmul_int give the reference's bits.
+    // The integer path: matvec_int and matmul_int give the reference's bits
+    // (three activation rows: a batched pass's kernels, 8 weight rows at a
+    // time for Q4_0 and Q8_0 on x86, where there are 8).
     const size_t ab = kvq::ggml::activation_bytes(type, w.cols);
-    std::vector<uint8_t> xq(2 * ab);
+    std::vector<uint8_t> xq(3 * ab);
     kvq::ggml::quantize_activation(type, x.data(), w.cols, xq.data());
     kvq::ggml::quantize_activation(type, deq.data(), w.cols, xq.data() + ab);  // any values, NaN included
-    std::vector<float> two(2 * rows);
-    kvq::ggml::matmul_int(w, xq.data(), 2, 0, rows, two.data(), rows);
-    for (size_t t = 0; t < 2; ++t) {
+    kvq::ggml::quantize_activation(type, deq.data() + (rows - 1) * w.cols, w.cols, xq.data() + 2 * ab);
+    std::vector<float> two(3 * rows);
+    kvq::ggml::matmul_int(w, xq.data(), 3, 0, rows, two.data(), rows);
+    for (size_t t = 0; t < 3; ++t) {
       kvq::ggml::matvec_int(w, xq.data() + t * ab, 0, rows, out.data());
       for (size_t i = 0; i < rows; ++i) {
         const float ref = kvq::ggml::dot_row_int_ref(w, i, xq.data() + t * ab);
