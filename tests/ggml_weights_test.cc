@@ -205,7 +205,8 @@ TEST(GgmlWeights, IntMatMulEqualsItsRowsBitForBitOnEveryTarget) {
       const size_t rows = 39, cols = ggml::weight_block(t) == 32 ? 352 : 512, ab = ggml::activation_bytes(t, cols);
       const std::vector<uint8_t> m = RandomMatrix(type, rows, cols, rng);
       const ggml::WeightMatrix w = View(type, m, rows, cols);
-      for (size_t T : {size_t{1}, size_t{2}, size_t{3}, size_t{4}, size_t{9}, size_t{10}}) {
+      for (size_t T : {size_t{1}, size_t{2}, size_t{3}, size_t{4}, size_t{5}, size_t{6}, size_t{7}, size_t{9},
+                       size_t{10}}) {
         std::vector<uint8_t> xq(T * ab);
         for (size_t r = 0; r < T; ++r) {
           const std::vector<float> x = Activation(cols, rng);
