@@ -83,7 +83,10 @@ void BM_weight_matvec(benchmark::State& state, kvq::ggml::WeightType type) {
 
 // The integer path (kvq/ggml_weights.h: matvec_int, llama.cpp's arithmetic):
 // the activation rounded to the type's 8-bit blocks once per matrix (inside
-// the timing, as the forward pass does it), then the same rows and threads.
+// the timing, as the forward pass does it), then the rows split as the
+// forward pass splits them (model/transformer.cc: MatMulInt8): one call a
+// thread, each a contiguous range of whole 64-row blocks (a call prepares
+// the activation's scales and codes once for all its rows).
 void BM_weight_matvec_int8(benchmark::State& state, kvq::ggml::WeightType type) {
   const int threads = static_cast<int>(state.range(0));
   const uint32_t t = static_cast<uint32_t>(type);
@@ -91,13 +94,14 @@ void BM_weight_matvec_int8(benchmark::State& state, kvq::ggml::WeightType type) 
   std::vector<float> x(kCols), out(kRows);
   for (size_t j = 0; j < kCols; ++j) x[j] = static_cast<float>(j % 13) * 0.1f - 0.6f;
   std::vector<uint8_t> xq(kvq::ggml::activation_bytes(t, kCols));
+  const size_t per = (kRows + 64 * static_cast<size_t>(threads) - 1) / (64 * static_cast<size_t>(threads)) * 64;
   for (auto _ : state) {
     for (const kvq::ggml::WeightMatrix& w : mats.m) {
       kvq::ggml::quantize_activation(t, x.data(), kCols, xq.data());
 #pragma omp parallel for num_threads(threads) schedule(static)
-      for (int64_t a = 0; a < static_cast<int64_t>(kRows); a += 64) {
-        const size_t b = std::min(kRows, static_cast<size_t>(a) + 64);
-        kvq::ggml::matvec_int(w, xq.data(), static_cast<size_t>(a), b, out.data() + a);
+      for (int p = 0; p < threads; ++p) {
+        const size_t a = std::min(kRows, static_cast<size_t>(p) * per), b = std::min(kRows, a + per);
+        if (a < b) kvq::ggml::matvec_int(w, xq.data(), a, b, out.data() + a);
       }
       benchmark::DoNotOptimize(out.data());
     }
