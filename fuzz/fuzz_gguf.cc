@@ -50,19 +50,21 @@ void Blocks(const uint8_t* data, size_t size) {
     }
     // The integer path: matvec_int and matmul_int give the reference's bits
     // (three activation rows: a batched pass's kernels, 8 weight rows at a
-    // time for Q4_0 and Q8_0 on x86, where there are 8).
+    // time for Q4_0 and Q8_0 on x86, where there are 8; one and two: the
+    // decode kernels, on the activation's repacked codes for Q4_0 and Q4_K).
     const size_t ab = kvq::ggml::activation_bytes(type, w.cols);
     std::vector<uint8_t> xq(3 * ab);
     kvq::ggml::quantize_activation(type, x.data(), w.cols, xq.data());
     kvq::ggml::quantize_activation(type, deq.data(), w.cols, xq.data() + ab);  // any values, NaN included
     kvq::ggml::quantize_activation(type, deq.data() + (rows - 1) * w.cols, w.cols, xq.data() + 2 * ab);
-    std::vector<float> two(3 * rows);
-    kvq::ggml::matmul_int(w, xq.data(), 3, 0, rows, two.data(), rows);
+    std::vector<float> three(3 * rows), two(2 * rows);
+    kvq::ggml::matmul_int(w, xq.data(), 3, 0, rows, three.data(), rows);
+    kvq::ggml::matmul_int(w, xq.data() + ab, 2, 0, rows, two.data(), rows);
     for (size_t t = 0; t < 3; ++t) {
       kvq::ggml::matvec_int(w, xq.data() + t * ab, 0, rows, out.data());
       for (size_t i = 0; i < rows; ++i) {
         const float ref = kvq::ggml::dot_row_int_ref(w, i, xq.data() + t * ab);
-        for (const float got : {out[i], two[t * rows + i]}) {
+        for (const float got : {out[i], three[t * rows + i], t > 0 ? two[(t - 1) * rows + i] : out[i]}) {
           uint32_t a, b;
           std::memcpy(&a, &got, 4), std::memcpy(&b, &ref, 4);
           if (a != b && !(got != got && ref != ref)) __builtin_trap();

@@ -7,9 +7,9 @@
 // the scalar reference give the same bits.
 //
 // Kernels for Q4_0, Q8_0, Q4_K, Q5_K and Q6_K on x86 (AVX2, AVX3: pmaddubsw +
-// pmaddwd; AVX3_DL: AVX-512 VNNI) and NEON (vmull_s8 + pairwise adds), all
-// summing in the reference's 8 lanes; the other types, and SSE4 / SSSE3 /
-// the scalar targets, run the reference.
+// pmaddwd; AVX3_DL: AVX-512 VNNI, 512-bit for Q4_0's and Q4_K's decode) and
+// NEON (vmull_s8 + pairwise adds), all summing in the reference's 8 lanes;
+// the other types, and SSE4 / SSSE3 / the scalar targets, run the reference.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -895,6 +895,234 @@ KVQ_VNNI void Avx2Q6_K(const uint8_t* w, const uint8_t* const* ys, const float* 
   }
   for (int r = 0; r < R; ++r) out[r] = Reduce8(accf[r]);
 }
+
+// ---- Q4_0 decode (one or two activation rows) on repacked activation codes.
+// A Q8_0 activation row's codes as the kernels below read them
+// (RepackQ4_0Codes, once per call): in each 8 blocks (256 bytes), blocks m
+// and m + 4 side by side (m = 0..3): their first 16 codes at
+// 128 (m / 2) + 32 (m % 2), their last 16 at that + 64, matching a weight
+// vector that holds the nibble bytes of blocks m and m + 4 (low nibbles:
+// codes 0..15, high: 16..31); the blocks past the last 8 as their 32 codes
+// at 32 b. No scales (the caller's dys). Each pair's int32 lanes then
+// hold one block's quad sums per 128-bit half, and the per-block totals
+// come out of three hadds (AVX2) or two vpermt2d (AVX3_DL) in block order,
+// where the kernel above loads, shifts and inserts every block and sums
+// each one's 8 lanes through a 9-shuffle tree.
+inline void RepackQ4_0Codes(const uint8_t* y, size_t nb, uint8_t* out) {
+  constexpr size_t kY = idot::kQ8_0Bytes;
+  size_t b = 0;
+  for (; b + 8 <= nb; b += 8) {
+    for (size_t j = 0; j < 8; ++j) {
+      const size_t m = j % 4;
+      uint8_t* o = out + 32 * b + 128 * (m / 2) + 32 * (m % 2) + 16 * (j / 4);
+      std::memcpy(o, y + (b + j) * kY + 2, 16);
+      std::memcpy(o + 64, y + (b + j) * kY + 18, 16);
+    }
+  }
+  for (; b < nb; ++b) std::memcpy(out + 32 * b, y + b * kY + 2, 32);
+}
+
+// The blocks past the last 8 (nb mod 8), one at a time into float lane
+// c mod 8, as Avx2Q4_0's tail: codes at x + 32 c.
+KVQ_VNNI HWY_INLINE __m256 Q4_0Tail(const uint8_t* w, const uint8_t* x, const float* dy, const int32_t* bs, size_t b,
+                                    size_t nb, __m256 accf) {
+  constexpr size_t kW = 18;
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, accf);
+  for (size_t c = b; c < nb; ++c) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c * kW + 2));
+    const __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0F));
+    const int32_t t = Hsum(Quads(u, Load32(x + 32 * c))) + bs[c];
+    lanes[c % 8] += static_cast<float>(t) * (Half(w + c * kW) * dy[c]);
+  }
+  return _mm256_load_ps(lanes);
+}
+
+#if HWY_TARGET == HWY_AVX3_DL
+// AVX3_DL, 512-bit: 8 blocks (144 bytes) read as 64-byte vectors; one
+// vpermt2b gathers the nibble bytes of blocks 0, 4, 1, 5 (from bytes
+// 0..127), another those of 2, 6, 3, 7 (bytes 32..159, the last 16 masked
+// off: no read past the 8 blocks), one vpermt2w the 8 fp16 scales; four
+// vpdpbusd give the products, two vpermt2d + a 64-bit shift the 8 block
+// totals in block order.
+struct Q4_0Perm {
+  alignas(64) uint8_t n0[64], n1[64];  // nibble bytes: blocks 0,4,1,5 of (wb, wb + 64); 2,6,3,7 of (wb + 32, wb + 96)
+  alignas(64) uint16_t scales[32];     // the 8 scale words of (wb, wb + 64)
+  alignas(64) uint32_t pa[16], pb[16];  // lanes 2k, 2k + 1 of pa + pb: block k's two halves
+  Q4_0Perm() {
+    const int order[8] = {0, 4, 1, 5, 2, 6, 3, 7};  // the block in each 16-byte quarter of the two vectors
+    for (int q = 0; q < 4; ++q) {
+      for (int i = 0; i < 16; ++i) {  // the byte in the 8 blocks, from the vectors' first byte
+        n0[16 * q + i] = static_cast<uint8_t>(18 * order[q] + 2 + i);
+        n1[16 * q + i] = static_cast<uint8_t>(18 * order[q + 4] + 2 + i - 32);
+      }
+    }
+    for (int k = 0; k < 32; ++k) scales[k] = static_cast<uint16_t>(k < 8 ? 9 * k : 0);
+    for (int q = 0; q < 8; ++q) {  // block order[q]'s 4 lanes: 4q..4q+3 of the concatenated (s0, s1)
+      const int k = order[q];
+      pa[2 * k] = static_cast<uint32_t>(4 * q), pb[2 * k] = static_cast<uint32_t>(4 * q + 1);
+      pa[2 * k + 1] = static_cast<uint32_t>(4 * q + 2), pb[2 * k + 1] = static_cast<uint32_t>(4 * q + 3);
+    }
+  }
+};
+const Q4_0Perm kQ4_0Perm;
+
+// The 8 blocks' codes decoded once (Load, which returns their 8 scales),
+// then each activation row's 8 block totals in block order (Totals).
+struct Q4_0Decoder {
+  __m512i m4, p0, p1, psc, pa, pb;
+  __m512i l0, h0, l1, h1;  // low and high nibbles of blocks 0, 4, 1, 5 and of 2, 6, 3, 7
+
+  KVQ_VNNI Q4_0Decoder()
+      : m4(_mm512_set1_epi8(0x0F)), p0(_mm512_load_si512(kQ4_0Perm.n0)), p1(_mm512_load_si512(kQ4_0Perm.n1)),
+        psc(_mm512_load_si512(kQ4_0Perm.scales)), pa(_mm512_load_si512(kQ4_0Perm.pa)),
+        pb(_mm512_load_si512(kQ4_0Perm.pb)) {}
+
+  KVQ_VNNI __m256 Load(const uint8_t* wb) {
+    const __m512i a = _mm512_loadu_si512(wb), c = _mm512_loadu_si512(wb + 64);
+    const __m512i e = _mm512_loadu_si512(wb + 32), f = _mm512_maskz_loadu_epi8(0xFFFFFFFFFFFFull, wb + 96);
+    const __m512i n0 = _mm512_permutex2var_epi8(a, p0, c), n1 = _mm512_permutex2var_epi8(e, p1, f);
+    l0 = _mm512_and_si512(n0, m4), h0 = _mm512_and_si512(_mm512_srli_epi16(n0, 4), m4);
+    l1 = _mm512_and_si512(n1, m4), h1 = _mm512_and_si512(_mm512_srli_epi16(n1, 4), m4);
+    return _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutex2var_epi16(a, psc, c)));
+  }
+  KVQ_VNNI __m256i Totals(const uint8_t* x) const {
+    const __m512i s0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), l0, _mm512_load_si512(x)), h0,
+                                           _mm512_load_si512(x + 64));
+    const __m512i s1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), l1, _mm512_load_si512(x + 128)),
+                                           h1, _mm512_load_si512(x + 192));
+    const __m512i p = _mm512_add_epi32(_mm512_permutex2var_epi32(s0, pa, s1), _mm512_permutex2var_epi32(s0, pb, s1));
+    return _mm512_cvtepi64_epi32(_mm512_add_epi32(p, _mm512_srli_epi64(p, 32)));
+  }
+};
+
+// Q4_K for one weight row against one or two activation rows (decode) in
+// 512-bit vectors, on a repacked activation (RepackQ8_KCodes): a 64-byte
+// load of the codes holds sub-blocks 2j and 2j + 2 (low nibbles) or 2j + 1
+// and 2j + 3 (high), their activation codes lie side by side in that
+// order, and one vpshufb spreads the two sub-blocks' scales over the
+// vector's halves: 4 pmaddubsw + 4 vpdpwssd a super-block where the 256-bit
+// kernel takes 8 + 8 and 8 scale shuffles. int32 lane j of either half
+// holds the reference's lane j (values e with (e mod 32) / 4 == j), so
+// the two halves added are Avx2Q45_K's exact lane totals; the float steps
+// are its own: RefQ45_K's bits.
+struct Q4_KMasks {
+  alignas(64) uint8_t m[4][64];  // scale a in bytes 0..31, b in 32..63, zero-extended to int16
+  Q4_KMasks() {
+    const int pairs[4][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}};
+    for (int j = 0; j < 4; ++j) {
+      for (int i = 0; i < 64; ++i) m[j][i] = (i & 1) ? 0x80 : static_cast<uint8_t>(pairs[j][i / 32]);
+    }
+  }
+};
+const Q4_KMasks kQ4_KMasks;
+
+// The Q8_K activation as RepackedQ4_K reads it, 320 bytes a super-block:
+// the 256 codes as sub-blocks 0, 2, 1, 3, 4, 6, 5, 7 (32 each: the order
+// of the weight vectors' nibbles), then the 16 int16 sums (bytes 256..287)
+// and d (float, 288..291).
+constexpr size_t kQ8_KRepacked = 320;
+inline void RepackQ8_KCodes(const uint8_t* y, size_t nb, uint8_t* out) {
+  static constexpr int kOrder[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+  for (size_t b = 0; b < nb; ++b, y += idot::kQ8_KBytes, out += kQ8_KRepacked) {
+    for (int k = 0; k < 8; ++k) std::memcpy(out + 32 * k, y + 4 + 32 * kOrder[k], 32);
+    std::memcpy(out + 256, y + 260, 32);
+    std::memcpy(out + 288, y, 4);
+  }
+}
+
+template <int R>
+KVQ_VNNI void RepackedQ4_K(const uint8_t* w, const uint8_t* const* ys, const float* const*, const int32_t* const*,
+                           size_t nb, float* out) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  __m512i mask[4];
+  for (int j = 0; j < 4; ++j) mask[j] = _mm512_load_si512(kQ4_KMasks.m[j]);
+  __m256 accf[R];
+  for (int r = 0; r < R; ++r) accf[r] = _mm256_setzero_ps();
+  for (size_t b = 0; b < nb; ++b, w += 144) {
+    const __m128i sm = ScalesMinsK4(w + 4);
+    const __m512i scales = _mm512_broadcast_i32x4(sm);
+    const __m512i q0 = _mm512_loadu_si512(w + 16), q1 = _mm512_loadu_si512(w + 80);
+    const __m512i c[4] = {_mm512_and_si512(q0, m4), _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4),
+                          _mm512_and_si512(q1, m4), _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4)};
+    __m512i sv[4];
+    for (int j = 0; j < 4; ++j) sv[j] = _mm512_shuffle_epi8(scales, mask[j]);
+    const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm));  // min of each 16 values
+    const __m128 hdd = Halves2(w);                                           // d, dmin
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* x = ys[r] + kQ8_KRepacked * b;
+      __m512i a0 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_maddubs_epi16(c[0], _mm512_load_si512(x)), sv[0]);
+      __m512i a1 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_maddubs_epi16(c[1], _mm512_load_si512(x + 64)), sv[1]);
+      a0 = _mm512_dpwssd_epi32(a0, _mm512_maddubs_epi16(c[2], _mm512_load_si512(x + 128)), sv[2]);
+      a1 = _mm512_dpwssd_epi32(a1, _mm512_maddubs_epi16(c[3], _mm512_load_si512(x + 192)), sv[3]);
+      const __m512i a = _mm512_add_epi32(a0, a1);
+      const __m256i acc = _mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
+      const __m256i summ = _mm256_madd_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(x + 256)), mins);
+      const __m128 ddm = _mm_mul_ps(hdd, _mm_broadcast_ss(reinterpret_cast<const float*>(x + 288)));
+      const __m256 d = _mm256_broadcastss_ps(ddm), dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(ddm));
+      accf[r] = _mm256_add_ps(accf[r], _mm256_sub_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(acc)),
+                                                     _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(summ))));
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = Reduce8(accf[r]);
+}
+
+#else
+// AVX2 / AVX3, 256-bit: blocks m and m + 4 in one vector (two 16-byte
+// loads), pmaddubsw of its low and high nibbles added in int16 (4 products
+// of a nibble and a code: below 2^15), one pmaddwd; three hadds give the 8
+// block totals in block order.
+struct Q4_0Decoder {
+  __m256i m4, ones;
+  __m256i lo[4], hi[4];  // low and high nibbles of blocks m and m + 4
+
+  Q4_0Decoder() : m4(_mm256_set1_epi8(0x0F)), ones(_mm256_set1_epi16(1)) {}
+
+  __m256 Load(const uint8_t* wb) {
+    constexpr size_t kW = 18;
+    const auto half = [&](size_t k) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + k * kW + 2)); };
+    for (size_t m = 0; m < 4; ++m) {
+      const __m256i n = _mm256_set_m128i(half(m + 4), half(m));
+      lo[m] = _mm256_and_si256(n, m4);
+      hi[m] = _mm256_and_si256(_mm256_srli_epi16(n, 4), m4);
+    }
+    return Scales8(wb, kW);
+  }
+  __m256i Totals(const uint8_t* x) const {
+    __m256i v[4];
+    for (int m = 0; m < 4; ++m) {
+      const uint8_t* xm = x + 128 * (m / 2) + 32 * (m % 2);
+      v[m] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo[m], Load32(xm)),
+                                                _mm256_maddubs_epi16(hi[m], Load32(xm + 64))),
+                               ones);
+    }
+    return _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  }
+};
+#endif
+
+template <int R>
+KVQ_VNNI void RepackedQ4_0(const uint8_t* w, const uint8_t* const* ys, const float* const* dys,
+                           const int32_t* const* bs, size_t nb, float* out) {
+  constexpr size_t kW = 18;
+  Q4_0Decoder dec;
+  __m256 accf[R];
+  for (int r = 0; r < R; ++r) accf[r] = _mm256_setzero_ps();
+  size_t b = 0;
+  for (; b + 8 <= nb; b += 8) {
+    const __m256 dw = dec.Load(w + b * kW);
+    for (int r = 0; r < R; ++r) {
+      const __m256i tot = _mm256_add_epi32(dec.Totals(ys[r] + 32 * b),
+                                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs[r] + b)));
+      const __m256 d = _mm256_mul_ps(dw, _mm256_loadu_ps(dys[r] + b));
+      accf[r] = _mm256_add_ps(accf[r], _mm256_mul_ps(_mm256_cvtepi32_ps(tot), d));
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (b < nb) accf[r] = Q4_0Tail(w, ys[r], dys[r], bs[r], b, nb, accf[r]);
+    out[r] = Reduce8(accf[r]);
+  }
+}
 #define KVQ_INT_DOT_X86 1
 #endif
 
@@ -1121,8 +1349,9 @@ Rows8Fn Rows8(uint32_t type) {
 // out[t * ldo + i - r0] = row i . activation row t (at xq + t * stride) for
 // rows [r0, r1) and T activation rows, up to kMaxRows activation rows at a
 // time (decoded once for them). With one or two (decode) each weight row is
-// read in one stream (8 rows side by side read at 0.6x that rate from DRAM);
-// with three or more, the types that have an 8-row kernel (Q4_0, Q8_0 on
+// read in one stream (8 rows side by side read at 0.6x that rate from DRAM),
+// Q4_0 on x86 and Q4_K on AVX3_DL against the activation's codes repacked
+// once per call into the order of their weight vectors; with three or more, the types that have an 8-row kernel (Q4_0, Q8_0 on
 // x86) take weight rows 8 at a time and a block's last rows mod 8 one at a
 // time. Every kernel has its reference's bits, so a row's numbers do not
 // depend on T or on the split.
@@ -1166,6 +1395,33 @@ void MatMulInt(const WeightMatrix& w, const uint8_t* xq, size_t stride, size_t T
     Q8_0Scales(xq + t * stride, nb, dy.data() + t * nb);
     if (sums) Q8_0BlockSums(xq + t * stride, nb, q4_0_sums ? 8 : 128, xs.data() + t * nb);
   }
+  // Decode (one or two activation rows): Q4_0's kernels on x86, and Q4_K's
+  // on AVX3_DL, read the activation codes repacked (made once per call,
+  // 64-byte aligned), and one activation row's bytes at a time.
+  RowsFn repacked = nullptr;
+  size_t repacked_bytes = 0;
+#ifdef KVQ_INT_DOT_X86
+  if (q4_0_sums && T <= 2) repacked = T == 1 ? RepackedQ4_0<1> : RepackedQ4_0<2>, repacked_bytes = 32 * nb;
+#if HWY_TARGET == HWY_AVX3_DL
+  if (static_cast<WeightType>(w.type) == WeightType::kQ4_K && T <= 2) {
+    repacked = T == 1 ? RepackedQ4_K<1> : RepackedQ4_K<2>, repacked_bytes = kQ8_KRepacked * nb;
+  }
+#endif
+#endif
+  thread_local std::vector<uint8_t> repacked_mem;
+  uint8_t* codes = nullptr;
+  if (repacked != nullptr) {
+    if (repacked_mem.size() < T * repacked_bytes + 64) repacked_mem.resize(T * repacked_bytes + 64);
+    codes = repacked_mem.data() + (64 - reinterpret_cast<uintptr_t>(repacked_mem.data()) % 64) % 64;
+    for (size_t t = 0; t < T; ++t) {
+#ifdef KVQ_INT_DOT_X86
+      if (q4_0_sums) RepackQ4_0Codes(xq + t * stride, nb, codes + t * repacked_bytes);
+#if HWY_TARGET == HWY_AVX3_DL
+      else RepackQ8_KCodes(xq + t * stride, nb, codes + t * repacked_bytes);
+#endif
+#endif
+    }
+  }
   // Blocks of kRowBlock weight rows (kept in cache) against every group of
   // up to kMaxRows activation rows in turn.
   constexpr size_t kRowBlock = 64;
@@ -1176,10 +1432,15 @@ void MatMulInt(const WeightMatrix& w, const uint8_t* xq, size_t stride, size_t T
       const uint8_t* ys[kMaxRows];
       const float* dys[kMaxRows] = {};
       const int32_t* xss[kMaxRows] = {};
+      RowsFn fn = fns[R - 1];
       for (size_t r = 0; r < R; ++r) {
         ys[r] = xq + (t0 + r) * stride;
         if (q8_0) dys[r] = dy.data() + (t0 + r) * nb;
         if (sums) xss[r] = xs.data() + (t0 + r) * nb;
+      }
+      if (repacked != nullptr) {  // T <= 2: R == T
+        fn = repacked;
+        for (size_t r = 0; r < R; ++r) ys[r] = codes + (t0 + r) * repacked_bytes;
       }
       float* o0 = out + t0 * ldo;  // o0[r * ldo + i - r0]: row i against activation row t0 + r
       size_t i = i0;
@@ -1194,7 +1455,7 @@ void MatMulInt(const WeightMatrix& w, const uint8_t* xq, size_t stride, size_t T
       }
       for (; i < i1; ++i) {
         float o[kMaxRows];
-        fns[R - 1](w.row(i), ys, dys, xss, nb, o);
+        fn(w.row(i), ys, dys, xss, nb, o);
         for (size_t r = 0; r < R; ++r) o0[r * ldo + i - r0] = o[r];
       }
     }
