@@ -1396,8 +1396,8 @@ void MatMulInt(const WeightMatrix& w, const uint8_t* xq, size_t stride, size_t T
     if (sums) Q8_0BlockSums(xq + t * stride, nb, q4_0_sums ? 8 : 128, xs.data() + t * nb);
   }
   // Decode (one or two activation rows): Q4_0's kernels on x86, and Q4_K's
-  // on AVX3_DL, read the activation codes repacked (made once per call,
-  // 64-byte aligned), and one activation row's bytes at a time.
+  // on AVX3_DL, read the activation codes repacked (made once per call;
+  // each row's copy 64-byte aligned: the 512-bit kernels load it aligned).
   RowsFn repacked = nullptr;
   size_t repacked_bytes = 0;
 #ifdef KVQ_INT_DOT_X86
@@ -1408,6 +1408,7 @@ void MatMulInt(const WeightMatrix& w, const uint8_t* xq, size_t stride, size_t T
   }
 #endif
 #endif
+  repacked_bytes = (repacked_bytes + 63) / 64 * 64;
   thread_local std::vector<uint8_t> repacked_mem;
   uint8_t* codes = nullptr;
   if (repacked != nullptr) {
