@@ -513,6 +513,23 @@ HWY_INLINE __m256i Totals8(const __m256i (&v)[8]) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20), _mm256_permute2x128_si256(s0, s1, 0x31));
 }
 
+// Q4_0's blocks past the last 8 (nb mod 8), one at a time into float lane
+// c mod 8 of accf: block c's activation codes at x + xstride c (the Q8_0
+// row's bytes, or the repacked codes), its block sum -8 times at bs[c].
+KVQ_VNNI HWY_INLINE __m256 Q4_0Tail(const uint8_t* w, const uint8_t* x, size_t xstride, const float* dy,
+                                    const int32_t* bs, size_t b, size_t nb, __m256 accf) {
+  constexpr size_t kW = 18;
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, accf);
+  for (size_t c = b; c < nb; ++c) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c * kW + 2));
+    const __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0F));
+    const int32_t t = Hsum(Quads(u, Load32(x + xstride * c))) + bs[c];
+    lanes[c % 8] += static_cast<float>(t) * (Half(w + c * kW) * dy[c]);
+  }
+  return _mm256_load_ps(lanes);
+}
+
 // Q4_0 with its Q8_0 activation in RefQ4_0's order: a block's total is the
 // unsigned nibbles times the activation (Quads, summed) plus -8 times the
 // activation block's sum (bs[r][b], made once per call by the caller); 8
@@ -549,18 +566,10 @@ KVQ_VNNI void Avx2Q4_0(const uint8_t* w, const uint8_t* const* ys, const float* 
       accf[r] = _mm256_add_ps(accf[r], _mm256_mul_ps(_mm256_cvtepi32_ps(tot), d));
     }
   }
-  if (b < nb) {
-    for (int r = 0; r < R; ++r) {
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, accf[r]);
-      for (size_t c = b; c < nb; ++c) {
-        const int32_t t = Hsum(Quads(nibbles(w + c * kW), Load32(ys[r] + c * kY + 2))) + bs[r][c];
-        lanes[c % 8] += static_cast<float>(t) * (Half(w + c * kW) * dys[r][c]);
-      }
-      accf[r] = _mm256_load_ps(lanes);
-    }
+  for (int r = 0; r < R; ++r) {
+    if (b < nb) accf[r] = Q4_0Tail(w, ys[r] + 2, kY, dys[r], bs[r], b, nb, accf[r]);
+    out[r] = Reduce8(accf[r]);
   }
-  for (int r = 0; r < R; ++r) out[r] = Reduce8(accf[r]);
 }
 
 // Independent int32 accumulators per activation row in the K-quant and
@@ -922,22 +931,6 @@ inline void RepackQ4_0Codes(const uint8_t* y, size_t nb, uint8_t* out) {
   for (; b < nb; ++b) std::memcpy(out + 32 * b, y + b * kY + 2, 32);
 }
 
-// The blocks past the last 8 (nb mod 8), one at a time into float lane
-// c mod 8, as Avx2Q4_0's tail: codes at x + 32 c.
-KVQ_VNNI HWY_INLINE __m256 Q4_0Tail(const uint8_t* w, const uint8_t* x, const float* dy, const int32_t* bs, size_t b,
-                                    size_t nb, __m256 accf) {
-  constexpr size_t kW = 18;
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, accf);
-  for (size_t c = b; c < nb; ++c) {
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c * kW + 2));
-    const __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0F));
-    const int32_t t = Hsum(Quads(u, Load32(x + 32 * c))) + bs[c];
-    lanes[c % 8] += static_cast<float>(t) * (Half(w + c * kW) * dy[c]);
-  }
-  return _mm256_load_ps(lanes);
-}
-
 #if HWY_TARGET == HWY_AVX3_DL
 // AVX3_DL, 512-bit: 8 blocks (144 bytes) read as 64-byte vectors; one
 // vpermt2b gathers the nibble bytes of blocks 0, 4, 1, 5 (from bytes
@@ -1119,7 +1112,7 @@ KVQ_VNNI void RepackedQ4_0(const uint8_t* w, const uint8_t* const* ys, const flo
     }
   }
   for (int r = 0; r < R; ++r) {
-    if (b < nb) accf[r] = Q4_0Tail(w, ys[r], dys[r], bs[r], b, nb, accf[r]);
+    if (b < nb) accf[r] = Q4_0Tail(w, ys[r], 32, dys[r], bs[r], b, nb, accf[r]);
     out[r] = Reduce8(accf[r]);
   }
 }
